@@ -1,0 +1,1 @@
+"""Seq1F1B for Megatron-Core."""

@@ -1,0 +1,35 @@
+"""megatron-seq1f1b: sequence-level 1F1B pipeline parallelism for Megatron-Core."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+here = Path(__file__).parent
+
+setup(
+    name="megatron-seq1f1b",
+    version="0.1.0",
+    description="Seq1F1B: sequence-level 1F1B pipeline parallelism for NVIDIA Megatron-Core",
+    long_description=(here / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["megatron_seq1f1b", "megatron_seq1f1b.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.17",
+    ],
+    extras_require={
+        # Tests run on CPU with gloo; numpy is needed by Megatron-Core's datasets.
+        "test": ["pytest>=7", "numpy"],
+        # Pictures of schedules (PNG); the Chrome trace needs nothing extra.
+        "plot": ["matplotlib"],
+        # Optional on GPUs: Transformer Engine attention (causal_bottom_right masks).
+        # NVIDIA apex is not on PyPI; see README "Optional GPU packages".
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,360 @@
+"""A tiny Megatron-Core GPT, fixed data, a no-pipelining reference, and comparison.
+
+Every correctness test follows one pattern: compute loss and gradients with
+pipeline size 1 on the full sequence (the reference), build the layout under
+test with the *same* weights, run a schedule, and compare loss, loss reports
+and every parameter gradient. Runs inside harness worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Callable, Iterable
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+
+from harness import COMM_TIMEOUT_S
+
+RTOL = 1e-5
+SEED = 1234
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the tiny GPT looks like; hashable so references can be cached."""
+
+    num_layers: int = 4
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    vocab_size: int = 64
+    seq_length: int = 32
+    position_embedding_type: str = "rope"
+    tied_embeddings: bool = False
+    normalization: str = "LayerNorm"
+    gated_linear_unit: bool = False
+    extra: tuple = ()  # further TransformerConfig fields as (name, value) pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    num_microbatches: int = 4
+    micro_batch_size: int = 1
+    seed: int = 7
+    explicit_mask: bool = False
+
+
+def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, **kwargs) -> None:
+    """(Re)initialize Megatron's parallel state with short timeouts."""
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=COMM_TIMEOUT_S / 60,
+        create_gloo_process_groups=False,
+        **kwargs,
+    )
+    model_parallel_cuda_manual_seed(SEED)
+
+
+def make_config(spec: ModelSpec, *, tp=1, pp=1, vpp=None, sp=False, **overrides) -> TransformerConfig:
+    fields = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=4 * spec.hidden_size,
+        normalization=spec.normalization,
+        gated_linear_unit=spec.gated_linear_unit,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=True,
+    )
+    fields.update(dict(spec.extra))
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_chunks(spec: ModelSpec, config: TransformerConfig) -> list[GPTModel]:
+    """Model chunks for this rank, as Megatron-LM's model provider builds them."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
+                vocab_size=spec.vocab_size,
+                max_sequence_length=spec.seq_length,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=spec.tied_embeddings,
+                position_embedding_type=spec.position_embedding_type,
+                vp_stage=stage,
+            )
+        )
+    return chunks
+
+
+def wrap_ddp(chunks: list[GPTModel], config: TransformerConfig, **ddp_kwargs) -> list:
+    """Megatron DDP around each chunk plus the config hooks Megatron-LM installs."""
+    ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
+    wrapped = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
+        for i, chunk in enumerate(chunks)
+    ]
+    no_sync = [m.no_sync for m in wrapped]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if ddp_config.overlap_grad_reduce:
+        sync = [m.start_grad_sync for m in wrapped]
+        config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+    return wrapped
+
+
+def unwrap(module):
+    while not isinstance(module, GPTModel):
+        module = module.module
+    return module
+
+
+# ---------------------------------------------------------------- data
+
+
+def make_batches(model: ModelSpec, data: DataSpec, count: int | None = None) -> list[dict]:
+    """Fixed micro-batches; the loss mask has zeros so token counts differ."""
+    gen = torch.Generator().manual_seed(data.seed)
+    b, s, v = data.micro_batch_size, model.seq_length, model.vocab_size
+    batches = []
+    for _ in range(count or data.num_microbatches):
+        tokens = torch.randint(0, v, (b, s), generator=gen)
+        labels = torch.randint(0, v, (b, s), generator=gen)
+        loss_mask = (torch.rand(b, s, generator=gen) > 0.25).float()
+        batch = dict(
+            tokens=tokens,
+            labels=labels,
+            loss_mask=loss_mask,
+            position_ids=torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
+            attention_mask=None,
+        )
+        if data.explicit_mask:
+            causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+            batch["attention_mask"] = causal.expand(b, 1, s, s).contiguous()
+        batches.append(batch)
+    return batches
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron-LM's GPT loss: (sum, token count, report)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model, slicer: Callable[[dict], dict] | None = None):
+    batch = next(data_iterator)
+    if slicer is not None:
+        batch = slicer(batch)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+# ---------------------------------------------------------------- reference
+
+_REFERENCES: dict[tuple, dict] = {}
+
+
+def reference(model: ModelSpec, batches_key: tuple, batches: list[dict], per_token: bool) -> dict:
+    """Loss reports and gradients of pp=1 full-sequence training (cached per worker)."""
+    key = (model, batches_key, per_token)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    init_parallel()
+    config = make_config(model, calculate_per_token_loss=per_token)
+    (gpt,) = build_chunks(model, config)
+    store = schedules.forward_backward_no_pipelining(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[gpt],
+        num_microbatches=len(batches),
+        seq_length=model.seq_length,
+        micro_batch_size=batches[0]["tokens"].shape[0],
+    )
+    reports = torch.stack([entry["lm loss"] for entry in store])
+    grads = {}
+    for name, param in gpt.named_parameters():
+        grad = param.grad.detach().clone()
+        if per_token:
+            grad /= reports[:, 1].sum()
+        grads[name] = grad
+    result = dict(
+        state={name: p.detach().clone() for name, p in gpt.named_parameters()},
+        grads=grads,
+        reports=reports,
+    )
+    parallel_state.destroy_model_parallel()
+    _REFERENCES[key] = result
+    return result
+
+
+def global_name(chunk: GPTModel, local_name: str, spec: ModelSpec) -> str:
+    """Name of `local_name` of a pipeline chunk in the pp=1 reference model."""
+    if local_name.startswith("decoder.layers."):
+        _, _, index, rest = local_name.split(".", 3)
+        layer = chunk.decoder.layers[int(index)]
+        return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+    if local_name == "output_layer.weight" and spec.tied_embeddings:
+        return "embedding.word_embeddings.weight"
+    return local_name
+
+
+def tp_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    if getattr(param, "tensor_model_parallel", False):
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        return full.chunk(tp, dim=param.partition_dim)[rank]
+    return full
+
+
+def copy_weights(chunks: Iterable, ref: dict, spec: ModelSpec) -> None:
+    with torch.no_grad():
+        for chunk in chunks:
+            chunk = unwrap(chunk)
+            for name, param in chunk.named_parameters():
+                param.copy_(tp_slice(param, ref["state"][global_name(chunk, name, spec)]))
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> tuple[bool, float]:
+    scale = expected.abs().max().item()
+    err = (actual - expected).abs().max().item()
+    return err <= rtol * max(scale, 1e-30), err / max(scale, 1e-30)
+
+
+def compare_grads(chunks: Iterable, ref: dict, spec: ModelSpec, rtol: float = RTOL) -> list[str]:
+    """Every parameter gradient of this rank against the reference; mismatches listed."""
+    problems = []
+    for chunk in chunks:
+        gpt = unwrap(chunk)
+        for name, param in gpt.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                grad = param.grad
+            expected = tp_slice(param, ref["grads"][global_name(gpt, name, spec)])
+            if grad is None:
+                problems.append(f"{name}: no gradient")
+                continue
+            ok, rel = _close(grad.float(), expected, rtol)
+            if not ok:
+                problems.append(f"{name}: max rel err {rel:.2e}")
+    return problems
+
+
+def compare_reports(store: list, ref: dict, group_size: int = 1, rtol: float = RTOL) -> list[str]:
+    """Loss reports ([sum, tokens] per entry) against the reference, per micro-batch.
+
+    `group_size` consecutive entries belong to one micro-batch (one per segment).
+    """
+    reports = torch.stack([entry["lm loss"] for entry in store])
+    per_mb = reports.view(-1, group_size, 2).sum(dim=1)
+    expected = ref["reports"]
+    if per_mb.shape != expected.shape:
+        return [f"report shape {tuple(per_mb.shape)} != {tuple(expected.shape)}"]
+    ok, rel = _close(per_mb, expected, rtol)
+    total = per_mb[:, 0].sum() / per_mb[:, 1].sum()
+    expected_total = expected[:, 0].sum() / expected[:, 1].sum()
+    problems = [] if ok else [f"loss reports: max rel err {rel:.2e}"]
+    if not torch.allclose(total, expected_total, rtol=rtol, atol=0):
+        problems.append(f"loss {total.item():.8f} != reference {expected_total.item():.8f}")
+    return problems
+
+
+def run_layout(
+    *,
+    model: ModelSpec,
+    data: DataSpec,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    sp: bool = False,
+    per_token: bool = False,
+    forward_backward: Callable | None = None,
+    prepare: Callable[[list], Any] | None = None,
+    slicer: Callable[[dict], dict] | None = None,
+    ddp: dict | None = None,
+    config_overrides: dict | None = None,
+    tamper: Callable[[list, list], None] | None = None,
+) -> dict:
+    """Reference vs. `forward_backward` on the layout; returns problems found on this rank.
+
+    Data parallel size is world / (tp * pp); DP rank d gets its own slice of
+    the global batch, which the reference processes as a whole.
+    """
+    world = torch.distributed.get_world_size()
+    dp = world // (tp * pp)
+    batches = make_batches(model, data, count=data.num_microbatches * dp)
+    ref = reference(model, (data, dp), batches, per_token)
+
+    init_parallel(tp, pp, vpp)
+    config = make_config(
+        model, tp=tp, pp=pp, vpp=vpp, sp=sp, calculate_per_token_loss=per_token,
+        **(config_overrides or {}),
+    )
+    chunks = build_chunks(model, config)
+    copy_weights(chunks, ref, model)
+    if prepare is not None:
+        chunks = prepare(chunks) or chunks
+    models = wrap_ddp(chunks, config, **(ddp or {}))
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    m = data.num_microbatches
+    mine = batches[dp_rank * m : (dp_rank + 1) * m]
+    iterators = [iter(mine) for _ in models]
+    fwd_bwd = forward_backward or schedules.get_forward_backward_func()
+    store = fwd_bwd(
+        forward_step_func=partial(forward_step, slicer=slicer),
+        data_iterator=iterators if len(models) > 1 else iterators[0],
+        model=models if len(models) > 1 else models[0],
+        num_microbatches=m,
+        seq_length=model.seq_length,
+        micro_batch_size=data.micro_batch_size,
+    )
+    if tamper is not None:
+        tamper(models, store)
+
+    problems = compare_grads(models, dict(ref, grads=ref["grads"]), model)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        group = len(store) // m if store else 1
+        mine_ref = dict(ref, reports=ref["reports"][dp_rank * m : (dp_rank + 1) * m])
+        problems += compare_reports(store, mine_ref, group_size=group)
+    return {"rank": torch.distributed.get_rank(), "problems": problems, "entries": len(store)}
