@@ -1,1 +1,54 @@
-"""Seq1F1B for Megatron-Core."""
+"""Seq1F1B: sequence-level 1F1B pipeline parallelism for Megatron-Core.
+
+Public API (see README and docs/design.md)::
+
+    import megatron_seq1f1b as s1
+
+    s1.enable(model)                                  # K/V carry-over attention, RoPE offsets
+    fwd_bwd = s1.get_forward_backward_func(4, "balanced")
+    s1.install(4, "balanced") / s1.uninstall()        # or patch Megatron-Core's getter
+    s1.current_segment(), s1.slice_batch(batch)       # inside forward_step_func
+    s1.split_sequence(seq_length, num_splits, ...)
+    s1.schedule.build_schedule(...), s1.simulate.simulate(...)
+    s1.cpu.enable()                                   # Megatron-Core on CPU with gloo
+
+Attributes load lazily, so the schedule tools work without importing
+Megatron-Core.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "split_sequence": ("megatron_seq1f1b.partition", "split_sequence"),
+    "SegmentInfo": ("megatron_seq1f1b.segments", "SegmentInfo"),
+    "current_segment": ("megatron_seq1f1b.segments", "current_segment"),
+    "slice_batch": ("megatron_seq1f1b.segments", "slice_batch"),
+    "enable": ("megatron_seq1f1b.model", "enable"),
+    "get_forward_backward_func": ("megatron_seq1f1b.api", "get_forward_backward_func"),
+    "install": ("megatron_seq1f1b.api", "install"),
+    "uninstall": ("megatron_seq1f1b.api", "uninstall"),
+    "ConfigError": ("megatron_seq1f1b.checks", "ConfigError"),
+}
+_SUBMODULES = {
+    "cpu", "schedule", "simulate", "validate", "partition", "plan", "replay", "draw",
+    "interleaved", "segments", "model", "api", "executor", "checks", "p2p", "kv_cache",
+    "attention", "trace",
+}
+
+__all__ = sorted(_LAZY) + sorted(_SUBMODULES)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attr)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"megatron_seq1f1b.{name}")
+    else:
+        raise AttributeError(f"module 'megatron_seq1f1b' has no attribute {name!r}")
+    globals()[name] = value
+    return value

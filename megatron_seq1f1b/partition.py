@@ -1,0 +1,150 @@
+"""Cutting a sequence into segments: equal tokens, or equal compute.
+
+With causal attention a token at position t attends to t+1 keys, so a segment
+late in the sequence costs more than an early one of the same length. The
+"balanced" split gives every segment the same estimated forward FLOPs, which
+keeps the pipeline even; earlier segments come out longer.
+
+Cost model (forward FLOPs of a segment of ``s`` tokens ending at position
+``P``, i.e. covering positions ``P-s .. P-1``)::
+
+    cost(s, P) = a * s + c * (s * P - s**2 / 2 + s / 2)
+
+* ``a`` (per token): for every layer the QKV projection
+  ``2 h (h_q + 2 h_kv)``, the output projection ``2 h_q h``, the MLP
+  ``2 h f (1 + g) + 2 f h`` (``g`` = 1 with a gated linear unit), plus the
+  output layer ``2 h V`` once per token;
+* ``c`` (per query-key pair): ``4 h_q`` per layer for ``Q K^T`` and ``A V``;
+  the causal segment has ``sum_{t=P-s}^{P-1} (t + 1) = s P - s^2/2 + s/2``
+  such pairs;
+
+with ``h`` hidden size, ``h_q = heads * kv_channels``,
+``h_kv = query_groups * kv_channels``, ``f`` FFN size, ``V`` vocabulary.
+Backward costs about twice the forward for every term, so equal forward
+FLOPs also mean equal backward FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+METHODS = ("uniform", "balanced")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Forward FLOPs of a segment: ``per_token * s + per_pair * causal_pairs(s, end)``."""
+
+    per_token: float
+    per_pair: float
+
+    @classmethod
+    def from_config(cls, config, vocab_size: int | None = None) -> "CostModel":
+        """Coefficients from a Megatron ``TransformerConfig`` (whole model)."""
+        h = config.hidden_size
+        heads = config.num_attention_heads
+        kv_channels = config.kv_channels or h // heads
+        groups = config.num_query_groups or heads
+        ffn = config.ffn_hidden_size or 4 * h
+        gated = 2 if config.gated_linear_unit else 1
+        h_q, h_kv = heads * kv_channels, groups * kv_channels
+        per_layer = 2 * h * (h_q + 2 * h_kv) + 2 * h_q * h + 2 * h * ffn * gated + 2 * ffn * h
+        per_token = config.num_layers * per_layer + 2 * h * (vocab_size or 0)
+        per_pair = config.num_layers * 4 * h_q
+        return cls(float(per_token), float(per_pair))
+
+    def segment(self, length: float, end: float) -> float:
+        """Forward FLOPs of ``length`` tokens ending at position ``end``."""
+        return self.per_token * length + self.per_pair * causal_pairs(length, end)
+
+    def split_costs(self, lengths: list[int]) -> list[float]:
+        costs, end = [], 0
+        for length in lengths:
+            end += length
+            costs.append(self.segment(length, end))
+        return costs
+
+
+def causal_pairs(length: float, end: float) -> float:
+    """Query-key pairs of a causal segment of ``length`` queries ending at ``end``."""
+    return length * end - length * length / 2 + length / 2
+
+
+def split_sequence(
+    seq_length: int,
+    num_splits: int,
+    method: str = "uniform",
+    *,
+    config=None,
+    vocab_size: int | None = None,
+    multiple_of: int = 1,
+) -> list[int]:
+    """Segment lengths for one micro-batch: sum ``seq_length``, each a multiple of ``multiple_of``.
+
+    ``"uniform"`` lengths differ by at most ``multiple_of`` (longer ones
+    first); ``"balanced"`` lengths give equal estimated forward FLOPs
+    (:class:`CostModel` from ``config`` and ``vocab_size``) and never increase.
+    """
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
+    if multiple_of < 1:
+        raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
+    if method not in METHODS:
+        raise ValueError(f"unknown partition method {method!r}; choose one of {METHODS}")
+    if seq_length % multiple_of:
+        raise ValueError(
+            f"seq_length {seq_length} is not a multiple of {multiple_of} (with sequence "
+            "parallelism every segment length must divide by the tensor-parallel size)"
+        )
+    units = seq_length // multiple_of
+    if units < num_splits:
+        raise ValueError(
+            f"cannot cut {seq_length} tokens into {num_splits} segments of at least "
+            f"{multiple_of} tokens each; use at most {units} splits"
+        )
+    if method == "uniform":
+        base, extra = divmod(units, num_splits)
+        return [(base + (i < extra)) * multiple_of for i in range(num_splits)]
+    if config is None:
+        raise ValueError(
+            "the balanced partition needs the model's TransformerConfig (config=...) to "
+            "estimate attention and linear FLOPs"
+        )
+    cost = CostModel.from_config(config, vocab_size)
+    boundaries = _balanced_boundaries(seq_length, num_splits, cost)
+    return _round_boundaries(boundaries, units, multiple_of)
+
+
+def _balanced_boundaries(seq_length: int, num_splits: int, cost: CostModel) -> list[float]:
+    """Continuous segment end positions with equal cost, solved from the back."""
+    share = cost.segment(seq_length, seq_length) / num_splits
+    a, c = cost.per_token, cost.per_pair
+    ends = [float(seq_length)]
+    end = float(seq_length)
+    for _ in range(num_splits - 1):
+        # a s + c (s end - s^2/2 + s/2) = share  ->  (c/2) s^2 - (a + c end + c/2) s + share = 0
+        b = a + c * end + c / 2
+        if c == 0:
+            length = share / a
+        else:
+            length = (b - math.sqrt(max(b * b - 2 * c * share, 0.0))) / c
+        end -= length
+        ends.append(end)
+    return sorted(ends[1:]) + [float(seq_length)]
+
+
+def _round_boundaries(ends: list[float], units: int, multiple_of: int) -> list[int]:
+    """Round ends to whole units, keep every segment >= 1 unit, longest first."""
+    k = len(ends)
+    rounded = []
+    previous = 0
+    for i, end in enumerate(ends[:-1]):
+        unit_end = round(end / multiple_of)
+        low, high = previous + 1, units - (k - 1 - i)
+        unit_end = min(max(unit_end, low), high)
+        rounded.append(unit_end)
+        previous = unit_end
+    rounded.append(units)
+    lengths = [b - a for a, b in zip([0] + rounded[:-1], rounded)]
+    return [n * multiple_of for n in sorted(lengths, reverse=True)]

@@ -1,0 +1,175 @@
+"""Simulate a schedule: makespan, bubble, peak in-flight activations, timeline.
+
+Costs are per action. The default (forward 1, backward 2 per unit) makes the
+textbook formulas exact: bubble ``(p-1)/(k*m+p-1)`` and a rank-0 peak of
+``min(p+k-1, m*k)`` in-flight segments for non-interleaved Seq1F1B. An
+attention-aware cost (:func:`segment_cost`) shows why the balanced partition
+matters for long sequences.
+
+Command line::
+
+    python -m megatron_seq1f1b.simulate --pp 4 --microbatches 4 --splits 1 4 \
+        --png docs/schedule.png --trace schedule.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from megatron_seq1f1b.partition import CostModel, split_sequence
+from megatron_seq1f1b.plan import plan_steps
+from megatron_seq1f1b.replay import Timeline, replay
+from megatron_seq1f1b.schedule import Action, build_schedule, schedule_shape
+
+CostFn = Callable[[Action, int], float]
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]  # compute time per rank
+    bubble_fraction: float  # idle share of all ranks' time
+    peak_inflight: list[int]  # per rank: max units forwarded but not yet backwarded
+    timeline: Timeline
+
+    def summary(self) -> str:
+        return (
+            f"makespan {self.makespan:.2f}  bubble {self.bubble_fraction:.1%}  "
+            f"peak in-flight units per rank {self.peak_inflight}"
+        )
+
+
+def uniform_cost(forward: float = 1.0, backward: float = 2.0) -> CostFn:
+    """Every unit costs the same; backward twice forward."""
+    return lambda action, rank: forward if action.is_forward else backward
+
+
+def segment_cost(
+    lengths: Sequence[int],
+    model: CostModel,
+    backward_ratio: float = 2.0,
+    num_model_chunks: int = 1,
+) -> CostFn:
+    """Cost proportional to a segment's FLOPs (linear part + causal attention).
+
+    Normalized so that the mean forward of a segment costs 1.
+    """
+    flops = model.split_costs(list(lengths))
+    mean = sum(flops) / len(flops)
+    forward = [f / mean / num_model_chunks for f in flops]
+    return lambda a, rank: forward[a.segment] * (1.0 if a.is_forward else backward_ratio)
+
+
+def peak_inflight(actions: Sequence[Action]) -> int:
+    live = peak = 0
+    for action in actions:
+        live += 1 if action.is_forward else -1
+        peak = max(peak, live)
+    return peak
+
+
+def simulate(schedule: Sequence[Sequence[Action]], cost: CostFn | None = None) -> SimResult:
+    """Replay the schedule with `cost(action, rank)` per action (default: F=1, B=2)."""
+    _, _, _, chunks = schedule_shape(schedule)
+    timeline = replay(plan_steps(schedule, chunks), cost or uniform_cost())
+    makespan = timeline.makespan
+    busy = [sum(iv.end - iv.start for iv in rank) for rank in timeline.compute]
+    total = makespan * len(schedule)
+    bubble = 1.0 - sum(busy) / total if total else 0.0
+    return SimResult(makespan, busy, bubble, [peak_inflight(a) for a in schedule], timeline)
+
+
+def bubble_formula(num_stages: int, num_microbatches: int, num_splits: int) -> float:
+    """Idle share of non-interleaved Seq1F1B with equal unit costs."""
+    return (num_stages - 1) / (num_splits * num_microbatches + num_stages - 1)
+
+
+# ------------------------------------------------------------------ command line
+
+
+def _parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_seq1f1b.simulate",
+        description="Compare 1F1B and Seq1F1B schedules: bubble and peak activations.",
+    )
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 4],
+                        help="segments per micro-batch; 1 is Megatron's 1F1B")
+    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (vpp)")
+    parser.add_argument("--cost", choices=["uniform", "attention"], default="uniform",
+                        help="uniform unit costs, or FLOPs of causal segments")
+    parser.add_argument("--partition", choices=["uniform", "balanced"], default="balanced")
+    parser.add_argument("--seq-length", type=int, default=32768)
+    parser.add_argument("--hidden-size", type=int, default=4096)
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--num-attention-heads", type=int, default=32)
+    parser.add_argument("--vocab-size", type=int, default=50257)
+    parser.add_argument("--png", help="draw the timeline(s) here (suffix _k<splits> if several)")
+    parser.add_argument("--trace", help="write a Chrome trace (Perfetto) here, same suffix rule")
+    return parser.parse_args(argv)
+
+
+def _config_from_args(args):
+    """A stand-in for TransformerConfig with the fields the cost model reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        kv_channels=None, num_query_groups=None, ffn_hidden_size=4 * args.hidden_size,
+        gated_linear_unit=False, num_layers=args.num_layers,
+    )
+
+
+def _output_path(path: str, splits: int, many: bool) -> Path:
+    out = Path(path)
+    return out.with_name(f"{out.stem}_k{splits}{out.suffix}") if many else out
+
+
+def main(argv=None) -> int:
+    from megatron_seq1f1b import draw
+
+    args = _parse_args(argv)
+    p, m, v = args.pp, args.microbatches, args.chunks
+    many = len(args.splits) > 1
+    print(f"pipeline stages p={p}, micro-batches m={m}, model chunks v={v}, cost={args.cost}")
+    header = f"{'schedule':<22}{'bubble':>8}{'formula':>9}{'peak units':>12}{'peak (mb)':>11}"
+    print(header)
+    print("-" * len(header))
+    baseline_peak = None
+    for k in args.splits:
+        schedule = build_schedule(p, m, k, v)
+        cost = None
+        if args.cost == "attention":
+            config = _config_from_args(args)
+            lengths = split_sequence(
+                args.seq_length, k, args.partition, config=config, vocab_size=args.vocab_size
+            )
+            model = CostModel.from_config(config, args.vocab_size)
+            cost = segment_cost(lengths, model, num_model_chunks=v)
+        result = simulate(schedule, cost)
+        name = ("1F1B" if k == 1 else f"Seq1F1B k={k}") + (f" (v={v})" if v > 1 else "")
+        peak_mb = result.peak_inflight[0] / (k * v)
+        baseline_peak = baseline_peak or peak_mb
+        formula = f"{bubble_formula(p, m, k):.1%}" if v == 1 and args.cost == "uniform" else "-"
+        print(f"{name:<22}{result.bubble_fraction:>8.1%}{formula:>9}"
+              f"{result.peak_inflight[0]:>12}{peak_mb:>11.2f}")
+        title = f"{name}: p={p}, m={m}, bubble {result.bubble_fraction:.1%}"
+        if args.png:
+            out = _output_path(args.png, k, many)
+            draw.draw_png(result.timeline, out, title=title)
+            print(f"  timeline picture: {out}")
+        if args.trace:
+            out = _output_path(args.trace, k, many)
+            draw.write_chrome_trace(result.timeline, out, time_unit_us=1000.0)
+            print(f"  Chrome trace: {out}")
+    print("peak (mb): rank-0 in-flight activations in micro-batches of a stage "
+          "(units / (splits * chunks))")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

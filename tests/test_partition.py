@@ -1,0 +1,77 @@
+"""split_sequence: sums, multiples, ordering, equal FLOPs, errors."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_seq1f1b import split_sequence
+from megatron_seq1f1b.partition import CostModel
+
+
+def config(**kw):
+    fields = dict(hidden_size=4096, num_attention_heads=32, kv_channels=128, num_query_groups=32,
+                  ffn_hidden_size=16384, gated_linear_unit=False, num_layers=32)
+    fields.update(kw)
+    return SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize("seq,k,mult", [(64, 4, 1), (64, 3, 2), (1000, 7, 8), (7, 7, 1), (30, 4, 2)])
+def test_uniform_sums_multiples_and_spread(seq, k, mult):
+    if seq % mult:
+        pytest.skip("not a valid request")
+    lengths = split_sequence(seq, k, multiple_of=mult)
+    assert sum(lengths) == seq and len(lengths) == k
+    assert all(n > 0 and n % mult == 0 for n in lengths)
+    assert max(lengths) - min(lengths) <= mult
+    assert lengths == sorted(lengths, reverse=True)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("mult", [1, 2, 8])
+def test_balanced_equal_flops_non_increasing(k, mult):
+    cfg = config()
+    lengths = split_sequence(32768, k, "balanced", config=cfg, vocab_size=50257, multiple_of=mult)
+    assert sum(lengths) == 32768 and all(n % mult == 0 for n in lengths)
+    assert lengths == sorted(lengths, reverse=True)
+    costs = CostModel.from_config(cfg, 50257).split_costs(lengths)
+    # Rounding a boundary by at most one unit moves cost by at most that unit's cost.
+    model = CostModel.from_config(cfg, 50257)
+    unit_cost = model.per_token * mult + model.per_pair * mult * 32768
+    assert max(costs) - min(costs) <= 2 * unit_cost
+
+
+def test_balanced_long_sequence_first_segment_clearly_longer():
+    lengths = split_sequence(32768, 4, "balanced", config=config(), vocab_size=50257, multiple_of=8)
+    # The original Seq1F1B solver gives [11040, 8416, 7080, 6232] for this model.
+    assert lengths[0] > 1.6 * lengths[-1]
+    assert all(abs(a - b) <= 64 for a, b in zip(lengths, [11040, 8416, 7080, 6232]))
+
+
+def test_balanced_respects_gqa_and_glu():
+    plain = split_sequence(8192, 4, "balanced", config=config(), vocab_size=32000)
+    # Fewer K/V heads and a gated MLP make the linear part heavier relative to attention,
+    # so segments become more equal.
+    lean = split_sequence(8192, 4, "balanced", config=config(num_query_groups=8,
+                          gated_linear_unit=True), vocab_size=32000)
+    assert lean[0] - lean[-1] < plain[0] - plain[-1]
+
+
+def test_balanced_short_sequence_is_nearly_uniform():
+    lengths = split_sequence(64, 4, "balanced", config=config(), vocab_size=50257)
+    assert max(lengths) - min(lengths) <= 1
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((8, 0), {}, "positive integer"),
+        ((8, 3), {"multiple_of": 4}, "at most 2 splits"),
+        ((10, 2), {"multiple_of": 4}, "not a multiple of 4"),
+        ((8, 2, "cubic"), {}, "unknown partition method"),
+        ((8, 2, "balanced"), {}, "needs the model's TransformerConfig"),
+        ((8, 2), {"multiple_of": 0}, "multiple_of"),
+    ],
+)
+def test_impossible_requests_raise_clear_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        split_sequence(*args, **kwargs)

@@ -1,0 +1,77 @@
+"""Simulator formulas, attention-aware costs, pictures and the command line."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_seq1f1b import split_sequence
+from megatron_seq1f1b.partition import CostModel
+from megatron_seq1f1b.schedule import build_schedule
+from megatron_seq1f1b.simulate import bubble_formula, main, segment_cost, simulate
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_equal_costs_give_the_textbook_bubble_and_peak(p, m, k):
+    result = simulate(build_schedule(p, m, k))
+    assert result.bubble_fraction == pytest.approx(bubble_formula(p, m, k), abs=1e-12)
+    assert result.peak_inflight == [min(p - r + k - 1, m * k) for r in range(p)]
+    assert result.makespan == pytest.approx(3 * (k * m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 16)])
+def test_one_split_gives_megatron_1f1b_numbers(p, m):
+    result = simulate(build_schedule(p, m, 1))
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert result.peak_inflight[0] == min(p, m)
+
+
+def test_paper_example_p8_m16_k4():
+    assert simulate(build_schedule(8, 16, 4)).bubble_fraction == pytest.approx(0.099, abs=5e-4)
+    assert simulate(build_schedule(8, 16, 1)).bubble_fraction == pytest.approx(0.304, abs=5e-4)
+
+
+def test_balanced_partition_beats_uniform_on_long_sequences():
+    config = SimpleNamespace(hidden_size=4096, num_attention_heads=32, kv_channels=128,
+                             num_query_groups=32, ffn_hidden_size=16384, gated_linear_unit=False,
+                             num_layers=32)
+    model = CostModel.from_config(config, 50257)
+    schedule = build_schedule(8, 16, 4)
+    bubbles = {}
+    for method in ("uniform", "balanced"):
+        lengths = split_sequence(32768, 4, method, config=config, vocab_size=50257)
+        bubbles[method] = simulate(schedule, segment_cost(lengths, model)).bubble_fraction
+    assert bubbles["balanced"] < 0.11
+    assert bubbles["uniform"] > 0.2 > bubbles["balanced"]
+
+
+def test_timeline_holds_every_action_once():
+    schedule = build_schedule(3, 4, 2)
+    result = simulate(schedule)
+    for rank, intervals in enumerate(result.timeline.compute):
+        assert [iv.action for iv in intervals] == schedule[rank]
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(intervals, intervals[1:]))
+
+
+def test_png_and_chrome_trace(tmp_path):
+    pytest.importorskip("matplotlib")
+    from megatron_seq1f1b import draw
+
+    result = simulate(build_schedule(4, 4, 4))
+    png = draw.draw_png(result.timeline, tmp_path / "t.png", title="test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads(draw.write_chrome_trace(result.timeline, tmp_path / "t.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "p2p"]
+    assert len(spans) == 4 * 4 * 4 * 2
+    assert {e["tid"] for e in spans} == {0, 1, 2, 3}
+
+
+def test_command_line_prints_comparison(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["--pp", "4", "--microbatches", "4", "--splits", "1", "4",
+                 "--png", str(tmp_path / "s.png"), "--trace", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "1F1B" in out and "42.9%" in out and "Seq1F1B k=4" in out and "15.8%" in out
+    assert (tmp_path / "s_k1.png").exists() and (tmp_path / "s_k4.json").exists()
