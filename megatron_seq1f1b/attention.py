@@ -1,0 +1,184 @@
+"""Segment-aware core attention and rotary embeddings (installed by ``enable``).
+
+Inside a segmented step, core attention gets this segment's queries against
+the keys/values of segments ``0..j`` of the same micro-batch (see
+:mod:`megatron_seq1f1b.kv_cache`), with the causal mask aligned to the bottom
+right: query ``i`` (position ``start + i``) sees keys ``0 .. start + i``.
+Outside a segmented step, or with a single segment, the original forward
+runs untouched.
+
+Backends:
+
+* Megatron's local ``DotProductAttention``: it asserts equal query/key
+  lengths when no mask is given, so we pass an explicit boolean mask
+  ``[1, 1, L, end]`` (True = masked), or the user's own mask already sliced by
+  :func:`~megatron_seq1f1b.segments.slice_batch` (Megatron uses a given mask
+  as is). Its softmax is switched to the masked (non-causal) kernel for the
+  call, because the fused causal kernel ignores masks and needs L == end.
+* Transformer Engine's ``TEDotProductAttention``: ``causal_bottom_right``
+  (TE's plain ``causal`` is aligned top-left when lengths differ); masks are
+  dropped, as TE ignores them for causal attention anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from megatron_seq1f1b import segments
+from megatron_seq1f1b.kv_cache import KVAppend
+
+_ORIGINAL = "_seq1f1b_original_forward"
+
+
+def _segmented() -> "segments._Active | None":
+    current = segments.active()
+    if current is None or current.info.num_splits == 1:
+        return None
+    return current
+
+
+def prefix_kv(layer, key, value, current):
+    """Keys/values ``[0, end)`` of this micro-batch for `layer`, this segment's rows added."""
+    info, run = current.info, current.run
+    if key.shape[0] != info.length:
+        raise RuntimeError(
+            f"Seq1F1B: attention received {key.shape[0]} keys for segment {info.index} of "
+            f"{info.length} tokens; batches must be cut with megatron_seq1f1b.slice_batch "
+            "and pipeline inputs must have the segment's shape"
+        )
+    entry = run.kv.get(info.microbatch, info.chunk, layer)
+    where = f"micro-batch {info.microbatch}, segment {info.index}, chunk {info.chunk}"
+    if current.phase == segments.FORWARD:
+        if entry is None:
+            if info.index != 0:
+                raise RuntimeError(f"Seq1F1B: {where} forwarded before segment 0")
+            entry = run.kv.create(
+                info.microbatch, info.chunk, layer, key, value, sum(info.lengths)
+            )
+        if info.index in entry.forwarded:
+            raise RuntimeError(
+                f"Seq1F1B: {where} forwarded twice; a repeated forward would overwrite the "
+                "key/value cache (recomputation must run inside the segment's backward)"
+            )
+        if entry.forwarded != set(range(info.index)):
+            raise RuntimeError(f"Seq1F1B: {where} forwarded before segments {sorted(set(range(info.index)) - entry.forwarded)}")
+        entry.forwarded.add(info.index)
+        write = True
+    else:
+        # Recomputation inside the segment's backward: the cache already holds
+        # this segment's rows; reuse them, write nothing, count nothing.
+        if entry is None or info.index not in entry.forwarded:
+            raise RuntimeError(f"Seq1F1B: {where} recomputed without a cached forward")
+        write = False
+    return KVAppend.apply(key, value, run.kv, entry, info, write)
+
+
+@contextlib.contextmanager
+def _masked_softmax(core_attention):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    softmax = core_attention.scale_mask_softmax
+    saved = softmax.attn_mask_type
+    softmax.attn_mask_type = AttnMaskType.padding
+    try:
+        yield
+    finally:
+        softmax.attn_mask_type = saved
+
+
+def _segment_mask(attention_mask, current, device):
+    info = current.info
+    if attention_mask is None:
+        return current.run.causal_mask(info, device)
+    if tuple(attention_mask.shape[-2:]) != (info.length, info.end):
+        raise ValueError(
+            f"Seq1F1B: attention_mask of shape {tuple(attention_mask.shape)} for segment "
+            f"{info.index} (tokens {info.start}..{info.end}); expected [..., {info.length}, "
+            f"{info.end}]: cut the batch with megatron_seq1f1b.slice_batch"
+        )
+    return attention_mask
+
+
+def _reject_packed(packed_seq_params) -> None:
+    if packed_seq_params is not None:
+        raise ValueError(
+            "Seq1F1B does not support packed sequences (THD, packed_seq_params); use "
+            "padded [b, s] batches"
+        )
+
+
+def local_attention_forward(core_attention, original):
+    """Forward for Megatron's ``DotProductAttention``."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        current = _segmented()
+        if current is None:
+            return original(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        _reject_packed(packed_seq_params)
+        key, value = prefix_kv(core_attention, key, value, current)
+        mask = _segment_mask(attention_mask, current, query.device)
+        with _masked_softmax(core_attention):
+            return original(query, key, value, mask, attn_mask_type=AttnMaskType.padding,
+                            attention_bias=attention_bias, packed_seq_params=None)
+
+    return forward
+
+
+def te_attention_forward(core_attention, original):
+    """Forward for Transformer Engine's ``TEDotProductAttention`` (and look-alikes)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        current = _segmented()
+        if current is None:
+            return original(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+                            **kwargs)
+        _reject_packed(packed_seq_params)
+        mask_type = attn_mask_type if attn_mask_type is not None else core_attention.attn_mask_type
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.causal_bottom_right, "causal"):
+            raise ValueError(
+                f"Seq1F1B needs causal self-attention; this layer uses {mask_type}"
+            )
+        key, value = prefix_kv(core_attention, key, value, current)
+        return original(query, key, value, None, attn_mask_type=AttnMaskType.causal_bottom_right,
+                        attention_bias=attention_bias, packed_seq_params=None, **kwargs)
+
+    return forward
+
+
+def rotary_forward(rotary, original):
+    """RotaryEmbedding.forward with the segment's position offset."""
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        current = _segmented()
+        if current is None:
+            return original(max_seq_len, offset, packed_seq, cp_group)
+        info = current.info
+        if max_seq_len != info.length:
+            raise RuntimeError(
+                f"Seq1F1B: rotary embedding asked for {max_seq_len} positions in segment "
+                f"{info.index} of {info.length} tokens; cut each segment's batch with "
+                "megatron_seq1f1b.slice_batch"
+            )
+        return original(max_seq_len, offset + info.start, packed_seq, cp_group)
+
+    return forward
+
+
+def install_forward(module, make_forward) -> bool:
+    """Replace `module.forward` (instance attribute, state_dict untouched); idempotent."""
+    if hasattr(module, _ORIGINAL):
+        return False
+    original = module.forward
+    setattr(module, _ORIGINAL, original)
+    module.forward = make_forward(module, original)
+    return True
+
+
+def is_te_attention(module) -> bool:
+    return any(cls.__name__ == "TEDotProductAttention" for cls in type(module).__mro__)

@@ -1,0 +1,91 @@
+"""Configurations Seq1F1B cannot run correctly, rejected before anything runs.
+
+Each rule says what is wrong and how to fix it. Everything is collected and
+reported at once, so a user fixes a configuration in one round.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration that Seq1F1B would run incorrectly (or not at all)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"Seq1F1B cannot run this configuration:\n{lines}")
+
+
+def raise_if(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems)
+
+
+def model_config_problems(config) -> list[str]:
+    """TransformerConfig options that segment-wise attention does not support (yet)."""
+    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    problems = []
+    if (get("context_parallel_size", 1) or 1) > 1:
+        problems.append(
+            f"context parallelism (context_parallel_size={get('context_parallel_size')}) splits "
+            "the sequence across ranks as well; use context_parallel_size=1"
+        )
+    if get("hybrid_context_parallel"):
+        problems.append("hybrid_context_parallel is not supported; disable it")
+    if get("multi_latent_attention"):
+        problems.append(
+            "multi-latent attention (MLA) has its own K/V path that has no segment cache; "
+            "use standard self-attention"
+        )
+    if get("window_size") is not None:
+        problems.append(
+            f"sliding-window attention (window_size={get('window_size')}) is not supported; "
+            "set window_size=None"
+        )
+    if get("num_moe_experts"):
+        problems.append(
+            "mixture-of-experts layers (num_moe_experts) compute load-balancing losses per "
+            "forward; per segment they differ from full-sequence training; use a dense model"
+        )
+    if get("mtp_num_layers"):
+        problems.append(
+            "multi-token prediction (mtp_num_layers) shifts labels across segment borders; "
+            "disable it"
+        )
+    if get("fine_grained_activation_offloading"):
+        problems.append(
+            "fine-grained activation offloading frees attention inputs that the segment K/V "
+            "cache shares; disable it"
+        )
+    if get("cuda_graph_impl", "none") not in (None, "none"):
+        problems.append(
+            f"CUDA graphs (cuda_graph_impl={get('cuda_graph_impl')!r}) capture fixed shapes; "
+            "segments differ in length; disable them"
+        )
+    if get("enable_cuda_graph"):
+        problems.append("CUDA graphs (enable_cuda_graph) capture fixed shapes; disable them")
+    return problems
+
+
+def segment_length_problems(lengths, seq_length: int | None = None, config=None) -> list[str]:
+    """Segment lengths that do not fit the sequence or the tensor-parallel layout."""
+    lengths = list(lengths)
+    problems = []
+    if not lengths or any(int(n) < 1 for n in lengths):
+        problems.append(f"segment lengths must be positive integers, got {lengths}")
+        return problems
+    if seq_length is not None and sum(lengths) != seq_length:
+        problems.append(
+            f"segment lengths {lengths} sum to {sum(lengths)}, not the sequence length "
+            f"{seq_length}"
+        )
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if config is not None and getattr(config, "sequence_parallel", False) and tp > 1:
+        bad = [n for n in lengths if n % tp]
+        if bad:
+            problems.append(
+                f"with sequence parallelism every segment length must be divisible by the "
+                f"tensor-parallel size {tp}; {bad} are not (use split_sequence(..., "
+                f"multiple_of={tp}))"
+            )
+    return problems

@@ -1,0 +1,102 @@
+"""``enable(model)``: make a Megatron-Core GPTModel run sequence segments.
+
+It finds every self-attention layer and the rotary embedding of each model
+chunk and installs the segment-aware forwards of
+:mod:`megatron_seq1f1b.attention` as instance attributes, so parameters,
+buffers and ``state_dict()`` keys stay exactly as they were. Without an
+active segment the model behaves as before. Configurations that would be
+silently wrong are rejected here, with the option to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_seq1f1b import attention
+from megatron_seq1f1b.checks import model_config_problems, raise_if
+
+_ENABLED = "_seq1f1b_enabled"
+SUPPORTED_POSITIONS = ("rope", "learned_absolute", "none")
+
+
+def unwrap(module) -> Any:
+    """The GPTModel inside DDP / Float16Module / other ``.module`` wrappers."""
+    from megatron.core.models.gpt import GPTModel
+
+    inner = module
+    while not isinstance(inner, GPTModel):
+        if not hasattr(inner, "module"):
+            raise TypeError(
+                f"megatron_seq1f1b.enable() supports Megatron-Core GPTModel (possibly wrapped "
+                f"in DDP or Float16Module); got {type(module).__name__}"
+            )
+        inner = inner.module
+    return inner
+
+
+def chunks_of(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def is_enabled(model) -> bool:
+    return all(getattr(unwrap(chunk), _ENABLED, False) for chunk in chunks_of(model))
+
+
+def _check(gpt) -> list[str]:
+    problems = model_config_problems(gpt.config)
+    position = getattr(gpt, "position_embedding_type", "learned_absolute")
+    if position not in SUPPORTED_POSITIONS:
+        problems.append(
+            f"position_embedding_type={position!r} is not supported; use one of "
+            f"{SUPPORTED_POSITIONS}"
+        )
+    return problems
+
+
+def _attention_modules(gpt):
+    from megatron.core.transformer.attention import Attention, SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    found, problems = [], []
+    for name, module in gpt.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        if not isinstance(module, SelfAttention):
+            problems.append(f"{name}: {type(module).__name__} (only self-attention is supported)")
+            continue
+        core = module.core_attention
+        if isinstance(core, DotProductAttention):
+            found.append((core, attention.local_attention_forward))
+        elif attention.is_te_attention(core):
+            found.append((core, attention.te_attention_forward))
+        else:
+            problems.append(
+                f"{name}.core_attention: {type(core).__name__} is neither Megatron's "
+                "DotProductAttention nor Transformer Engine's TEDotProductAttention"
+            )
+    return found, problems
+
+
+def enable(model):
+    """Prepare a GPTModel chunk (or list of chunks, possibly wrapped) for segments.
+
+    Idempotent; returns `model`. Raises :class:`~megatron_seq1f1b.ConfigError`
+    for unsupported models or options.
+    """
+    plans = []
+    problems: list[str] = []
+    for chunk in chunks_of(model):
+        gpt = unwrap(chunk)
+        problems += _check(gpt)
+        cores, core_problems = _attention_modules(gpt)
+        problems += core_problems
+        plans.append((gpt, cores))
+    raise_if(sorted(set(problems), key=problems.index))
+    for gpt, cores in plans:
+        for core, make_forward in cores:
+            attention.install_forward(core, make_forward)
+        rotary = getattr(gpt, "rotary_pos_emb", None)
+        if getattr(gpt, "position_embedding_type", None) == "rope" and rotary is not None:
+            attention.install_forward(rotary, attention.rotary_forward)
+        setattr(gpt, _ENABLED, True)
+    return model

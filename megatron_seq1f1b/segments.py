@@ -1,0 +1,179 @@
+"""Which segment is running: SegmentInfo, the active-segment context, batch slicing.
+
+The schedule (or a test driving segments by hand) opens a :class:`SegmentRun`
+per iteration and runs every forward and backward of a unit inside
+``run.forward(mb, seg)`` / ``run.backward(mb, seg)``. Inside, model hooks and
+the user's ``forward_step_func`` see :func:`current_segment`. The active
+context exists only inside those ``with`` blocks; the run (and its key/value
+caches) dies with the iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from megatron_seq1f1b.checks import raise_if, segment_length_problems
+from megatron_seq1f1b.kv_cache import KVStore
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """Segment `index` of micro-batch `microbatch`: tokens ``[start, end)``."""
+
+    microbatch: int
+    index: int
+    num_splits: int
+    start: int
+    end: int
+    lengths: tuple[int, ...]
+    chunk: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_splits - 1
+
+
+@dataclass
+class _Active:
+    info: SegmentInfo
+    phase: str
+    run: "SegmentRun"
+
+
+_active: _Active | None = None
+
+
+def active() -> _Active | None:
+    """The running unit (info, phase, run) or None outside segmented steps."""
+    return _active
+
+
+def current_segment() -> SegmentInfo | None:
+    """The segment being computed, or None outside a segmented step."""
+    return _active.info if _active is not None else None
+
+
+class SegmentRun:
+    """One iteration's segmented computation: segment geometry and K/V caches.
+
+    ``forward(mb, seg)`` and ``backward(mb, seg)`` are context managers in which
+    one unit runs. Recomputation (activation checkpointing) re-runs forwards
+    inside ``backward``; the model hooks see phase ``"backward"`` and neither
+    write caches again nor count a second forward.
+    """
+
+    def __init__(self, lengths: Sequence[int], *, forward_only: bool = False, config=None):
+        raise_if(segment_length_problems(lengths, config=config))
+        self.lengths = tuple(int(n) for n in lengths)
+        self.starts = tuple(sum(self.lengths[:i]) for i in range(len(self.lengths)))
+        self.forward_only = forward_only
+        self.kv = KVStore()
+        self._masks: dict = {}
+
+    @property
+    def num_splits(self) -> int:
+        return len(self.lengths)
+
+    def info(self, microbatch: int, segment: int, chunk: int = 0) -> SegmentInfo:
+        if not 0 <= segment < self.num_splits:
+            raise IndexError(f"segment {segment} outside 0..{self.num_splits - 1}")
+        start = self.starts[segment]
+        return SegmentInfo(
+            microbatch, segment, self.num_splits, start, start + self.lengths[segment],
+            self.lengths, chunk,
+        )
+
+    @contextlib.contextmanager
+    def _enter(self, info: SegmentInfo, phase: str) -> Iterator[SegmentInfo]:
+        global _active
+        outer = _active
+        _active = _Active(info, phase, self)
+        try:
+            yield info
+        finally:
+            _active = outer
+
+    @contextlib.contextmanager
+    def forward(self, microbatch: int, segment: int, chunk: int = 0) -> Iterator[SegmentInfo]:
+        info = self.info(microbatch, segment, chunk)
+        with self._enter(info, FORWARD):
+            yield info
+        if self.forward_only and info.is_last:
+            self.kv.release(microbatch, chunk)
+
+    @contextlib.contextmanager
+    def backward(self, microbatch: int, segment: int, chunk: int = 0) -> Iterator[SegmentInfo]:
+        info = self.info(microbatch, segment, chunk)
+        with self._enter(info, BACKWARD):
+            yield info
+        if segment == 0:
+            # Normally already released layer by layer inside the backward pass.
+            self.kv.release(microbatch, chunk)
+
+    def causal_mask(self, info: SegmentInfo, device) -> torch.Tensor:
+        """[1, 1, L, end] boolean mask, True = masked: query i sees keys <= start + i."""
+        key = (info.start, info.end, str(device))
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = torch.ones(info.length, info.end, dtype=torch.bool, device=device)
+            mask = torch.triu(mask, diagonal=info.start + 1).view(1, 1, info.length, info.end)
+            self._masks[key] = mask
+        return mask
+
+    def close(self) -> None:
+        """End of iteration: caches must be empty (every micro-batch finished)."""
+        leftover = self.kv.live_entries()
+        self.kv.clear()
+        self._masks.clear()
+        if leftover:
+            raise RuntimeError(
+                f"Seq1F1B: key/value caches of {leftover} layer(s) were still alive at the end "
+                "of the iteration; a micro-batch's segment 0 was never backwarded"
+            )
+
+
+_SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "input_ids")
+
+
+def slice_batch(batch: dict) -> dict:
+    """This segment's part of a micro-batch (identity outside a segmented step).
+
+    ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, input_ids) are
+    cut to ``[:, start:end]``; a ``[b, 1, s, s]`` attention mask to rows
+    ``start:end`` and columns ``0:end``. Other entries, and None, stay as
+    they are.
+    """
+    info = current_segment()
+    if info is None or batch is None:
+        return batch
+    seq = sum(info.lengths)
+    out = dict(batch)
+    for key in _SEQUENCE_KEYS:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            if value.dim() < 2 or value.shape[-1] != seq:
+                raise ValueError(
+                    f"slice_batch: {key!r} has shape {tuple(value.shape)}, expected [..., {seq}] "
+                    "(the full micro-batch sequence)"
+                )
+            out[key] = value[..., info.start : info.end]
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        if mask.dim() != 4 or mask.shape[-1] != seq or mask.shape[-2] != seq:
+            raise ValueError(
+                f"slice_batch: attention_mask has shape {tuple(mask.shape)}, expected "
+                f"[b, 1, {seq}, {seq}]"
+            )
+        out["attention_mask"] = mask[:, :, info.start : info.end, : info.end]
+    return out

@@ -1,0 +1,304 @@
+"""Segments driven by hand against the full sequence (run in harness workers).
+
+Forward segments in order, backward in reverse order, each backward seeded
+with the segment's share of the loss (sum over its tokens divided by the
+micro-batch's token count). Logits, losses and every gradient must equal a
+plain full-sequence forward/backward of the same model.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+
+import megatron_seq1f1b as s1
+from megatron_seq1f1b.segments import SegmentRun
+from gpt import DataSpec, ModelSpec, _close, build_chunks, init_parallel, make_batches, make_config
+
+RTOL = 1e-5
+
+
+# --------------------------------------------------------------- fake TE attention
+
+class TEDotProductAttention(torch.nn.Module):
+    """Stands in for Transformer Engine's attention: records inputs, computes with torch.
+
+    ``causal`` is aligned top-left (as TE does when query and key lengths
+    differ), ``causal_bottom_right`` bottom-right.
+    """
+
+    calls: list = []
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None, **kwargs):
+        super().__init__()
+        self.config = config
+        self.attn_mask_type = attn_mask_type
+        self.heads = config.num_attention_heads // config.tensor_model_parallel_size
+        self.scale = softmax_scale or config.kv_channels ** -0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        mask_type = attn_mask_type or self.attn_mask_type
+        TEDotProductAttention.calls.append(
+            (tuple(query.shape), tuple(key.shape), tuple(value.shape), mask_type,
+             attention_mask is None)
+        )
+        sq, b, heads, d = query.shape
+        sk, groups = key.shape[0], key.shape[2]
+        key = key.repeat_interleave(heads // groups, dim=2)
+        value = value.repeat_interleave(heads // groups, dim=2)
+        scores = torch.einsum("qbhd,kbhd->bhqk", query, key) * self.scale
+        shift = 0 if mask_type == AttnMaskType.causal else sk - sq
+        masked = torch.ones(sq, sk, dtype=torch.bool).triu(diagonal=1 + shift)
+        scores = scores.masked_fill(masked, float("-inf"))
+        context = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), value)
+        return context.reshape(sq, b, heads * d)
+
+
+def fake_te_spec(normalization: str = "LayerNorm"):
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
+    return spec
+
+
+# --------------------------------------------------------------- by-hand driver
+
+
+def _model(spec: ModelSpec, *, tp=1, sp=False, fake_te=False, **overrides):
+    init_parallel(tp=tp)
+    config = make_config(spec, tp=tp, sp=sp, **overrides)
+    if not fake_te:
+        (gpt,) = build_chunks(spec, config)
+        return gpt
+    return GPTModel(
+        config=config, transformer_layer_spec=fake_te_spec(), vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length, position_embedding_type=spec.position_embedding_type,
+    )
+
+
+def _forward(model, batch, labels=True):
+    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                 labels=batch["labels"] if labels else None)
+
+
+def _sp_reduce(model) -> dict:
+    """Gradients as finalize_model_grads would leave them (SP norms summed over TP)."""
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.detach().clone()
+        if getattr(param, "sequence_parallel", False):
+            torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        grads[name] = grad
+    return grads
+
+
+def _full_sequence(model, batches):
+    model.zero_grad(set_to_none=True)
+    logits = [_forward(model, b, labels=False).detach() for b in batches]
+    losses = []
+    for batch in batches:
+        per_token = _forward(model, batch)
+        mask = batch["loss_mask"]
+        loss = (per_token * mask).sum() / mask.sum()
+        loss.backward()
+        losses.append(per_token.detach())
+    return logits, losses, _sp_reduce(model)
+
+
+def _unit_order(num_microbatches, k, interleave, backward=False):
+    segments_ = list(reversed(range(k))) if backward else list(range(k))
+    if interleave:
+        return [(mb, j) for j in segments_ for mb in range(num_microbatches)]
+    return [(mb, j) for mb in range(num_microbatches) for j in segments_]
+
+
+def _segmented_logits(model, batches, lengths, interleave):
+    """Forward-only run: logits per micro-batch; caches released after the last segment."""
+    run = SegmentRun(lengths, forward_only=True)
+    outputs = {}
+    with torch.no_grad():
+        for mb, j in _unit_order(len(batches), len(lengths), interleave):
+            with run.forward(mb, j):
+                outputs[mb, j] = _forward(model, s1.slice_batch(batches[mb]), labels=False)
+    run.close()
+    k = len(lengths)
+    return [torch.cat([outputs[mb, j] for j in range(k)], dim=1) for mb in range(len(batches))]
+
+
+def _segmented(model, batches, lengths, interleave_microbatches=False):
+    model.zero_grad(set_to_none=True)
+    run = SegmentRun(lengths)
+    k = len(lengths)
+    outputs = {}
+    for mb, j in _unit_order(len(batches), k, interleave_microbatches):
+        with run.forward(mb, j) as info:
+            assert s1.current_segment() == info
+            batch = s1.slice_batch(batches[mb])
+            outputs[mb, j] = (_forward(model, batch), batch["loss_mask"])
+    assert s1.current_segment() is None
+    live_after = []
+    for mb, j in _unit_order(len(batches), k, interleave_microbatches, backward=True):
+        per_token, mask = outputs[mb, j]
+        total = batches[mb]["loss_mask"].sum()
+        with run.backward(mb, j):
+            ((per_token * mask).sum() / total).backward()
+        if j == 0:
+            live_after.append(run.kv.live_entries(mb))
+    run.close()
+    losses = [torch.cat([outputs[mb, j][0].detach() for j in range(k)], dim=1)
+              for mb in range(len(batches))]
+    return losses, _sp_reduce(model), live_after
+
+
+def compare_by_hand(
+    model: ModelSpec = ModelSpec(),
+    data: DataSpec = DataSpec(num_microbatches=1),
+    lengths=(8, 8, 8, 8),
+    tp: int = 1,
+    sp: bool = False,
+    fake_te: bool = False,
+    interleave_microbatches: bool = False,
+    overrides: dict | None = None,
+) -> dict:
+    """Problems found on this rank when comparing segments with the full sequence."""
+    gpt = _model(model, tp=tp, sp=sp, fake_te=fake_te, **(overrides or {}))
+    batches = make_batches(model, data)
+    ref_logits, ref_losses, ref_grads = _full_sequence(gpt, batches)
+    state_before = {k: v.clone() for k, v in gpt.state_dict().items() if v is not None}
+    s1.enable(gpt)
+    s1.enable(gpt)  # idempotent
+    state_after = gpt.state_dict()
+    problems = []
+    if set(state_before) != {k for k, v in state_after.items() if v is not None}:
+        problems.append("state_dict keys changed")
+    for key, value in state_before.items():
+        if isinstance(value, torch.Tensor) and not torch.equal(value, state_after[key]):
+            problems.append(f"state_dict value changed: {key}")
+    # Enabled but no active segment: full-sequence behaviour is unchanged.
+    same_logits, _, same_grads = _full_sequence(gpt, batches)
+    for a, b in zip(same_logits, ref_logits):
+        if not torch.equal(a, b):
+            problems.append("enable() changed full-sequence logits")
+    for name in ref_grads:
+        if not torch.equal(same_grads[name], ref_grads[name]):
+            problems.append(f"enable() changed full-sequence gradient of {name}")
+
+    TEDotProductAttention.calls.clear()
+    logits = _segmented_logits(gpt, batches, lengths, interleave_microbatches)
+    losses, grads, live_after = _segmented(gpt, batches, lengths, interleave_microbatches)
+    for mb, (a, b) in enumerate(zip(logits, ref_logits)):
+        ok, rel = _close(a, b, RTOL)
+        if not ok:
+            problems.append(f"micro-batch {mb}: logits max rel err {rel:.2e}")
+    for mb, (a, b) in enumerate(zip(losses, ref_losses)):
+        ok, rel = _close(a, b, RTOL)
+        if not ok:
+            problems.append(f"micro-batch {mb}: per-token losses max rel err {rel:.2e}")
+    for name, expected in ref_grads.items():
+        ok, rel = _close(grads[name], expected, RTOL)
+        if not ok:
+            problems.append(f"{name}: max rel err {rel:.2e}")
+    # After each micro-batch's segment 0 backward, its caches are gone.
+    if any(live_after):
+        problems.append(f"caches alive after segment 0 backward: {live_after}")
+    return {"problems": problems, "te_calls": list(TEDotProductAttention.calls)}
+
+
+def leak_check(model: ModelSpec = ModelSpec(), lengths=(8, 8, 8, 8), iterations: int = 20) -> dict:
+    """Tensors alive and resident memory after many segmented iterations."""
+    gpt = _model(model)
+    s1.enable(gpt)
+    batches = make_batches(model, DataSpec(num_microbatches=2))
+
+    def live_tensors():
+        gc.collect()
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+    def rss_kib():
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        return 0
+
+    counts, rss = [], []
+    for _ in range(iterations):
+        _segmented(gpt, batches, lengths)
+        counts.append(live_tensors())
+        rss.append(rss_kib())
+    return {"tensors": counts, "rss_kib": rss}
+
+
+def error_messages() -> dict:
+    """The message of each rejected configuration or misuse (run on one rank)."""
+    spec = ModelSpec()
+    messages = {}
+
+    def capture(name, fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - we want the message
+            messages[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            messages[name] = None
+
+    for name, field, value in [
+        ("context_parallel", "context_parallel_size", 2),
+        ("mla", "multi_latent_attention", True),
+        ("sliding_window", "window_size", (8, 0)),
+        ("moe", "num_moe_experts", 4),
+        ("mtp", "mtp_num_layers", 1),
+        ("offloading", "fine_grained_activation_offloading", True),
+        ("cuda_graphs", "cuda_graph_impl", "local"),
+    ]:
+        gpt = _model(spec)
+        setattr(gpt.config, field, value)
+        capture(name, lambda gpt=gpt: s1.enable(gpt))
+
+    gpt = _model(spec)
+    gpt.position_embedding_type = "yarn"
+    capture("yarn", lambda: s1.enable(gpt))
+    capture("not_gpt", lambda: s1.enable(torch.nn.Linear(2, 2)))
+
+    gpt = _model(spec)
+    s1.enable(gpt)
+    batch = make_batches(spec, DataSpec(num_microbatches=1))[0]
+
+    def forward(run, mb, j, sliced=True, mask=None):
+        with run.forward(mb, j):
+            b = s1.slice_batch(batch) if sliced else dict(batch)
+            if mask is not None:
+                b["attention_mask"] = mask
+            return _forward(gpt, b)
+
+    run = SegmentRun((16, 16))
+    capture("segment_1_first", lambda: forward(run, 0, 1))
+    run = SegmentRun((16, 16))
+    forward(run, 0, 0)
+    capture("twice", lambda: forward(run, 0, 0))
+    run = SegmentRun((16, 16))
+    capture("not_sliced", lambda: forward(run, 0, 0, sliced=False))
+    run = SegmentRun((16, 16))
+    full_mask = torch.ones(1, 1, 32, 32, dtype=torch.bool).triu(1)
+    capture("unsliced_mask", lambda: forward(run, 0, 0, mask=full_mask))
+
+    def slice_wrong_length():
+        with SegmentRun((16, 16)).forward(0, 0):
+            s1.slice_batch({"tokens": torch.zeros(1, 30)})
+
+    capture("slice_bad_shape", slice_wrong_length)
+    run = SegmentRun((16, 16))
+    forward(run, 0, 0)
+    capture("leak_at_close", run.close)
+    sp_config = make_config(spec, tp=2, sp=True)
+    capture("sp_divisibility", lambda: SegmentRun((17, 15), config=sp_config))
+    capture("bad_lengths", lambda: SegmentRun((16, 0)))
+    return messages
