@@ -22,6 +22,9 @@ exactly those, in this process only, and only when called:
    parallelism: its parameters are tagged ``sequence_parallel=True`` (what
    apex's fused norm does) so ``finalize_model_grads`` all-reduces their
    gradients over the tensor-parallel group.
+7. ``Tensor.type()`` (without arguments) of a CPU tensor names the CUDA type
+   (``torch.cuda.FloatTensor``): Megatron's optimizers (mixed precision and
+   the distributed optimizer) sort parameters by these names.
 
 Calling it twice is harmless. It must not be used in a process that also uses
 a GPU.
@@ -51,6 +54,11 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.tensor_parallel.data",
+    "megatron.core.utils",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "as_tensor")
@@ -105,6 +113,18 @@ def _seed_cpu(seed, *_args, **_kwargs) -> None:
 
 def _tensor_cuda(self, *args, **kwargs):
     return self
+
+
+_ORIGINAL_TYPE = torch.Tensor.type
+
+
+def _tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs:
+        name = _ORIGINAL_TYPE(self)
+        if self.device.type == "cpu" and name.startswith("torch.") and "cuda" not in name:
+            return "torch.cuda." + name[len("torch."):]
+        return name
+    return _ORIGINAL_TYPE(self, dtype, non_blocking, **kwargs)
 
 
 def _patch_torch_norm() -> None:
@@ -166,6 +186,7 @@ def enable() -> None:
     torch.cuda.manual_seed_all = _seed_cpu
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.Tensor.cuda = _tensor_cuda
+    torch.Tensor.type = _tensor_type
     _patch_rng()
     _patch_cuda_literals()
     _patch_torch_norm()

@@ -56,14 +56,14 @@ class DataSpec:
     explicit_mask: bool = False
 
 
-def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, **kwargs) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, timeout_s=None, **kwargs):
     """(Re)initialize Megatron's parallel state with short timeouts."""
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
-        distributed_timeout_minutes=COMM_TIMEOUT_S / 60,
+        distributed_timeout_minutes=(timeout_s or COMM_TIMEOUT_S) / 60,
         create_gloo_process_groups=False,
         **kwargs,
     )
@@ -314,12 +314,23 @@ def run_layout(
     ddp: dict | None = None,
     config_overrides: dict | None = None,
     tamper: Callable[[list, list], None] | None = None,
+    seq1f1b: dict | None = None,
+    forward_only: bool = False,
 ) -> dict:
     """Reference vs. `forward_backward` on the layout; returns problems found on this rank.
 
     Data parallel size is world / (tp * pp); DP rank d gets its own slice of
-    the global batch, which the reference processes as a whole.
+    the global batch, which the reference processes as a whole. `seq1f1b`
+    holds get_forward_backward_func's arguments to run Seq1F1B instead.
     """
+    recorder = None
+    if seq1f1b is not None:
+        import megatron_seq1f1b as s1
+        from megatron_seq1f1b.trace import TimelineRecorder
+
+        recorder = TimelineRecorder()
+        forward_backward = s1.get_forward_backward_func(**seq1f1b, recorder=recorder)
+        prepare, slicer = s1.enable, s1.slice_batch
     world = torch.distributed.get_world_size()
     dp = world // (tp * pp)
     batches = make_batches(model, data, count=data.num_microbatches * dp)
@@ -348,13 +359,18 @@ def run_layout(
         num_microbatches=m,
         seq_length=model.seq_length,
         micro_batch_size=data.micro_batch_size,
+        forward_only=forward_only,
     )
     if tamper is not None:
         tamper(models, store)
 
-    problems = compare_grads(models, dict(ref, grads=ref["grads"]), model)
+    problems = [] if forward_only else compare_grads(models, ref, model)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         group = len(store) // m if store else 1
         mine_ref = dict(ref, reports=ref["reports"][dp_rank * m : (dp_rank + 1) * m])
         problems += compare_reports(store, mine_ref, group_size=group)
-    return {"rank": torch.distributed.get_rank(), "problems": problems, "entries": len(store)}
+    result = {"rank": torch.distributed.get_rank(), "problems": problems, "entries": len(store)}
+    if recorder is not None:
+        result["peak_live_units"] = recorder.last.peak_live_units
+        result["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
+    return result

@@ -1,0 +1,112 @@
+"""The public entry points: a forward-backward function, and installing it into Megatron."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Callable, Sequence
+
+from megatron_seq1f1b.checks import raise_if
+from megatron_seq1f1b.partition import METHODS
+
+# Modules that hold a reference to Megatron's getter under this name.
+_GETTER_HOLDERS = (
+    "megatron.core.pipeline_parallel",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.training.training",  # Megatron-LM, if imported
+)
+_installed: dict[str, Callable] = {}
+
+
+def get_forward_backward_func(
+    num_splits: int,
+    partition: str = "uniform",
+    *,
+    split_lengths: Sequence[int] | None = None,
+    recorder=None,
+) -> Callable:
+    """A function with Megatron-Core's forward-backward signature that runs Seq1F1B.
+
+    ``num_splits`` segments per micro-batch, cut by ``partition`` ("uniform"
+    or "balanced", from the model's config) unless ``split_lengths`` is
+    given. Several model chunks select the interleaved schedule. ``recorder``
+    (a :class:`~megatron_seq1f1b.trace.TimelineRecorder`) collects per-action
+    timings.
+    """
+    problems = []
+    if not isinstance(num_splits, int) or num_splits < 1:
+        problems.append(f"num_splits must be a positive integer, got {num_splits!r}")
+    if partition not in METHODS:
+        problems.append(f"unknown partition {partition!r}; choose one of {METHODS}")
+    if split_lengths is not None and isinstance(num_splits, int) and len(split_lengths) != num_splits:
+        problems.append(f"split_lengths has {len(split_lengths)} entries, num_splits is {num_splits}")
+    raise_if(problems)
+    lengths = tuple(split_lengths) if split_lengths is not None else None
+
+    def forward_backward_func(
+        *,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn: Callable | None = None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: bool | None = False,
+    ):
+        from megatron_seq1f1b.executor import forward_backward
+
+        return forward_backward(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length,
+            micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+            p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce, num_splits=num_splits, partition=partition,
+            split_lengths=lengths, recorder=recorder,
+        )
+
+    forward_backward_func.num_splits = num_splits
+    forward_backward_func.partition = partition
+    forward_backward_func.__qualname__ = f"seq1f1b_forward_backward[k={num_splits},{partition}]"
+    return forward_backward_func
+
+
+def install(num_splits: int, partition: str = "uniform", **kwargs) -> Callable:
+    """Make Megatron-Core's ``get_forward_backward_func()`` return Seq1F1B's function.
+
+    Patches ``megatron.core.pipeline_parallel.get_forward_backward_func``, the
+    same name in ``...pipeline_parallel.schedules`` and, when imported,
+    Megatron-LM's ``megatron.training.training``. Returns the function.
+    """
+    ours = get_forward_backward_func(num_splits, partition, **kwargs)
+
+    def getter(pp_size=None, vp_size=None):
+        return ours
+
+    getter.seq1f1b = ours
+    for name in _GETTER_HOLDERS:
+        module = sys.modules.get(name) or (
+            importlib.import_module(name) if name.startswith("megatron.core") else None
+        )
+        if module is None or not hasattr(module, "get_forward_backward_func"):
+            continue
+        _installed.setdefault(name, module.get_forward_backward_func)
+        module.get_forward_backward_func = getter
+    return ours
+
+
+def uninstall() -> None:
+    """Restore Megatron's own getter everywhere :func:`install` replaced it."""
+    for name, original in list(_installed.items()):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.get_forward_backward_func = original
+        del _installed[name]

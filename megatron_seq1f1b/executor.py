@@ -1,0 +1,544 @@
+"""The executor: run this rank's steps of a Seq1F1B schedule on Megatron-Core.
+
+One function serves every variant (pipeline size 1, non-interleaved,
+interleaved model chunks, forward-only): it builds the schedule, checks the
+configuration before the first message, then walks the steps of this rank
+(:mod:`megatron_seq1f1b.plan`): exchange tensors, then forward or backward
+one unit inside its segment context.
+
+Loss. ``loss_func`` returns Megatron's ``(loss_sum, num_tokens, report)``
+for one segment. Full-sequence training divides a micro-batch's loss by its
+token count and by the number of micro-batches; a segment knows only its own
+tokens. On the last stage every segment of a micro-batch is forwarded before
+the micro-batch's first backward (segment k-1), so the division happens at
+backward time, by the micro-batch's total. Reports stay ``[sum, tokens]`` per
+segment, which Megatron's training loop sums, so logged losses are exact too.
+With ``calculate_per_token_loss`` nothing is divided and the total token
+count goes to ``finalize_model_grads`` as in Megatron.
+
+Data parallelism follows Megatron: gradient sync is off (``no_sync_func``)
+until the last backward unit of a model chunk on this rank, which is segment
+0 of the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+
+from megatron_seq1f1b import plan as plan_mod
+from megatron_seq1f1b.checks import (
+    model_config_problems,
+    raise_if,
+    segment_length_problems,
+)
+from megatron_seq1f1b.model import chunks_of, is_enabled
+from megatron_seq1f1b.p2p import Peers, exchange
+from megatron_seq1f1b.partition import METHODS, split_sequence
+from megatron_seq1f1b.schedule import Action, build_schedule
+from megatron_seq1f1b.segments import SegmentRun, current_segment
+
+
+class _MicrobatchLoss:
+    """Per-segment loss sums of one micro-batch (last stage) and its token count."""
+
+    def __init__(self):
+        self.sums: dict[int, torch.Tensor] = {}
+        self.tokens: torch.Tensor | None = None
+        self.legacy = False
+
+
+class SegmentData:
+    """Iterator wrapper: every segment of a micro-batch gets that micro-batch.
+
+    The caller's iterator advances once per micro-batch, on the first
+    ``next()`` inside that micro-batch's segments; the executor drops the
+    batch after the micro-batch's last segment.
+    """
+
+    def __init__(self, iterator):
+        self._iterator = iterator
+        self._batches: dict[int, Any] = {}
+        self._fetched = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        info = current_segment()
+        if info is None:
+            return next(self._iterator)
+        mb = info.microbatch
+        if mb not in self._batches:
+            if mb != self._fetched:
+                raise RuntimeError(
+                    f"Seq1F1B: data for micro-batch {mb} requested before micro-batch "
+                    f"{self._fetched}; call next(data_iterator) in every forward step"
+                )
+            self._batches[mb] = next(self._iterator)
+            self._fetched += 1
+        return self._batches[mb]
+
+    def release(self, microbatch: int) -> None:
+        self._batches.pop(microbatch, None)
+
+
+@functools.lru_cache(maxsize=256)
+def rank_steps(
+    num_stages: int, num_microbatches: int, num_splits: int, num_chunks: int, forward_only: bool,
+    rank: int,
+) -> tuple:
+    """This rank's steps (pure function of the sizes; cached across iterations)."""
+    schedule = build_schedule(num_stages, num_microbatches, num_splits, num_chunks,
+                              forward_only=forward_only)
+    topology = plan_mod.Topology(num_stages, num_chunks)
+    return tuple(plan_mod.plan_rank(schedule[rank], rank, topology))
+
+
+def resolve_lengths(num_splits, partition, split_lengths, seq_length, config, vocab_size):
+    if split_lengths is not None:
+        return [int(n) for n in split_lengths]
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return split_sequence(seq_length, num_splits, partition, config=config,
+                          vocab_size=vocab_size, multiple_of=tp)
+
+
+def _process_groups(config, p2p_communicator, pg_collection):
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if pg_collection is None:
+        if p2p_communicator is not None:
+            raise ValueError("pass both p2p_communicator and pg_collection, or neither")
+        pg_collection = ProcessGroupCollection()
+        pg_collection.tp = parallel_state.get_tensor_model_parallel_group()
+        pg_collection.cp = parallel_state.get_context_parallel_group()
+        pg_collection.embd = parallel_state.get_embedding_group(check_initialized=False)
+        pg_collection.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+        pg_collection.pp = parallel_state.get_pipeline_model_parallel_group()
+        pg_collection.dp_cp = parallel_state.get_data_parallel_group(
+            with_context_parallel=True, partial_data_parallel=False
+        )
+    if p2p_communicator is None:
+        p2p_communicator = P2PCommunicator(pp_group=pg_collection.pp, config=config)
+    return p2p_communicator, pg_collection
+
+
+def _problems(chunks, iterators, config, num_microbatches, num_splits, lengths, seq_length,
+              pp_size, adjust_tensor_shapes_fn, forward_only) -> list[str]:
+    from megatron.core.enums import ModelType
+    from megatron.core.utils import get_model_type
+
+    problems = []
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        problems.append(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if len(iterators) != len(chunks):
+        problems.append(f"{len(chunks)} model chunks but {len(iterators)} data iterators")
+    if len(chunks) > 1 and pp_size < 2:
+        problems.append("model chunks (virtual pipeline) need pipeline size >= 2")
+    if getattr(config, "variable_seq_lengths", False):
+        problems.append(
+            "variable_seq_lengths=True: Seq1F1B knows every segment's shape in advance and "
+            "exchanges no shapes; set it to False"
+        )
+    if getattr(config, "overlap_p2p_comm", False) and len(chunks) == 1:
+        problems.append("overlap_p2p_comm needs model chunks (as in Megatron); set it to False")
+    if getattr(config, "overlap_p2p_comm", False) and getattr(config, "batch_p2p_comm", False):
+        problems.append("overlap_p2p_comm and batch_p2p_comm cannot both be set (as in Megatron)")
+    if adjust_tensor_shapes_fn is not None:
+        problems.append("adjust_tensor_shapes_fn is not supported: segment shapes are fixed")
+    if pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
+        problems.append("config.pipeline_dtype must be set for pipeline parallelism")
+    for chunk in chunks:
+        if get_model_type(chunk) == ModelType.encoder_and_decoder:
+            problems.append("encoder-decoder models are not supported; use a decoder-only GPT")
+            break
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        problems.append("overlap_moe_expert_parallel_comm (combined 1F1B) is not supported")
+    if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):
+        problems.append(
+            "MoE and multi-token prediction scale auxiliary losses per forward; the Seq1F1B "
+            "executor does not support them"
+        )
+    if getattr(config, "fine_grained_activation_offloading", False):
+        problems.append("fine-grained activation offloading is not supported")
+    if num_splits > 1:
+        problems += model_config_problems(config)
+        if not is_enabled(chunks):
+            problems.append(
+                "the model is not prepared for segments: call megatron_seq1f1b.enable(model) "
+                "after building it"
+            )
+    problems += segment_length_problems(lengths, seq_length, config)
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if any(n % cp for n in lengths):
+        problems.append(f"segment lengths {lengths} must be divisible by context_parallel_size {cp}")
+    return sorted(set(problems), key=problems.index)
+
+
+def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forward_only):
+    """All pipeline ranks run the same schedule; otherwise fail before any p2p message.
+
+    One tiny all-gather per iteration: mismatched segment shapes would
+    otherwise corrupt data or abort inside the transport.
+    """
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    mine = [num_microbatches, len(lengths), num_chunks, int(forward_only), sum(lengths),
+            hash(tuple(lengths)) % (2**61)]
+    local = torch.tensor(mine, dtype=torch.int64, device=device)
+    gathered = torch.empty(pp_group.size() * len(mine), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(gathered, local, group=pp_group)
+    rows = gathered.view(pp_group.size(), len(mine)).tolist()
+    differ = [stage for stage, row in enumerate(rows) if row != rows[0]]
+    if differ:
+        raise_if([
+            f"pipeline stages {differ} run a different schedule than stage 0 (micro-batches, "
+            f"segments, lengths, chunks or forward_only differ: {rows[0]} vs "
+            f"{[rows[d] for d in differ]}); this stage has m={num_microbatches}, "
+            f"lengths={list(lengths)}"
+        ])
+
+
+class _Pipeline:
+    """State of one forward-backward call on this rank."""
+
+    def __init__(self, *, forward_step_func, chunks, iterators, config, num_microbatches,
+                 lengths, micro_batch_size, forward_only, collect_non_loss_data, first_val_step,
+                 peers, pg_collection, steps, recorder):
+        from megatron.core.utils import get_model_type
+
+        self.forward_step_func = forward_step_func
+        self.chunks = chunks
+        self.data = [SegmentData(it) if it is not None else None for it in iterators]
+        self.config = config
+        self.m = num_microbatches
+        self.k = len(lengths)
+        self.forward_only = forward_only
+        self.collect_non_loss_data = collect_non_loss_data
+        self.first_val_step = first_val_step
+        self.peers = peers
+        self.pg_collection = pg_collection
+        self.steps = steps
+        self.recorder = recorder
+        self.model_type = get_model_type(chunks[0])
+        self.run = SegmentRun(lengths, forward_only=forward_only, config=config)
+        self.topology = plan_mod.Topology(peers.pp_size, len(chunks))
+        self.forward_data_store: list = []
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
+        self.losses: dict[tuple[int, int], _MicrobatchLoss] = {}
+        self.stash: dict[tuple[int, int, int], tuple] = {}
+        self.outgoing: dict = {}
+        self.no_sync_context = None
+        self.forwards_done = 0
+        cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
+        self.cp_size = cp
+        tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        self.shapes = [(n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths]
+        self.last_backward = self._last_backward_units()
+        self.checkpoint_window = self._checkpoint_window()
+
+    # ---------------------------------------------------------------- helpers
+
+    def is_last_stage(self, chunk: int) -> bool:
+        return self.topology.virtual_stage(self.peers.pp_rank, chunk) == self.topology.last_virtual_stage
+
+    def _last_backward_units(self) -> set:
+        last = {}
+        for step in self.steps:
+            if step.action is not None and not step.action.is_forward:
+                last[step.action.chunk] = step.action
+        return set(last.values())
+
+    def _checkpoint_window(self) -> int | None:
+        if self.config.num_microbatches_with_partial_activation_checkpoints is None:
+            return None
+        warmup = 0
+        for step in self.steps:
+            if step.action is None or not step.action.is_forward:
+                break
+            warmup += 1
+        return warmup + 1 if not self.forward_only else None
+
+    def make_buffer(self, message: plan_mod.Message) -> torch.Tensor:
+        return torch.empty(self.shapes[message.segment], requires_grad=True,
+                           device=self.total_num_tokens.device, dtype=self.config.pipeline_dtype)
+
+    def disable_grad_sync(self) -> None:
+        if self.no_sync_context is None:
+            no_sync = self.config.no_sync_func
+            if isinstance(no_sync, list):
+                stack = contextlib.ExitStack()
+                for fn in no_sync:
+                    stack.enter_context(fn())
+                self.no_sync_context = stack
+            else:
+                self.no_sync_context = (no_sync or contextlib.nullcontext)()
+                self.no_sync_context.__enter__()
+
+    def enable_grad_sync(self) -> None:
+        if self.no_sync_context is not None:
+            self.no_sync_context.__exit__(None, None, None)
+            self.no_sync_context = None
+
+    def grad_sync_funcs(self) -> list | None:
+        funcs = self.config.grad_sync_func
+        if funcs is None:
+            return None
+        return list(funcs) if isinstance(funcs, list) else [funcs] * len(self.chunks)
+
+    # ---------------------------------------------------------------- compute
+
+    def forward(self, action: Action, input_tensor):
+        from megatron.core.pipeline_parallel.schedules import set_current_microbatch
+        from megatron.core.utils import get_attr_wrapped_model
+
+        config = self.config
+        chunk = self.chunks[action.chunk]
+        if config.timers is not None:
+            config.timers("forward-compute", log_level=2).start()
+        first = action.microbatch == 0 and action.segment == 0
+        if self.first_val_step is not None and self.forward_only:
+            first = first and self.first_val_step
+        if first and hasattr(chunk, "set_is_first_microbatch"):
+            chunk.set_is_first_microbatch()
+        set_current_microbatch(chunk, action.microbatch)
+        get_attr_wrapped_model(chunk, "set_input_tensor")([input_tensor])
+        args = (self.data[action.chunk], chunk)
+        if self.checkpoint_window is not None:
+            flag = (self.forwards_done % self.checkpoint_window
+                    >= config.num_microbatches_with_partial_activation_checkpoints)
+            args += (flag,)
+        autocast = (torch.autocast("cuda", dtype=config.autocast_dtype)
+                    if config.enable_autocast else contextlib.nullcontext())
+        with self.run.forward(action.microbatch, action.segment, action.chunk), autocast:
+            output, loss_func = self.forward_step_func(*args)
+        self.forwards_done += 1
+        if action.segment == self.k - 1 and self.data[action.chunk] is not None:
+            self.data[action.chunk].release(action.microbatch)
+        if self.is_last_stage(action.chunk):
+            output = self._loss(action, output, loss_func)
+        if config.timers is not None:
+            config.timers("forward-compute").stop()
+        return output
+
+    def _loss(self, action: Action, output, loss_func):
+        if loss_func is None:
+            self.forward_data_store.append(output)
+            return output
+        if self.collect_non_loss_data:
+            self.forward_data_store.append(loss_func(output, non_loss_data=True))
+            return output
+        result = loss_func(output)
+        entry = self.losses.setdefault((action.microbatch, action.chunk), _MicrobatchLoss())
+        if len(result) == 3:
+            loss_sum, num_tokens, report = result
+            self.total_num_tokens += num_tokens
+            entry.sums[action.segment] = loss_sum
+            entry.tokens = num_tokens if entry.tokens is None else entry.tokens + num_tokens
+            self.forward_data_store.append(report)
+            return loss_sum
+        if len(result) == 2 and self.k == 1:
+            # Megatron's legacy form: a mean loss per micro-batch.
+            loss, report = result
+            entry.sums[0] = loss * self.cp_size / self.m
+            entry.legacy = True
+            self.forward_data_store.append(report)
+            return loss
+        raise ValueError(
+            "Seq1F1B: loss_func returned a 2-tuple (mean loss, report). With num_splits > 1 "
+            "each call sees one segment, and a per-segment mean cannot be weighted into the "
+            "micro-batch's mean. Return Megatron's triple (loss_sum, num_tokens, report), "
+            "as pretrain_gpt.py's loss_func does."
+        )
+
+    def scaled_loss(self, action: Action):
+        """The loss to backpropagate: the segment's sum / micro-batch tokens / m."""
+        key = (action.microbatch, action.chunk)
+        entry = self.losses[key]
+        loss = entry.sums.pop(action.segment)
+        if not entry.sums:
+            del self.losses[key]
+        if entry.legacy or self.config.calculate_per_token_loss:
+            return loss
+        return loss / torch.clamp(entry.tokens, min=1) / self.m
+
+    def backward(self, action: Action, input_tensor, output_tensor, output_grad):
+        """Megatron's backward step, with its gradient-sync rules per model chunk."""
+        from megatron.core.pipeline_parallel.schedules import backward_step
+
+        last_unit = action in self.last_backward
+        funcs = self.grad_sync_funcs()
+        interleaved = len(self.chunks) > 1
+        if last_unit and (funcs is None or (not interleaved and self.peers.pp_rank == 0)):
+            self.enable_grad_sync()
+        if self.is_last_stage(action.chunk):
+            output_tensor = self.scaled_loss(action)
+        with self.run.backward(action.microbatch, action.segment, action.chunk):
+            grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type,
+                                 self.config)
+        if interleaved:
+            if last_unit and funcs is not None:
+                self.enable_grad_sync()
+                funcs[action.chunk](self.chunks[action.chunk].parameters())
+            self.disable_grad_sync()
+        return grad
+
+    # ---------------------------------------------------------------- the loop
+
+    def execute(self) -> None:
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+        deallocate = self.config.deallocate_pipeline_outputs
+        record = self.recorder.begin(self.peers.global_rank) if self.recorder else None
+        sent_outputs = []
+        for index, step in enumerate(self.steps):
+            start = self.recorder.now() if record is not None else 0.0
+            received = exchange(step, index, self.peers, self.outgoing, self.make_buffer)
+            if record is not None and (step.sends or step.recvs):
+                self.recorder.wait(start, index)
+            for output in sent_outputs:
+                deallocate_output_tensor(output, deallocate)
+            sent_outputs = []
+            action = step.action
+            if action is None:
+                continue
+            start = self.recorder.now() if record is not None else 0.0
+            incoming = received[step.recvs[0]] if step.recvs else None
+            out_msg = plan_mod.output_message(action, self.peers.pp_rank, self.topology)
+            if action.is_forward:
+                output = self.forward(action, incoming)
+                if not self.forward_only:
+                    self.stash[action.unit] = (incoming, output)
+                if out_msg is not None:
+                    self.outgoing[out_msg] = output
+                    if not self.forward_only:
+                        sent_outputs.append(output)
+            else:
+                input_tensor, output = self.stash.pop(action.unit)
+                grad = self.backward(action, input_tensor, output, incoming)
+                if out_msg is not None:
+                    self.outgoing[out_msg] = grad
+            if record is not None:
+                self.recorder.compute(start, action, index, len(self.stash))
+
+    def close(self) -> None:
+        self.run.close()
+        if self.stash or self.outgoing:
+            raise RuntimeError("Seq1F1B: units left over at the end of the schedule")
+
+
+def forward_backward(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Iterator | list | None,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: bool | None = False,
+    num_splits: int = 1,
+    partition: str = "uniform",
+    split_lengths=None,
+    recorder=None,
+) -> list:
+    """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options)."""
+    from megatron.core.pipeline_parallel.schedules import (
+        clear_embedding_activation_buffer,
+        finish_embedding_wgrad_compute,
+    )
+    from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+    chunks = chunks_of(model)
+    iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
+    config = get_model_config(chunks[0])
+    p2p_communicator, pg_collection = _process_groups(config, p2p_communicator, pg_collection)
+    pp_size, pp_rank = pg_collection.pp.size(), pg_collection.pp.rank()
+    effective_seq = decoder_seq_length if decoder_seq_length is not None else seq_length
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise_if([f"num_splits must be a positive integer, got {num_splits!r}"])
+    if partition not in METHODS:
+        raise_if([f"unknown partition {partition!r}; choose one of {METHODS}"])
+    try:
+        vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
+    except RuntimeError:
+        vocab_size = None
+    try:
+        lengths = resolve_lengths(num_splits, partition, split_lengths, effective_seq, config,
+                                  vocab_size)
+    except ValueError as exc:
+        raise_if([str(exc)])
+    if len(lengths) != num_splits:
+        raise_if([f"split_lengths has {len(lengths)} entries but num_splits is {num_splits}"])
+    raise_if(_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
+                       effective_seq, pp_size, adjust_tensor_shapes_fn, forward_only))
+    if len(chunks) > 1:
+        from megatron_seq1f1b.interleaved import interleaved_problems
+
+        raise_if(interleaved_problems(pp_size, num_microbatches, num_splits, len(chunks)))
+
+    if pp_size > 1:
+        _agree_across_stages(pg_collection.pp, num_microbatches, lengths, len(chunks),
+                             forward_only)
+    steps = rank_steps(pp_size, num_microbatches, num_splits, len(chunks), forward_only, pp_rank)
+    separate = pp_size == 2 and len(chunks) > 1
+    peers = Peers.build(p2p_communicator, config, separate_gradient_group=separate)
+    pipeline = _Pipeline(
+        forward_step_func=forward_step_func, chunks=chunks, iterators=iterators, config=config,
+        num_microbatches=num_microbatches, lengths=lengths, micro_batch_size=micro_batch_size,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, peers=peers, pg_collection=pg_collection, steps=steps,
+        recorder=recorder,
+    )
+
+    embedding_module = None
+    if config.finalize_model_grads_func is not None and not forward_only:
+        embedding_module = clear_embedding_activation_buffer(
+            config, chunks, is_pp_last_stage(pg_collection.pp)
+        )
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    param_sync = config.param_sync_func
+    if not forward_only and param_sync is not None and len(chunks) > 1:
+        funcs = param_sync if isinstance(param_sync, list) else [param_sync] * len(chunks)
+        for fn, chunk in zip(funcs, chunks):
+            fn(chunk.parameters())
+    if not forward_only:
+        pipeline.disable_grad_sync()
+    pipeline.execute()
+    if not forward_only and pipeline.no_sync_context is not None:
+        # Launch any remaining grad reductions (as Megatron does).
+        pipeline.enable_grad_sync()
+        funcs = pipeline.grad_sync_funcs()
+        if funcs is not None and len(chunks) == 1:
+            funcs[0](chunks[0].parameters())
+    pipeline.close()
+
+    if config.finalize_model_grads_func is not None and not forward_only:
+        finish_embedding_wgrad_compute(
+            config, embedding_module, is_pp_last_stage(pg_collection.pp), pg_collection.tp
+        )
+        config.finalize_model_grads_func(
+            chunks,
+            pipeline.total_num_tokens if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce,
+        )
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+    return pipeline.forward_data_store

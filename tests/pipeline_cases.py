@@ -1,0 +1,254 @@
+"""Executor cases beyond the reference grid (run in harness workers)."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import schedules
+
+import megatron_seq1f1b as s1
+from gpt import (
+    DataSpec,
+    ModelSpec,
+    build_chunks,
+    copy_weights,
+    forward_step,
+    init_parallel,
+    make_batches,
+    make_config,
+    reference,
+    tp_slice,
+    global_name,
+    unwrap,
+    wrap_ddp,
+)
+
+
+def _layout(model, data, pp, tp=1, sp=False, enable=False, ddp=None, per_token=False,
+            timeout_s=None, **cfg):
+    world = torch.distributed.get_world_size()
+    dp = world // (tp * pp)
+    batches = make_batches(model, data, count=data.num_microbatches * dp)
+    ref = reference(model, (data, dp), batches, per_token)
+    init_parallel(tp, pp, timeout_s=timeout_s)
+    config = make_config(model, tp=tp, pp=pp, sp=sp, calculate_per_token_loss=per_token, **cfg)
+    chunks = build_chunks(model, config)
+    copy_weights(chunks, ref, model)
+    if enable:
+        s1.enable(chunks)
+    models = wrap_ddp(chunks, config, **(ddp or {}))
+    m = data.num_microbatches
+    rank = parallel_state.get_data_parallel_rank()
+    return ref, config, models, batches[rank * m : (rank + 1) * m]
+
+
+def _run(fwd_bwd, models, batches, model, data, slicer=None, **kw):
+    return fwd_bwd(
+        forward_step_func=partial(forward_step, slicer=slicer),
+        data_iterator=iter(batches),
+        model=models[0],
+        num_microbatches=len(batches),
+        seq_length=model.seq_length,
+        micro_batch_size=data.micro_batch_size,
+        **kw,
+    )
+
+
+def bit_identical_k1(pp: int, model: ModelSpec, data: DataSpec) -> list[str]:
+    """Megatron's own schedule and ours with num_splits=1: exactly equal results."""
+    outcomes = []
+    for make in (schedules.get_forward_backward_func, lambda: s1.get_forward_backward_func(1)):
+        _, _, models, batches = _layout(model, data, pp)
+        store = _run(make(), models, batches, model, data)
+        grads = {n: p.main_grad.clone() for n, p in unwrap(models[0]).named_parameters()}
+        outcomes.append((grads, [e["lm loss"] for e in store]))
+    (grads_a, store_a), (grads_b, store_b) = outcomes
+    problems = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
+    if len(store_a) != len(store_b) or any(not torch.equal(a, b) for a, b in zip(store_a, store_b)):
+        problems.append("loss reports differ")
+    return problems
+
+
+def optimizer_step(pp: int, k: int, distributed: bool, model: ModelSpec, data: DataSpec) -> list[str]:
+    """One Adam step after Seq1F1B equals one step on the reference gradients.
+
+    eps = 1 makes the first Adam step ``lr * g / (|g| + 1)``: nearly linear in
+    the gradient, so wrong gradients show up in the parameters.
+    """
+    lr, eps = 0.1, 1.0
+    ddp = dict(use_distributed_optimizer=distributed, overlap_grad_reduce=True)
+    ref, config, models, batches = _layout(model, data, pp, enable=True, ddp=ddp)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=0.0, adam_eps=eps,
+                        use_distributed_optimizer=distributed, bf16=False, fp16=False),
+        models, use_gloo_process_groups=False,
+    )
+    optimizer.zero_grad()
+    _run(s1.get_forward_backward_func(k, "balanced"), models, batches, model, data,
+         slicer=s1.slice_batch)
+    success, _, _ = optimizer.step()
+    problems = [] if success else ["optimizer step reported failure"]
+    gpt = unwrap(models[0])
+    for name, param in gpt.named_parameters():
+        full = global_name(gpt, name, model)
+        grad = ref["grads"][full]
+        expected = tp_slice(param, ref["state"][full] - lr * grad / (grad.abs() + eps))
+        err = (param.detach() - expected).abs().max().item()
+        moved = (tp_slice(param, ref["state"][full]) - expected).abs().max().item()
+        if err > 1e-5 * max(moved, 1e-12):
+            problems.append(f"{name}: parameter after step off by {err:.2e} (step {moved:.2e})")
+    return problems
+
+
+def peak_and_iterator(pp: int, k: int, m: int, model: ModelSpec) -> dict:
+    """Live units during a real run, and how often the caller's iterator advanced."""
+    from megatron_seq1f1b.trace import TimelineRecorder
+
+    data = DataSpec(num_microbatches=m)
+    _, _, models, batches = _layout(model, data, pp, enable=True)
+    calls = []
+
+    def counting():
+        for batch in batches:
+            calls.append(1)
+            yield batch
+
+    recorder = TimelineRecorder()
+    source = counting()
+    fwd_bwd = s1.get_forward_backward_func(k, recorder=recorder)
+    fwd_bwd(
+        forward_step_func=partial(forward_step, slicer=s1.slice_batch), data_iterator=source,
+        model=models[0], num_microbatches=m, seq_length=model.seq_length, micro_batch_size=1,
+    )
+    record = recorder.last
+    return {
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "peak": record.peak_live_units,
+        "next_calls": len(calls),
+        "computed": [str(iv.action) for iv in record.compute],
+    }
+
+
+def forward_only(pp: int, k: int, model: ModelSpec, data: DataSpec) -> dict:
+    """Evaluation: loss reports equal the reference; non-loss data per segment."""
+    ref, _, models, batches = _layout(model, data, pp, enable=True)
+    fwd_bwd = s1.get_forward_backward_func(k)
+    store = _run(fwd_bwd, models, batches, model, data, slicer=s1.slice_batch, forward_only=True)
+    collected = fwd_bwd(
+        forward_step_func=_non_loss_step, data_iterator=iter(batches), model=models[0],
+        num_microbatches=len(batches), seq_length=model.seq_length,
+        micro_batch_size=data.micro_batch_size, forward_only=True, collect_non_loss_data=True,
+    )
+    grads = [p.main_grad.abs().sum().item() for p in models[0].parameters()]
+    result = {"pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "grad_sum": sum(grads)}
+    if parallel_state.is_pipeline_last_stage():
+        reports = torch.stack([e["lm loss"] for e in store]).view(-1, k, 2).sum(1)
+        result["loss_err"] = (reports - ref["reports"]).abs().max().item()
+        result["collected"] = len(collected)
+    return result
+
+
+def _non_loss_step(data_iterator, model):
+    batch = s1.slice_batch(next(data_iterator))
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+
+    def collect(out, non_loss_data=False):
+        assert non_loss_data
+        return {"logits_shape": tuple(out.shape)}
+
+    return output, collect
+
+
+def configuration_errors(model: ModelSpec) -> dict:
+    """Messages of configurations rejected before any communication."""
+    data = DataSpec(num_microbatches=2)
+    out = {}
+
+    def attempt(name, fb, models, batches, **kw):
+        start = time.monotonic()
+        try:
+            _run(fb, models, batches, model, data, slicer=s1.slice_batch, **kw)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+        else:
+            out[name] = (None, time.monotonic() - start)
+
+    _, config, models, batches = _layout(model, data, 2)
+    attempt("not_enabled", s1.get_forward_backward_func(2), models, batches)
+    attempt("lengths_sum", s1.get_forward_backward_func(2, split_lengths=[10, 10]), models, batches)
+    attempt("adjust_shapes", s1.get_forward_backward_func(1), models, batches,
+            adjust_tensor_shapes_fn=lambda r, s: (r, s))
+    config.variable_seq_lengths = True
+    attempt("variable_seq_lengths", s1.get_forward_backward_func(1), models, batches)
+    config.variable_seq_lengths = False
+    config.overlap_p2p_comm, config.batch_p2p_comm = True, False
+    attempt("overlap_p2p", s1.get_forward_backward_func(1), models, batches)
+    config.overlap_p2p_comm, config.batch_p2p_comm = False, True
+
+    _, config, models, batches = _layout(model, data, 1, tp=2, sp=True, enable=True)
+    attempt("sp_divisibility", s1.get_forward_backward_func(2, split_lengths=[17, 15]), models,
+            batches)
+
+    _, config, models, batches = _layout(model, data, 2, enable=True)
+
+    def two_tuple_step(data_iterator, m):
+        output, loss_func = forward_step(data_iterator, m, slicer=s1.slice_batch)
+        return output, lambda out: loss_func(out)[::2]
+
+    start = time.monotonic()
+    try:
+        s1.get_forward_backward_func(2)(
+            forward_step_func=two_tuple_step, data_iterator=iter(batches), model=models[0],
+            num_microbatches=2, seq_length=model.seq_length, micro_batch_size=1,
+        )
+        out["two_tuple_loss"] = (None, time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001
+        out["two_tuple_loss"] = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+    return out
+
+
+def schedule_disagreement(model: ModelSpec) -> dict:
+    """Stages with different segment lengths fail before any p2p message."""
+    data = DataSpec(num_microbatches=2)
+    _, _, models, batches = _layout(model, data, 2, enable=True)
+    lengths = [16, 16] if torch.distributed.get_rank() == 0 else [20, 12]
+    start = time.monotonic()
+    try:
+        _run(s1.get_forward_backward_func(2, split_lengths=lengths), models, batches, model, data,
+             slicer=s1.slice_batch)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def p2p_lost_message(model: ModelSpec, timeout_s: float) -> dict:
+    """Stage 0 never sends one activation: both stages fail within the timeout."""
+    from megatron_seq1f1b import executor
+    from megatron_seq1f1b.plan import Step
+
+    data = DataSpec(num_microbatches=2)
+    _, _, models, batches = _layout(model, data, 2, enable=True, timeout_s=timeout_s)
+    original = executor.rank_steps
+
+    def lossy(*args):
+        steps = list(original(*args))
+        if torch.distributed.get_rank() == 0:
+            # Drop the last activation sent (micro-batch 1, segment 1): dropping an
+            # earlier one would shift every later message on the link instead.
+            steps = [Step(tuple(m for m in st.sends if (m.microbatch, m.segment) != (1, 1)),
+                          st.recvs, st.action) for st in steps]
+        return tuple(steps)
+
+    executor.rank_steps = lossy
+    start = time.monotonic()
+    try:
+        _run(s1.get_forward_backward_func(2), models, batches, model, data, slicer=s1.slice_batch)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    finally:
+        executor.rank_steps = original
+    return {"error": None, "seconds": time.monotonic() - start}

@@ -1,0 +1,151 @@
+"""Seq1F1B forward-backward (non-interleaved) against no-pipelining training."""
+
+import pytest
+
+from gpt import DataSpec, ModelSpec, run_layout
+
+ROPE = ModelSpec()
+LEARNED = ModelSpec(position_embedding_type="learned_absolute")
+
+
+def _check(results):
+    problems = [f"rank {r['rank']}: {p}" for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert any(r["entries"] for r in results), "no rank reported losses"
+
+
+GRID = [
+    (pp, k, partition, mbs)
+    for pp in (1, 2, 4)
+    for k in (1, 2, 3, 4)
+    for partition in ("uniform", "balanced")
+    for mbs in (1, 2)
+    if not (k == 1 and partition == "balanced")
+]
+
+
+@pytest.mark.parametrize("pp,k,partition,mbs", GRID)
+def test_seq1f1b_equals_no_pipelining(ranks, pp, k, partition, mbs):
+    results = ranks.run(
+        pp, run_layout, case=f"pp{pp}-k{k}-{partition}-mbs{mbs}", model=ROPE,
+        data=DataSpec(num_microbatches=3, micro_batch_size=mbs), pp=pp,
+        seq1f1b=dict(num_splits=k, partition=partition),
+    )
+    _check(results)
+
+
+import pipeline_cases as cases  # noqa: E402
+from megatron_seq1f1b.schedule import build_schedule  # noqa: E402
+from megatron_seq1f1b.simulate import simulate  # noqa: E402
+
+
+@pytest.mark.parametrize("pp,m", [(4, 1), (4, 2), (2, 1)])
+def test_fewer_microbatches_than_stages(ranks, pp, m):
+    results = ranks.run(pp, run_layout, case=f"small-m-pp{pp}-m{m}", model=ROPE,
+                        data=DataSpec(num_microbatches=m), pp=pp,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("model", [ROPE, LEARNED], ids=["rope", "learned"])
+def test_positions_and_per_token_loss(ranks, per_token, model):
+    results = ranks.run(2, run_layout, case=f"pos-{model.position_embedding_type}-{per_token}",
+                        model=model, data=DataSpec(num_microbatches=3), pp=2, per_token=per_token,
+                        seq1f1b=dict(num_splits=4, partition="balanced"))
+    _check(results)
+
+
+def test_tp2_pp2_sequence_parallel(ranks):
+    results = ranks.run(4, run_layout, case="tp2-pp2-sp", model=ModelSpec(num_query_groups=2),
+                        data=DataSpec(num_microbatches=3), tp=2, pp=2, sp=True,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
+def test_dp2_pp2_ddp_overlap_grad_reduce(ranks):
+    results = ranks.run(4, run_layout, case="dp2-pp2-ddp", model=ROPE,
+                        data=DataSpec(num_microbatches=3), pp=2,
+                        ddp=dict(overlap_grad_reduce=True),
+                        seq1f1b=dict(num_splits=2, partition="balanced"))
+    _check(results)
+
+
+def test_tied_embeddings_and_kept_outputs(ranks):
+    results = ranks.run(4, run_layout, case="tied-no-dealloc",
+                        model=ModelSpec(tied_embeddings=True), data=DataSpec(num_microbatches=2),
+                        pp=4, config_overrides=dict(deallocate_pipeline_outputs=False),
+                        seq1f1b=dict(num_splits=3, partition="uniform"))
+    _check(results)
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["ddp", "distributed-optimizer"])
+def test_optimizer_step_matches_reference(ranks, distributed):
+    results = ranks.run(4, cases.optimizer_step, case=f"optimizer-{distributed}", pp=2, k=2,
+                        distributed=distributed, model=ROPE, data=DataSpec(num_microbatches=2))
+    assert not [p for r in results for p in r], results
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_one_split_is_bit_identical_to_megatron(ranks, pp):
+    results = ranks.run(pp, cases.bit_identical_k1, case=f"bitwise-pp{pp}", pp=pp, model=ROPE,
+                        data=DataSpec(num_microbatches=4))
+    assert not [p for r in results for p in r], results
+
+
+@pytest.mark.parametrize("pp,k,m", [(4, 4, 4), (4, 2, 1), (2, 3, 5)])
+def test_live_activations_peak_where_simulated(ranks, pp, k, m):
+    results = ranks.run(pp, cases.peak_and_iterator, case=f"peak-{pp}-{k}-{m}", pp=pp, k=k, m=m,
+                        model=ROPE)
+    schedule = build_schedule(pp, m, k)
+    expected = simulate(schedule).peak_inflight
+    for r in results:
+        assert r["peak"] == expected[r["pp_rank"]], (r, expected)
+        assert r["computed"] == [str(a) for a in schedule[r["pp_rank"]]]
+        assert r["next_calls"] == m  # the caller's iterator advanced once per micro-batch
+
+
+def test_forward_only_evaluation(ranks):
+    results = ranks.run(2, cases.forward_only, case="forward-only", pp=2, k=3, model=ROPE,
+                        data=DataSpec(num_microbatches=3))
+    for r in results:
+        assert r["grad_sum"] == 0.0
+        if "loss_err" in r:
+            assert r["loss_err"] < 1e-4 and r["collected"] == 3 * 3
+
+
+def test_bad_configurations_fail_fast_with_their_rule(ranks):
+    results = ranks.run(2, cases.configuration_errors, case="config-errors", model=ROPE)
+    expected = {
+        "not_enabled": "call megatron_seq1f1b.enable(model)",
+        "lengths_sum": "sum to 20, not the sequence length 32",
+        "adjust_shapes": "adjust_tensor_shapes_fn",
+        "variable_seq_lengths": "variable_seq_lengths=True",
+        "overlap_p2p": "overlap_p2p_comm needs model chunks",
+        "sp_divisibility": "divisible by the tensor-parallel size 2",
+    }
+    for r in results:
+        for name, fragment in expected.items():
+            message, seconds = r[name]
+            assert message is not None and fragment in message, (name, message)
+            assert "ConfigError" in message and seconds < 2, (name, seconds)
+    # Only the last stage sees the loss; its neighbour fails on the broken link, fast.
+    last, first = results[1]["two_tuple_loss"], results[0]["two_tuple_loss"]
+    assert "Return Megatron's triple" in last[0], last
+    assert first[0] is not None and first[1] < 30, first
+
+
+def test_stages_with_different_schedules_are_rejected_before_p2p(ranks):
+    results = ranks.run(2, cases.schedule_disagreement, case="disagree", model=ROPE)
+    for r in results:
+        assert r["error"] and "ConfigError" in r["error"] and "pipeline stages [1]" in r["error"], r
+        assert r["seconds"] < 5, r
+
+
+def test_lost_p2p_message_raises_naming_rank_and_action_instead_of_hanging(ranks):
+    results = ranks.run(2, cases.p2p_lost_message, case="lost-message", model=ROPE, timeout_s=4)
+    waiting = results[1]
+    assert waiting["error"] and "PipelineCommError" in waiting["error"], results
+    assert "rank 1 (pipeline stage 1)" in waiting["error"], waiting
+    assert "receive act 1.1 0->1" in waiting["error"] and "before F1.1" in waiting["error"], waiting
+    assert all(r["seconds"] < 30 for r in results), results
