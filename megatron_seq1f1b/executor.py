@@ -86,16 +86,18 @@ class SegmentData:
         self._batches.pop(microbatch, None)
 
 
-@functools.lru_cache(maxsize=256)
-def rank_steps(
+@functools.lru_cache(maxsize=64)
+def pipeline_steps(
     num_stages: int, num_microbatches: int, num_splits: int, num_chunks: int, forward_only: bool,
-    rank: int,
 ) -> tuple:
-    """This rank's steps (pure function of the sizes; cached across iterations)."""
+    """Every rank's steps (a pure function of the sizes; cached across iterations)."""
     schedule = build_schedule(num_stages, num_microbatches, num_splits, num_chunks,
                               forward_only=forward_only)
-    topology = plan_mod.Topology(num_stages, num_chunks)
-    return tuple(plan_mod.plan_rank(schedule[rank], rank, topology))
+    return tuple(tuple(rank) for rank in plan_mod.plan_steps(schedule, num_chunks))
+
+
+def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only, rank) -> tuple:
+    return pipeline_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only)[rank]
 
 
 def resolve_lengths(num_splits, partition, split_lengths, seq_length, config, vocab_size):
@@ -236,6 +238,7 @@ class _Pipeline:
         self.losses: dict[tuple[int, int], _MicrobatchLoss] = {}
         self.stash: dict[tuple[int, int, int], tuple] = {}
         self.outgoing: dict = {}
+        self.inbox: dict = {}  # received tensors waiting for their unit
         self.no_sync_context = None
         self.forwards_done = 0
         cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
@@ -253,18 +256,16 @@ class _Pipeline:
     def _last_backward_units(self) -> set:
         last = {}
         for step in self.steps:
-            if step.action is not None and not step.action.is_forward:
-                last[step.action.chunk] = step.action
+            for action in step.actions:
+                if not action.is_forward:
+                    last[action.chunk] = action
         return set(last.values())
 
     def _checkpoint_window(self) -> int | None:
         if self.config.num_microbatches_with_partial_activation_checkpoints is None:
             return None
-        warmup = 0
-        for step in self.steps:
-            if step.action is None or not step.action.is_forward:
-                break
-            warmup += 1
+        actions = [a for step in self.steps for a in step.actions]
+        warmup = next((i for i, a in enumerate(actions) if not a.is_forward), len(actions))
         return warmup + 1 if not self.forward_only else None
 
     def make_buffer(self, message: plan_mod.Message) -> torch.Tensor:
@@ -401,37 +402,36 @@ class _Pipeline:
         sent_outputs = []
         for index, step in enumerate(self.steps):
             start = self.recorder.now() if record is not None else 0.0
-            received = exchange(step, index, self.peers, self.outgoing, self.make_buffer)
+            self.inbox.update(exchange(step, index, self.peers, self.outgoing, self.make_buffer))
             if record is not None and (step.sends or step.recvs):
                 self.recorder.wait(start, index)
             for output in sent_outputs:
                 deallocate_output_tensor(output, deallocate)
             sent_outputs = []
-            action = step.action
-            if action is None:
-                continue
-            start = self.recorder.now() if record is not None else 0.0
-            incoming = received[step.recvs[0]] if step.recvs else None
-            out_msg = plan_mod.output_message(action, self.peers.pp_rank, self.topology)
-            if action.is_forward:
-                output = self.forward(action, incoming)
-                if not self.forward_only:
-                    self.stash[action.unit] = (incoming, output)
-                if out_msg is not None:
-                    self.outgoing[out_msg] = output
+            for action in step.actions:
+                start = self.recorder.now() if record is not None else 0.0
+                message = plan_mod.input_message(action, self.peers.pp_rank, self.topology)
+                incoming = self.inbox.pop(message) if message is not None else None
+                out_msg = plan_mod.output_message(action, self.peers.pp_rank, self.topology)
+                if action.is_forward:
+                    output = self.forward(action, incoming)
                     if not self.forward_only:
-                        sent_outputs.append(output)
-            else:
-                input_tensor, output = self.stash.pop(action.unit)
-                grad = self.backward(action, input_tensor, output, incoming)
-                if out_msg is not None:
-                    self.outgoing[out_msg] = grad
-            if record is not None:
-                self.recorder.compute(start, action, index, len(self.stash))
+                        self.stash[action.unit] = (incoming, output)
+                    if out_msg is not None:
+                        self.outgoing[out_msg] = output
+                        if not self.forward_only:
+                            sent_outputs.append(output)
+                else:
+                    input_tensor, output = self.stash.pop(action.unit)
+                    grad = self.backward(action, input_tensor, output, incoming)
+                    if out_msg is not None:
+                        self.outgoing[out_msg] = grad
+                if record is not None:
+                    self.recorder.compute(start, action, index, len(self.stash))
 
     def close(self) -> None:
         self.run.close()
-        if self.stash or self.outgoing:
+        if self.stash or self.outgoing or self.inbox:
             raise RuntimeError("Seq1F1B: units left over at the end of the schedule")
 
 
@@ -496,8 +496,7 @@ def forward_backward(
         _agree_across_stages(pg_collection.pp, num_microbatches, lengths, len(chunks),
                              forward_only)
     steps = rank_steps(pp_size, num_microbatches, num_splits, len(chunks), forward_only, pp_rank)
-    separate = pp_size == 2 and len(chunks) > 1
-    peers = Peers.build(p2p_communicator, config, separate_gradient_group=separate)
+    peers = Peers.build(p2p_communicator, config)
     pipeline = _Pipeline(
         forward_step_func=forward_step_func, chunks=chunks, iterators=iterators, config=config,
         num_microbatches=num_microbatches, lengths=lengths, micro_batch_size=micro_batch_size,

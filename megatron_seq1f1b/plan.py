@@ -1,12 +1,19 @@
 """Point-to-point messages implied by a schedule, grouped into steps.
 
 Every rank runs a list of :class:`Step`: post one batch of sends and
-receives, wait for all of them, then compute one action. The batch holds the
-output of the previous action (activation to the next stage after a forward,
-input gradient to the previous stage after a backward) and the input of the
-next action. Posting each send together with the next receive is Megatron's
-``send_forward_recv_backward`` / ``send_backward_recv_forward`` pattern: two
-neighbours that both send first and receive later cannot block each other.
+receives, wait for all of them, then compute the step's actions (a *slot*).
+
+* Slots. Non-interleaved schedules compute one action per slot (Megatron's
+  1F1B pattern). Interleaved schedules pair each steady-state forward with
+  the backward after it (Megatron's interleaved pattern): all ranks then
+  alternate "compute F and B, exchange once", which keeps neighbours in phase.
+* Sends go out in the step after the slot that produced them.
+* Receives are posted in the step that is running when the sender posts,
+  read off a dataflow timing of the schedule (forward 1, backward 2 per
+  unit), and never later than the slot that consumes them. Usually that is
+  the step just before the consumer; on the wrap-around link of interleaved
+  schedules (last stage, chunk c -> first stage, chunk c+1) the receiver
+  posts earlier and keeps the tensor until its slot comes, as Megatron does.
 
 The executor runs exactly these steps; the validator replays them with
 rendezvous semantics (a send completes only when the peer posted the matching
@@ -15,17 +22,17 @@ receive, as with NCCL), so a plan that validates cannot deadlock on GPUs.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
-from megatron_seq1f1b.schedule import Action, schedule_shape
+from megatron_seq1f1b.schedule import Action, DeadlockError, schedule_shape
 
 ACTIVATION = "act"
 GRADIENT = "grad"
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """One tensor between two ranks, named by the unit that consumes it."""
 
     kind: str  # ACTIVATION (forward direction) or GRADIENT (backward direction)
@@ -42,11 +49,16 @@ class Message:
 
 @dataclass(frozen=True)
 class Step:
-    """Post ``sends`` and ``recvs`` as one batch, wait, then run ``action`` (if any)."""
+    """Post ``sends`` and ``recvs`` as one batch, wait, then run ``actions`` in order."""
 
     sends: tuple[Message, ...]
     recvs: tuple[Message, ...]
-    action: Action | None
+    actions: tuple[Action, ...]
+
+    def describe(self) -> str:
+        if not self.actions:
+            return "final sends"
+        return "before " + " ".join(str(a) for a in self.actions)
 
 
 @dataclass(frozen=True)
@@ -94,26 +106,153 @@ def output_message(action: Action, rank: int, topo: Topology) -> Message | None:
     return Message(GRADIENT, action.microbatch, action.segment, chunk, rank, dst)
 
 
-def plan_rank(actions: Sequence[Action], rank: int, topo: Topology) -> list[Step]:
+Slot = tuple[Action, ...]
+
+
+def slots_of(actions: Sequence[Action], warmup: int | None = None) -> list[Slot]:
+    """Cut a rank's actions into slots.
+
+    With ``warmup=None`` every action is its own slot. Otherwise the first
+    ``warmup`` forwards are single slots and each later forward is paired
+    with the backward right after it (steady state); the rest are single.
+    """
+    if warmup is None:
+        return [(a,) for a in actions]
+    slots, i, forwards = [], 0, 0
+    while i < len(actions):
+        action = actions[i]
+        if (action.is_forward and forwards >= warmup and i + 1 < len(actions)
+                and not actions[i + 1].is_forward):
+            slots.append((action, actions[i + 1]))
+            i += 2
+        else:
+            slots.append((action,))
+            i += 1
+        forwards += action.is_forward
+    return slots
+
+
+def _unit_cost(action: Action) -> float:
+    return 1.0 if action.is_forward else 2.0
+
+
+def _slot_messages(slots, topo):
+    """Inputs and outputs of every slot, computed once."""
+    inputs = [[[m for m in (input_message(a, r, topo) for a in slot) if m] for slot in rank]
+              for r, rank in enumerate(slots)]
+    outputs = [[[m for m in (output_message(a, r, topo) for a in slot) if m] for slot in rank]
+               for r, rank in enumerate(slots)]
+    return inputs, outputs
+
+
+def dataflow_timing(
+    slots: Sequence[Sequence[Slot]], topo: Topology, cost: Callable[[Action], float] = _unit_cost
+) -> tuple[list[list[float]], dict[Message, float]]:
+    """Start time of every slot and send time of every message, if sends never wait.
+
+    Raises DeadlockError if the compute order itself cannot finish (a slot
+    waits for a message that is only produced after it).
+    """
+    inputs, outputs = _slot_messages(slots, topo)
+    produced: dict[Message, float] = {}
+    starts: list[list[float]] = [[] for _ in slots]
+    clock = [0.0] * len(slots)
+    position = [0] * len(slots)
+    remaining = sum(len(s) for s in slots)
+    while remaining:
+        progressed = False
+        for rank, rank_slots in enumerate(slots):
+            t = position[rank]
+            while t < len(rank_slots):
+                needed = inputs[rank][t]
+                if any(m not in produced for m in needed):
+                    break
+                start = max([clock[rank]] + [produced[m] for m in needed])
+                end = start + sum(cost(a) for a in rank_slots[t])
+                for out in outputs[rank][t]:
+                    produced[out] = end
+                starts[rank].append(start)
+                clock[rank] = end
+                t += 1
+                remaining -= 1
+                progressed = True
+            position[rank] = t
+        if not progressed:
+            raise DeadlockError(_stuck_report(slots, position, produced, topo))
+    return starts, produced
+
+
+def _stuck_report(slots, position, produced, topo) -> str:
+    lines = ["deadlock: the compute order cannot finish"]
+    for rank, rank_slots in enumerate(slots):
+        if position[rank] >= len(rank_slots):
+            lines.append(f"  rank {rank}: finished")
+            continue
+        slot = rank_slots[position[rank]]
+        missing = [m for m in (input_message(a, rank, topo) for a in slot) if m and m not in produced]
+        where = " ".join(str(a) for a in slot)
+        lines.append(f"  rank {rank} before {where} waits for rank {missing[0].src} to send "
+                     f"{missing[0]}" if missing else f"  rank {rank} before {where}")
+    return "\n".join(lines)
+
+
+def plan_slots(slots: Sequence[Sequence[Slot]], topo: Topology) -> list[list[Step]]:
+    """Steps of every rank for the given slots (see the module docstring)."""
+    starts, produced = dataflow_timing(slots, topo)
+    consumer: dict[Message, int] = {}
+    for rank, rank_slots in enumerate(slots):
+        for t, slot in enumerate(rank_slots):
+            for action in slot:
+                msg = input_message(action, rank, topo)
+                if msg is not None:
+                    consumer[msg] = t
+    recvs: list[list[list[Message]]] = [[[] for _ in s] for s in slots]
+    # In send-time order, so every link's receives stay in its sends' order.
+    for msg, sent_at in _keyed(produced):
+        step = min(bisect.bisect_left(starts[msg.dst], sent_at), consumer[msg])
+        recvs[msg.dst][step].append(msg)
     steps = []
-    pending: Message | None = None
-    for action in actions:
-        recv = input_message(action, rank, topo)
-        steps.append(Step(_opt(pending), _opt(recv), action))
-        pending = output_message(action, rank, topo)
-    if pending is not None:
-        steps.append(Step((pending,), (), None))
+    for rank, rank_slots in enumerate(slots):
+        rank_steps, pending = [], ()
+        for t, slot in enumerate(rank_slots):
+            rank_steps.append(Step(pending, tuple(recvs[rank][t]), slot))
+            pending = tuple(m for m in (output_message(a, rank, topo) for a in slot) if m)
+        if pending:
+            rank_steps.append(Step(pending, (), ()))
+        steps.append(rank_steps)
     return steps
 
 
+def _keyed(produced: dict[Message, float]):
+    """(message, time) pairs in time order, ties broken the same way in every process."""
+    return sorted(produced.items(), key=lambda item: (item[1], item[0]))
+
+
 def plan_steps(
-    schedule: Sequence[Sequence[Action]], num_model_chunks: int | None = None
+    schedule: Sequence[Sequence[Action]],
+    num_model_chunks: int | None = None,
+    warmups: Sequence[int] | None = None,
 ) -> list[list[Step]]:
-    """Steps of every rank (pass `num_model_chunks` when a chunk may have no actions)."""
-    num_stages, _, _, chunks = schedule_shape(schedule)
+    """Steps of every rank. Interleaved schedules pair steady-state (F, B) slots.
+
+    ``warmups`` (forwards before the steady state, per rank) default to the
+    interleaved builder's when there are several model chunks.
+    """
+    num_stages, m, k, chunks = schedule_shape(schedule)
     topo = Topology(num_stages, num_model_chunks or max(chunks, 1))
-    return [plan_rank(actions, rank, topo) for rank, actions in enumerate(schedule)]
+    if warmups is None and topo.num_model_chunks > 1:
+        from megatron_seq1f1b.interleaved import warmup_forwards
+
+        has_backward = any(not a.is_forward for rank in schedule for a in rank)
+        if has_backward:
+            warmups = [warmup_forwards(num_stages, m, k, topo.num_model_chunks, r)
+                       for r in range(num_stages)]
+    slots = [slots_of(actions, None if warmups is None else warmups[rank])
+             for rank, actions in enumerate(schedule)]
+    return plan_slots(slots, topo)
 
 
-def _opt(message: Message | None) -> tuple[Message, ...]:
-    return () if message is None else (message,)
+__all__ = [
+    "ACTIVATION", "GRADIENT", "Message", "Step", "Topology", "input_message", "output_message",
+    "slots_of", "dataflow_timing", "plan_slots", "plan_steps",
+]

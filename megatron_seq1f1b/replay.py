@@ -13,15 +13,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_seq1f1b.plan import Message, Step
-from megatron_seq1f1b.schedule import Action
+from megatron_seq1f1b.schedule import Action, DeadlockError, ScheduleError
 
-
-class ScheduleError(ValueError):
-    """A schedule (or its communication plan) is invalid; the message says where."""
-
-
-class DeadlockError(ScheduleError):
-    """No rank can make progress."""
+__all__ = ["ScheduleError", "DeadlockError", "Interval", "Timeline", "replay", "index_messages"]
 
 
 @dataclass(frozen=True)
@@ -51,9 +45,7 @@ CostFn = Callable[[Action, int], float]
 
 
 def _describe(step: Step | None) -> str:
-    if step is None:
-        return "the end"
-    return f"before {step.action}" if step.action is not None else "final sends"
+    return "the end" if step is None else step.describe()
 
 
 def index_messages(steps: Sequence[Sequence[Step]]) -> tuple[dict, dict]:
@@ -129,9 +121,9 @@ def replay(
                 if done > now:
                     timeline.waits[rank].append(Interval(rank, now, done, None, i))
                 end = done
-                if step.action is not None:
-                    end = done + cost(step.action, rank)
-                    timeline.compute[rank].append(Interval(rank, done, end, step.action, i))
+                for action in step.actions:
+                    start, end = end, end + cost(action, rank)
+                    timeline.compute[rank].append(Interval(rank, start, end, action, i))
                 arrival[rank].append(end)
                 position[rank] += 1
                 remaining -= 1

@@ -20,16 +20,26 @@ Interleaved Seq1F1B (``num_model_chunks == v > 1``) lives in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 FORWARD = "F"
 BACKWARD = "B"
 
 
-@dataclass(frozen=True)
-class Action:
-    """Forward or backward of one (micro-batch, segment, model chunk) unit."""
+class ScheduleError(ValueError):
+    """A schedule (or its communication plan) is invalid; the message says where."""
+
+
+class DeadlockError(ScheduleError):
+    """No rank can make progress."""
+
+
+class Action(NamedTuple):
+    """Forward or backward of one (micro-batch, segment, model chunk) unit.
+
+    A named tuple: hashing and comparison run in C, which the validator and
+    simulator lean on (millions of lookups for large schedules).
+    """
 
     kind: str
     microbatch: int
@@ -48,7 +58,8 @@ class Action:
         text = f"{self.kind}{self.microbatch}.{self.segment}"
         return f"{text}c{self.chunk}" if self.chunk else text
 
-    __repr__ = __str__
+    def __repr__(self) -> str:
+        return str(self)
 
     @classmethod
     def parse(cls, text: str) -> "Action":

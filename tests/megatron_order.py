@@ -105,3 +105,60 @@ def record_1f1b(num_stages: int, num_microbatches: int) -> list[list[str]]:
         )
         orders.append(order)
     return orders
+
+
+class FakeInterleavedP2P(FakeP2P):
+    """The extra calls Megatron's interleaved schedule makes (batched, no overlap)."""
+
+    @staticmethod
+    def _act(recv):
+        return torch.zeros(1, requires_grad=True) if recv else None
+
+    def send_forward_recv_forward(self, output_tensor, recv_prev, tensor_shape,
+                                  overlap_p2p_comm=False):
+        return self._act(recv_prev)
+
+    def send_backward_recv_backward(self, input_tensor_grad, recv_next, tensor_shape,
+                                    overlap_p2p_comm=False):
+        return torch.ones(1) if recv_next else None
+
+    def send_forward_backward_recv_forward_backward(self, output_tensor, input_tensor_grad,
+                                                    recv_prev, recv_next, tensor_shape):
+        return self._act(recv_prev), (torch.ones(1) if recv_next else None)
+
+
+def record_interleaved(num_stages: int, num_microbatches: int, num_chunks: int) -> list[list[str]]:
+    """Megatron's interleaved 1F1B order per rank, as 'F3c1' / 'B0c0' strings."""
+    orders = []
+    for rank in range(num_stages):
+        config = TransformerConfig(
+            num_layers=num_stages * num_chunks, hidden_size=8, num_attention_heads=1,
+            pipeline_model_parallel_size=num_stages,
+            virtual_pipeline_model_parallel_size=num_chunks, pipeline_dtype=torch.float32,
+            deallocate_pipeline_outputs=False,
+        )
+        order: list[str] = []
+
+        def forward_step(data_iterator, model, order=order):
+            mb, chunk = next(data_iterator)
+            leaf = torch.ones(1, requires_grad=True)
+            leaf.register_hook(lambda grad, tag=f"B{mb}c{chunk}": order.append(tag))
+            order.append(f"F{mb}c{chunk}")
+            return leaf * 2, lambda output: (output.sum(), {"loss": output.detach()})
+
+        group = FakeGroup(0, 1)
+        pgs = SimpleNamespace(tp=group, cp=group, embd=None, pos_embd=None,
+                              pp=FakeGroup(rank, num_stages), dp_cp=group)
+        schedules.forward_backward_pipelining_with_interleaving(
+            forward_step_func=forward_step,
+            data_iterator=[iter([(mb, c) for mb in range(num_microbatches)])
+                           for c in range(num_chunks)],
+            model=[Probe(config) for _ in range(num_chunks)],
+            num_microbatches=num_microbatches,
+            seq_length=1,
+            micro_batch_size=1,
+            p2p_communicator=FakeInterleavedP2P(rank, num_stages, config),
+            pg_collection=pgs,
+        )
+        orders.append(order)
+    return orders

@@ -29,13 +29,14 @@ from gpt import (
 
 
 def _layout(model, data, pp, tp=1, sp=False, enable=False, ddp=None, per_token=False,
-            timeout_s=None, **cfg):
+            timeout_s=None, vpp=None, **cfg):
     world = torch.distributed.get_world_size()
     dp = world // (tp * pp)
     batches = make_batches(model, data, count=data.num_microbatches * dp)
     ref = reference(model, (data, dp), batches, per_token)
-    init_parallel(tp, pp, timeout_s=timeout_s)
-    config = make_config(model, tp=tp, pp=pp, sp=sp, calculate_per_token_loss=per_token, **cfg)
+    init_parallel(tp, pp, vpp, timeout_s=timeout_s)
+    config = make_config(model, tp=tp, pp=pp, vpp=vpp, sp=sp, calculate_per_token_loss=per_token,
+                         **cfg)
     chunks = build_chunks(model, config)
     copy_weights(chunks, ref, model)
     if enable:
@@ -47,10 +48,11 @@ def _layout(model, data, pp, tp=1, sp=False, enable=False, ddp=None, per_token=F
 
 
 def _run(fwd_bwd, models, batches, model, data, slicer=None, **kw):
+    many = len(models) > 1
     return fwd_bwd(
         forward_step_func=partial(forward_step, slicer=slicer),
-        data_iterator=iter(batches),
-        model=models[0],
+        data_iterator=[iter(batches) for _ in models] if many else iter(batches),
+        model=models if many else models[0],
         num_microbatches=len(batches),
         seq_length=model.seq_length,
         micro_batch_size=data.micro_batch_size,
@@ -58,13 +60,14 @@ def _run(fwd_bwd, models, batches, model, data, slicer=None, **kw):
     )
 
 
-def bit_identical_k1(pp: int, model: ModelSpec, data: DataSpec) -> list[str]:
+def bit_identical_k1(pp: int, model: ModelSpec, data: DataSpec, vpp=None) -> list[str]:
     """Megatron's own schedule and ours with num_splits=1: exactly equal results."""
     outcomes = []
     for make in (schedules.get_forward_backward_func, lambda: s1.get_forward_backward_func(1)):
-        _, _, models, batches = _layout(model, data, pp)
+        _, _, models, batches = _layout(model, data, pp, vpp=vpp)
         store = _run(make(), models, batches, model, data)
-        grads = {n: p.main_grad.clone() for n, p in unwrap(models[0]).named_parameters()}
+        grads = {f"{i}.{n}": p.main_grad.clone() for i, m in enumerate(models)
+                 for n, p in unwrap(m).named_parameters()}
         outcomes.append((grads, [e["lm loss"] for e in store]))
     (grads_a, store_a), (grads_b, store_b) = outcomes
     problems = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
@@ -240,7 +243,7 @@ def p2p_lost_message(model: ModelSpec, timeout_s: float) -> dict:
             # Drop the last activation sent (micro-batch 1, segment 1): dropping an
             # earlier one would shift every later message on the link instead.
             steps = [Step(tuple(m for m in st.sends if (m.microbatch, m.segment) != (1, 1)),
-                          st.recvs, st.action) for st in steps]
+                          st.recvs, st.actions) for st in steps]
         return tuple(steps)
 
     executor.rank_steps = lossy

@@ -2,8 +2,8 @@
 
 import pytest
 
-from megatron_seq1f1b.plan import plan_steps
-from megatron_seq1f1b.replay import DeadlockError, ScheduleError
+from megatron_seq1f1b.plan import ACTIVATION, GRADIENT, Message, Step, plan_steps
+from megatron_seq1f1b.replay import DeadlockError, ScheduleError, replay
 from megatron_seq1f1b.schedule import (
     B, F, Action, build_schedule, format_schedule, parse_schedule,
 )
@@ -96,8 +96,21 @@ def test_validator_reports_deadlock_with_ranks_and_messages():
     with pytest.raises(DeadlockError) as info:
         validate(schedule)
     text = str(info.value)
-    assert "rank 0 at step 1 (before B0.0) waits for rank 1 to send grad 0.0 1->0" in text
-    assert "rank 1 at step 1 (before F1.0) waits for rank 0 to send act 1.0 0->1" in text
+    assert "rank 0 before B0.0 waits for rank 1 to send grad 0.0 1->0" in text
+    assert "rank 1 before F1.0 waits for rank 0 to send act 1.0 0->1" in text
+
+
+def test_rendezvous_replay_reports_send_send_deadlock():
+    # Both ranks send before they receive, in separate steps: with NCCL-like
+    # rendezvous neither send can complete.
+    a = Message(ACTIVATION, 0, 0, 0, src=0, dst=1)
+    g = Message(GRADIENT, 0, 0, 0, src=1, dst=0)
+    steps = [[Step((a,), (), ()), Step((), (g,), ())], [Step((g,), (), ()), Step((), (a,), ())]]
+    with pytest.raises(DeadlockError) as info:
+        replay(steps)
+    text = str(info.value)
+    assert "rank 0 at step 0 (final sends) waits for rank 1 to receive act 0.0 0->1" in text
+    assert "(rank 1 is at step 0, final sends)" in text
 
 
 def test_link_order_check_catches_reordered_receives():
@@ -105,8 +118,8 @@ def test_link_order_check_catches_reordered_receives():
     # Receiver swaps the order of its two receives: replay by name would succeed,
     # a real transport would put micro-batch 1's data into micro-batch 0.
     r1 = steps[1]
-    steps[1] = [r1[1].__class__(r1[0].sends, r1[1].recvs, r1[0].action),
-                r1[0].__class__(r1[1].sends, r1[0].recvs, r1[1].action)] + r1[2:]
+    steps[1] = [r1[1].__class__(r1[0].sends, r1[1].recvs, r1[0].actions),
+                r1[0].__class__(r1[1].sends, r1[0].recvs, r1[1].actions)] + r1[2:]
     with pytest.raises(ScheduleError, match="sent as .* but received as"):
         check_link_order(steps)
 
