@@ -7,6 +7,10 @@ reported at once, so a user fixes a configuration in one round.
 from __future__ import annotations
 
 
+# Position embeddings whose per-segment form is implemented (RoPE offsets, sliced ids).
+SUPPORTED_POSITIONS = ("rope", "learned_absolute", "none")
+
+
 class ConfigError(ValueError):
     """A configuration that Seq1F1B would run incorrectly (or not at all)."""
 

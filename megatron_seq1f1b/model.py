@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_seq1f1b import attention
-from megatron_seq1f1b.checks import model_config_problems, raise_if
+from megatron_seq1f1b.checks import SUPPORTED_POSITIONS, model_config_problems, raise_if
 
 _ENABLED = "_seq1f1b_enabled"
-SUPPORTED_POSITIONS = ("rope", "learned_absolute", "none")
 
 
 def unwrap(module) -> Any:

@@ -151,8 +151,9 @@ def slice_batch(batch: dict) -> dict:
 
     ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, input_ids) are
     cut to ``[:, start:end]``; a ``[b, 1, s, s]`` attention mask to rows
-    ``start:end`` and columns ``0:end``. Other entries, and None, stay as
-    they are.
+    ``start:end`` and columns ``0:end``. Slices are contiguous copies (loss
+    functions call ``.view(-1)``; fused kernels want dense masks). Other
+    entries, and None, stay as they are.
     """
     info = current_segment()
     if info is None or batch is None:
@@ -167,7 +168,7 @@ def slice_batch(batch: dict) -> dict:
                     f"slice_batch: {key!r} has shape {tuple(value.shape)}, expected [..., {seq}] "
                     "(the full micro-batch sequence)"
                 )
-            out[key] = value[..., info.start : info.end]
+            out[key] = value[..., info.start : info.end].contiguous()
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor):
         if mask.dim() != 4 or mask.shape[-1] != seq or mask.shape[-2] != seq:
@@ -175,5 +176,5 @@ def slice_batch(batch: dict) -> dict:
                 f"slice_batch: attention_mask has shape {tuple(mask.shape)}, expected "
                 f"[b, 1, {seq}, {seq}]"
             )
-        out["attention_mask"] = mask[:, :, info.start : info.end, : info.end]
+        out["attention_mask"] = mask[:, :, info.start : info.end, : info.end].contiguous()
     return out

@@ -1,0 +1,297 @@
+"""Megatron-LM integration: everything the patch hunks in a Megatron-LM checkout call.
+
+The patches (``patches/megatron-lm/<tag>/``) only add calls into this module,
+so that the logic lives, and is tested, here:
+
+* ``pretrain_gpt.py``: :func:`extra_args_provider` adds the ``--seq1f1b``
+  flags (chained with ModelOpt's provider); :func:`wrap_model_provider`
+  prepares every model chunk right after it is built (:func:`prepare_model`:
+  validate, :func:`~megatron_seq1f1b.enable`, :func:`~megatron_seq1f1b.install`,
+  which makes training and evaluation use the Seq1F1B schedule);
+  :func:`slice_gpt_batch` cuts the tuple returned by ``get_batch`` to the
+  current segment, after the tensor-parallel broadcast of the full micro-batch.
+* ``megatron/training/arguments.py``: ``validate_args`` ends with
+  :func:`validate_args`, so bad combinations fail before anything is built.
+
+Without ``--seq1f1b`` every function here is a no-op (or the identity).
+Importing this module does not import torch or Megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Optional
+
+from megatron_seq1f1b.checks import SUPPORTED_POSITIONS, raise_if
+from megatron_seq1f1b.partition import METHODS, split_sequence
+
+GROUP_TITLE = "seq1f1b"
+DEFAULT_SPLITS = 4
+DEFAULT_PARTITION = "balanced"
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the "seq1f1b" argument group; a no-op if the flags are already there."""
+    if "--seq1f1b" in parser._option_string_actions:  # chained twice: argparse would clash
+        return parser
+    group = parser.add_argument_group(title=GROUP_TITLE)
+    group.add_argument(
+        "--seq1f1b", action="store_true",
+        help="Seq1F1B: split every micro-batch into sequence segments and pipeline the "
+             "segments (1F1B per segment; interleaved with virtual pipelining).",
+    )
+    group.add_argument(
+        "--seq1f1b-splits", type=int, default=DEFAULT_SPLITS, metavar="N",
+        help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}).",
+    )
+    group.add_argument(
+        "--seq1f1b-partition", choices=METHODS, default=DEFAULT_PARTITION,
+        help="How to cut the sequence: 'uniform' (equal tokens) or 'balanced' (equal "
+             f"estimated FLOPs, longer early segments). Default {DEFAULT_PARTITION}.",
+    )
+    return parser
+
+
+def extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvider:
+    """An ``extra_args_provider`` for ``pretrain()`` that runs `other` (e.g. ModelOpt's) too.
+
+    pretrain() takes a single provider and pretrain_gpt.py already passes one,
+    so ours chains instead of replacing it.
+    """
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if other is not None:
+            result = other(parser)
+            parser = result if result is not None else parser
+        return add_arguments(parser)
+
+    provider.seq1f1b_chained = other
+    return provider
+
+
+def _flag(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def args_problems(args: Any) -> list[str]:
+    """Every reason Seq1F1B cannot run with these Megatron-LM arguments (empty if fine).
+
+    `args` is Megatron-LM's namespace (any object with its attribute names);
+    messages name the flag to change. Nothing is checked without ``--seq1f1b``.
+    """
+    if not _flag(args, "seq1f1b", False):
+        return []
+    problems: list[str] = []
+    splits = _flag(args, "seq1f1b_splits", DEFAULT_SPLITS)
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        problems.append(f"--seq1f1b-splits must be a positive integer, got {splits!r}")
+        splits = None
+    partition = _flag(args, "seq1f1b_partition", DEFAULT_PARTITION)
+    if partition not in METHODS:
+        problems.append(
+            f"--seq1f1b-partition {partition!r} is unknown; choose one of {', '.join(METHODS)}"
+        )
+
+    # Parallelism that cuts or reorders the sequence itself.
+    cp = _flag(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        problems.append(
+            f"--context-parallel-size {cp}: context parallelism splits the sequence across "
+            "ranks, Seq1F1B splits it in time; use --context-parallel-size 1"
+        )
+    if _flag(args, "hybrid_context_parallel", False):
+        problems.append("--hybrid-context-parallel is not supported with --seq1f1b; remove it")
+    if _flag(args, "sft", False):
+        problems.append(
+            "--sft packs sequences (THD format, cu_seqlens); Seq1F1B needs padded [b, s] "
+            "batches; remove --sft"
+        )
+    if _flag(args, "rl_use_sequence_packing", False):
+        problems.append(
+            "--rl-use-sequence-packing packs sequences (THD format); use "
+            "--no-rl-use-sequence-packing"
+        )
+    if _flag(args, "variable_seq_lengths", False):
+        problems.append(
+            "variable_seq_lengths is set: Seq1F1B needs every micro-batch to have "
+            "--seq-length tokens (segment shapes are fixed in advance)"
+        )
+    seq_length = _flag(args, "seq_length")
+    decoder_seq_length = _flag(args, "decoder_seq_length")
+    if decoder_seq_length is not None and decoder_seq_length != seq_length:
+        problems.append(
+            f"--decoder-seq-length {decoder_seq_length} differs from --seq-length {seq_length}: "
+            "GPT models have no separate decoder length; remove --decoder-seq-length"
+        )
+
+    # Model features without a per-segment implementation.
+    if _flag(args, "use_legacy_models", False):
+        problems.append(
+            "--use-legacy-models: Seq1F1B prepares Megatron-Core GPTModel only; remove the flag"
+        )
+    if _flag(args, "num_experts"):
+        problems.append(
+            f"--num-experts {_flag(args, 'num_experts')} (mixture of experts): auxiliary "
+            "load-balancing losses are computed per forward and would differ per segment; "
+            "use a dense model (no --num-experts)"
+        )
+    if _flag(args, "overlap_moe_expert_parallel_comm", False):
+        problems.append(
+            "--overlap-moe-expert-parallel-comm (combined 1F1B schedule) is not supported; "
+            "remove it"
+        )
+    if _flag(args, "mtp_num_layers"):
+        problems.append(
+            "--mtp-num-layers: multi-token prediction shifts labels across segment borders; "
+            "remove it"
+        )
+    if _flag(args, "multi_latent_attention", False):
+        problems.append(
+            "--multi-latent-attention: MLA has no segment key/value cache; use standard attention"
+        )
+    if _flag(args, "experimental_attention_variant") is not None:
+        problems.append(
+            f"--experimental-attention-variant {_flag(args, 'experimental_attention_variant')!r}"
+            " has no segment key/value cache; remove it"
+        )
+    if _flag(args, "window_size") is not None:
+        problems.append(
+            f"--window-size {_flag(args, 'window_size')}: sliding-window attention is not "
+            "supported; remove it"
+        )
+    position = _flag(args, "position_embedding_type", "learned_absolute")
+    if position not in SUPPORTED_POSITIONS:
+        problems.append(
+            f"--position-embedding-type {position}: use one of {', '.join(SUPPORTED_POSITIONS)}"
+        )
+
+    # Execution features that assume one fixed shape or own the activations.
+    if (_flag(args, "cuda_graph_impl", "none") or "none") != "none":
+        problems.append(
+            f"--cuda-graph-impl {_flag(args, 'cuda_graph_impl')}: CUDA graphs capture one "
+            "shape, segments differ in length; use --cuda-graph-impl none"
+        )
+    if _flag(args, "enable_cuda_graph", False) or _flag(args, "external_cuda_graph", False):
+        problems.append(
+            "--enable-cuda-graph / --external-cuda-graph: CUDA graphs capture one shape, "
+            "segments differ in length; remove them"
+        )
+    if _flag(args, "fine_grained_activation_offloading", False):
+        problems.append(
+            "--fine-grained-activation-offloading frees activations the segment key/value "
+            "cache shares; remove it"
+        )
+    if _flag(args, "overlap_p2p_comm", False) and _flag(
+        args, "virtual_pipeline_model_parallel_size"
+    ) is None:
+        problems.append(
+            "overlap of pipeline communication needs virtual pipelining (as in Megatron): "
+            "add --no-overlap-p2p-communication, or interleave with "
+            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+        )
+    if _flag(args, "modelopt_enabled", False) or _flag(args, "export_kd_teacher_load"):
+        problems.append(
+            "ModelOpt models (--modelopt-enabled, a ModelOpt checkpoint in --load, or "
+            "distillation with --export-kd-teacher-load) are not supported with --seq1f1b"
+        )
+
+    # Segment lengths: with sequence parallelism each one must divide by the TP size.
+    if splits is not None and isinstance(seq_length, int):
+        tp = _flag(args, "tensor_model_parallel_size", 1) or 1
+        multiple = tp if _flag(args, "sequence_parallel", False) and tp > 1 else 1
+        try:
+            split_sequence(seq_length, splits, "uniform", multiple_of=multiple)
+        except ValueError:
+            if multiple > 1:
+                where = (f"with --sequence-parallel and --tensor-model-parallel-size {tp} every "
+                         f"segment must be a multiple of {tp} tokens")
+                fix = (f"use --seq1f1b-splits <= {seq_length // tp} and a --seq-length "
+                       f"divisible by {tp}")
+            else:
+                where = "every segment needs at least one token"
+                fix = f"use --seq1f1b-splits <= {seq_length}"
+            problems.append(
+                f"--seq-length {seq_length} cannot be cut into --seq1f1b-splits {splits} "
+                f"segments: {where}; {fix}"
+            )
+    return problems
+
+
+def validate_args(args: Any) -> None:
+    """Raise :class:`~megatron_seq1f1b.ConfigError` listing every unsupported option.
+
+    Called at the end of Megatron-LM's ``validate_args`` (after it derived the
+    virtual pipeline size and reset ``overlap_p2p_comm``). No-op without ``--seq1f1b``.
+    """
+    raise_if(args_problems(args))
+
+
+def _megatron_args() -> Any:
+    """Megatron-LM's parsed arguments (a separate function so tests can replace it)."""
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def prepare_model(model: Any, args: Any = None) -> Any:
+    """Validate, ``enable(model)`` and ``install`` the Seq1F1B schedule (``--seq1f1b`` only).
+
+    `model` is what the model provider built: one chunk, or a list of chunks
+    with virtual pipelining, possibly wrapped. Installing replaces the
+    ``get_forward_backward_func`` that ``megatron.training.training`` imported,
+    which ``train()`` and ``evaluate()`` call after the model is built.
+    Validation runs again here because ``get_model`` may turn on ModelOpt
+    after ``validate_args``, and YAML configs skip ``validate_args``.
+    """
+    if args is None:
+        args = _megatron_args()
+    if not _flag(args, "seq1f1b", False):
+        return model
+    validate_args(args)
+    from megatron_seq1f1b.api import install
+    from megatron_seq1f1b.model import enable
+
+    enable(model)
+    install(args.seq1f1b_splits, args.seq1f1b_partition)
+    return model
+
+
+def wrap_model_provider(model_provider: Callable) -> Callable:
+    """`model_provider` followed by :func:`prepare_model` on every chunk it builds."""
+    if getattr(model_provider, "seq1f1b_wrapped", None) is not None:
+        return model_provider
+
+    def provider(*args, **kwargs):
+        return prepare_model(model_provider(*args, **kwargs))
+
+    provider.seq1f1b_wrapped = model_provider
+    provider.__name__ = getattr(model_provider, "__name__", "model_provider")
+    provider.__doc__ = getattr(model_provider, "__doc__", None)
+    return provider
+
+
+def slice_gpt_batch(tokens: Any, labels: Any, loss_mask: Any, attention_mask: Any,
+                    position_ids: Any, packed_seq_params: Any) -> tuple:
+    """The current segment's part of pretrain_gpt.py's ``get_batch`` tuple.
+
+    Same order in and out: ``(tokens, labels, loss_mask, attention_mask,
+    position_ids, packed_seq_params)``; ``[b, s]`` tensors cut to
+    ``[:, start:end]``, a ``[b, 1, s, s]`` mask to rows ``start:end`` and
+    columns ``:end``, None stays None (contiguous copies). Identity
+    outside a segmented step.
+    """
+    from megatron_seq1f1b.segments import current_segment, slice_batch
+
+    if current_segment() is None:
+        return tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params
+    if packed_seq_params is not None:
+        raise_if([
+            "packed sequences (THD format, packed_seq_params from cu_seqlens in the data) "
+            "cannot be cut into segments; use padded [b, s] batches"
+        ])
+    names = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    batch = slice_batch(dict(zip(names, (tokens, labels, loss_mask, attention_mask,
+                                         position_ids))))
+    return (*(batch[n] for n in names), None)

@@ -1,0 +1,160 @@
+"""Command-line flags of the standalone trainer, with Megatron-LM's names and meanings.
+
+Only what this trainer implements is accepted; an unknown flag, or a
+contradictory combination, stops the run before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from megatron_seq1f1b.megatron_lm import add_arguments
+from megatron_seq1f1b.partition import split_sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a GPT with Megatron-Core and (optionally) Seq1F1B. Launch with torchrun.",
+        allow_abbrev=False,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=4)
+    model.add_argument("--hidden-size", type=int, default=128)
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--num-query-groups", type=int, default=None, help="GQA groups")
+    model.add_argument("--seq-length", type=int, default=256)
+    model.add_argument("--max-position-embeddings", type=int, default=None)
+    model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
+                       default="learned_absolute")
+    model.add_argument("--swiglu", action="store_true")
+    model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    model.add_argument("--hidden-dropout", type=float, default=0.0)
+    model.add_argument("--attention-dropout", type=float, default=0.0)
+
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--micro-batch-size", type=int, default=1)
+    par.add_argument("--global-batch-size", type=int, default=None,
+                     help="default micro-batch size * data-parallel size")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    par.add_argument("--sequence-parallel", action="store_true")
+    par.add_argument("--use-distributed-optimizer", action="store_true")
+    par.add_argument("--overlap-grad-reduce", action="store_true")
+
+    opt = p.add_argument_group("optimization")
+    opt.add_argument("--lr", type=float, default=3e-4)
+    opt.add_argument("--min-lr", type=float, default=0.0)
+    opt.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    opt.add_argument("--lr-warmup-iters", type=int, default=0)
+    opt.add_argument("--weight-decay", type=float, default=0.01)
+    opt.add_argument("--clip-grad", type=float, default=1.0)
+    opt.add_argument("--adam-beta1", type=float, default=0.9)
+    opt.add_argument("--adam-beta2", type=float, default=0.95)
+    opt.add_argument("--calculate-per-token-loss", action="store_true")
+    opt.add_argument("--bf16", action="store_true", help="GPU only")
+    opt.add_argument("--fp16", action="store_true", help="GPU only")
+    opt.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    opt.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    opt.add_argument("--recompute-num-layers", type=int, default=None)
+
+    run = p.add_argument_group("training loop")
+    run.add_argument("--train-iters", type=int, default=20)
+    run.add_argument("--eval-interval", type=int, default=None, help="default: never")
+    run.add_argument("--eval-iters", type=int, default=2)
+    run.add_argument("--log-interval", type=int, default=1)
+    run.add_argument("--seed", type=int, default=1234)
+    run.add_argument("--save", default=None, help="checkpoint directory to write")
+    run.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    run.add_argument("--save-interval", type=int, default=None)
+    run.add_argument("--log-json", default=None, help="also write per-iteration records here")
+
+    data = p.add_argument_group("data")
+    data.add_argument("--mock-data", action="store_true")
+    data.add_argument("--data-path", nargs="+", default=None,
+                      help="Megatron indexed dataset prefix(es) (.bin/.idx)")
+    data.add_argument("--split", default="98,2,0", help="train,valid,test weights")
+    data.add_argument("--tokenizer-type", choices=["NullTokenizer", "ByteTokenizer"],
+                      default="NullTokenizer")
+    data.add_argument("--vocab-size", type=int, default=None)
+    data.add_argument("--data-cache-path", default=None)
+
+    return add_arguments(p)  # --seq1f1b, --seq1f1b-splits, --seq1f1b-partition (as Megatron-LM)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Fill defaults and reject contradictions (each message names the flags)."""
+    problems = []
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        problems.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                        f"{tp} x --pipeline-model-parallel-size {pp}")
+    args.data_parallel_size = max(world_size // (tp * pp), 1)
+    if args.num_layers % pp:
+        problems.append(f"--num-layers {args.num_layers} must divide by "
+                        f"--pipeline-model-parallel-size {pp}")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers // pp
+        if pp < 2:
+            problems.append("--num-layers-per-virtual-pipeline-stage needs "
+                            "--pipeline-model-parallel-size >= 2")
+        elif per_stage % args.num_layers_per_virtual_pipeline_stage:
+            problems.append(f"layers per stage ({per_stage}) must divide by "
+                            "--num-layers-per-virtual-pipeline-stage")
+        else:
+            args.virtual_pipeline_model_parallel_size = (
+                per_stage // args.num_layers_per_virtual_pipeline_stage)
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM: meaningless without TP
+    if args.bf16 and args.fp16:
+        problems.append("--bf16 and --fp16 are exclusive")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        problems.append(f"--global-batch-size {args.global_batch_size} must be a multiple of "
+                        f"--micro-batch-size x data-parallel size ({per_step})")
+    args.num_microbatches = max(args.global_batch_size // per_step, 1)
+    if args.mock_data == bool(args.data_path):
+        problems.append("give exactly one of --mock-data and --data-path")
+    if args.tokenizer_type == "ByteTokenizer":
+        args.vocab_size = args.vocab_size or 257
+    elif args.vocab_size is None:
+        problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        problems.append("--seq-length exceeds --max-position-embeddings")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+        if args.swiglu:
+            args.ffn_hidden_size = int(math.ceil(8 * args.hidden_size / 3 / 64) * 64)
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        problems.append("--recompute-granularity full needs --recompute-method uniform|block")
+    if args.recompute_method and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    if args.save_interval is not None and not args.save:
+        problems.append("--save-interval needs --save")
+    if args.use_distributed_optimizer and (args.save or args.load):
+        problems.append("--save/--load with --use-distributed-optimizer are not supported by this "
+                        "trainer (its per-rank files hold the full optimizer state)")
+    if args.seq1f1b and args.seq1f1b_splits < 1:
+        problems.append("--seq1f1b-splits must be >= 1")
+    if args.seq1f1b and args.seq1f1b_splits >= 1:
+        multiple = tp if args.sequence_parallel else 1
+        try:
+            split_sequence(args.seq_length, args.seq1f1b_splits, multiple_of=multiple)
+        except ValueError as exc:
+            problems.append(f"--seq-length / --seq1f1b-splits: {exc}")
+    if problems:
+        raise SystemExit("pretrain_gpt.py: invalid arguments:\n" +
+                         "\n".join(f"  - {p}" for p in problems))
+    return args
+
+
+def parse(argv=None, world_size: int = 1) -> argparse.Namespace:
+    return validate(build_parser().parse_args(argv), world_size)

@@ -1,0 +1,188 @@
+"""The training loop: iterations, evaluation, Megatron-style logs, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_seq1f1b.memory import PeakMemory
+from megatron_seq1f1b.trainer import arguments, checkpoint, data, setup
+
+
+def _forward_backward_func(args) -> Callable:
+    if args.seq1f1b:
+        import megatron_seq1f1b as s1
+
+        return s1.get_forward_backward_func(args.seq1f1b_splits, args.seq1f1b_partition)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()
+
+
+def _reduce_losses(store: list, device) -> tuple[float, float]:
+    """(loss, tokens) over the global batch: sum reports, all-reduce over data parallel."""
+    from megatron.core import parallel_state
+
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for entry in store:
+        total += entry["lm loss"].to(device=device, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    # Everyone learns the loss (the last stage has it).
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(total, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item(), total[1].item()
+
+
+def _stage_peaks(memory: PeakMemory, device) -> list[float]:
+    """Peak GiB above the window's start, per pipeline stage (max over the stage's ranks)."""
+    from megatron.core import parallel_state
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    mine = torch.tensor([stage, memory.peak_above_baseline() / 2**30], dtype=torch.float64,
+                        device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    peaks = [0.0] * parallel_state.get_pipeline_model_parallel_world_size()
+    for value in everyone:
+        peaks[int(value[0])] = max(peaks[int(value[0])], value[1].item())
+    return peaks
+
+
+def _print(message: str) -> None:
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print(message, flush=True)
+
+
+def _iterators(args, dataset, model, consumed_microbatches: int):
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp = args.data_parallel_size
+    first = dp_rank + dp * consumed_microbatches
+    made = [data.batches(dataset, args.micro_batch_size, first, dp) for _ in model]
+    return made if len(made) > 1 else made[0]
+
+
+def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -> dict:
+    """Parse flags, set up, train, evaluate, save; returns the summary (all ranks)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args = arguments.parse(argv, world_size)
+    data.quiet_logs()
+    device = setup.init_distributed(args)
+    config = setup.transformer_config(args)
+    model = setup.build_model(args, config, model_provider)
+    optimizer, scheduler = setup.build_optimizer(args, model)
+    iteration = checkpoint.load(args, model, optimizer, scheduler) if args.load else 0
+
+    tokenizer = data.make_tokenizer(args)
+    eval_runs = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
+    train_ds, valid_ds = data.build_datasets(
+        args, tokenizer,
+        train_samples=args.train_iters * args.global_batch_size,
+        eval_samples=eval_runs * args.eval_iters * args.global_batch_size,
+    )
+    train_iter = _iterators(args, train_ds, model, iteration * args.num_microbatches)
+    forward_backward = _forward_backward_func(args)
+    memory = PeakMemory(device)
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    schedule = (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition})"
+                if args.seq1f1b else "Megatron-Core")
+    _print(f"> training with {schedule} schedule: world {world_size}, tp "
+           f"{args.tensor_model_parallel_size}, pp {args.pipeline_model_parallel_size}, vpp "
+           f"{args.virtual_pipeline_model_parallel_size}, dp {args.data_parallel_size}, "
+           f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x "
+           f"{args.seq_length} tokens")
+    if memory.warning:
+        _print(f"> warning: {memory.warning}")
+
+    records, times = [], []
+    while iteration < args.train_iters:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        memory.reset()
+        start = time.perf_counter()
+        store = forward_backward(
+            forward_step_func=forward_step_func, data_iterator=train_iter, model=model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=False,
+        )
+        success, grad_norm, _ = optimizer.step()
+        if success:
+            scheduler.step(increment=1)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        iteration += 1
+        loss, tokens = _reduce_losses(store, device)
+        peaks = _stage_peaks(memory, device)
+        times.append(elapsed)
+        record = {
+            "iteration": iteration, "lm_loss": loss, "lr": optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
+            "ms_per_iter": elapsed * 1e3, "tokens_per_s": tokens_per_iter / elapsed,
+            "peak_gib_per_stage": peaks,
+        }
+        records.append(record)
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            _print(
+                f" iteration {iteration:6d}/{args.train_iters:6d} | lm loss: {loss:.6E} | "
+                f"learning rate: {record['lr']:.3E} | grad norm: {grad_norm or 0:.3f} | "
+                f"elapsed time per iteration (ms): {elapsed * 1e3:.1f} | tokens/s: "
+                f"{tokens_per_iter / elapsed:.0f} | peak mem per stage (GiB): "
+                + " ".join(f"{p:.3f}" for p in peaks)
+            )
+        if args.eval_interval and iteration % args.eval_interval == 0:
+            evaluate(args, forward_step_func, forward_backward, model, valid_ds, device, iteration)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpoint.save(args, iteration, model, optimizer, scheduler)
+    if args.save:
+        checkpoint.save(args, iteration, model, optimizer, scheduler)
+    steady = times[1:] or times
+    summary = {
+        "schedule": schedule,
+        "iterations": len(records),
+        "final_lm_loss": records[-1]["lm_loss"] if records else None,
+        "mean_ms_per_iter": 1e3 * sum(steady) / max(len(steady), 1),
+        "tokens_per_s": tokens_per_iter * len(steady) / max(sum(steady), 1e-9),
+        "peak_gib_per_stage": [max(r["peak_gib_per_stage"][s] for r in records)
+                               for s in range(len(records[0]["peak_gib_per_stage"]))]
+        if records else [],
+        "losses": [r["lm_loss"] for r in records],
+    }
+    _print(f"> summary: {json.dumps({k: v for k, v in summary.items() if k != 'losses'})}")
+    if args.log_json and dist.get_rank() == dist.get_world_size() - 1:
+        with open(args.log_json, "w") as out:
+            json.dump({"summary": summary, "iterations": records}, out, indent=1)
+    return summary
+
+
+def evaluate(args, forward_step_func, forward_backward, model, dataset, device, iteration) -> float:
+    """Validation loss over --eval-iters global batches (forward only)."""
+    for chunk in model:
+        chunk.eval()
+    consumed = (iteration // args.eval_interval - 1) * args.eval_iters * args.num_microbatches
+    iterator = _iterators(args, dataset, model, max(consumed, 0))
+    total_loss = total_tokens = 0.0
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            store = forward_backward(
+                forward_step_func=forward_step_func, data_iterator=iterator, model=model,
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=None,
+                forward_only=True,
+            )
+            loss, tokens = _reduce_losses(store, device)
+            total_loss += loss * tokens
+            total_tokens += tokens
+    for chunk in model:
+        chunk.train()
+    value = total_loss / max(total_tokens, 1)
+    _print(f" validation loss at iteration {iteration} | lm loss value: {value:.6E}")
+    return value

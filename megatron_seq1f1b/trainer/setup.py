@@ -1,0 +1,163 @@
+"""Process groups, model chunks, optimizer and LR schedule, as Megatron-LM sets them up."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(args) -> torch.device:
+    """NCCL on GPUs, gloo on CPUs (with megatron_seq1f1b.cpu patches); then parallel state."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        from megatron_seq1f1b import cpu
+
+        cpu.enable()
+        torch.set_num_threads(int(os.environ.get("SEQ1F1B_THREADS_PER_RANK", "1")))
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = datetime.timedelta(minutes=float(os.environ.get("SEQ1F1B_TIMEOUT_MINUTES", "10")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=timeout.total_seconds() / 60,
+        create_gloo_process_groups=False,
+    )
+    model_parallel_cuda_manual_seed(args.seed)
+    return device
+
+
+def transformer_config(args):
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        masked_softmax_fusion=torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # Megatron-LM's defaults: interleaving overlaps p2p (unbatched), otherwise batched.
+        # (Megatron's interleaved schedule with batched p2p is wrong at pp=2.)
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
+        # On gloo, Megatron's overlapped sends can still read an output when it is
+        # pseudo-freed; keep outputs there (no effect on results).
+        deallocate_pipeline_outputs=not (interleaved and not torch.cuda.is_available()),
+    )
+
+
+def build_model(args, config, model_provider: Callable) -> list:
+    """Model chunks of this rank, Seq1F1B-enabled if asked, wrapped in Megatron DDP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer.module import Float16Module
+
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        chunks.append(model_provider(args, config, pre_process=pre, post_process=post,
+                                     vp_stage=stage))
+    if torch.cuda.is_available():
+        chunks = [chunk.cuda() for chunk in chunks]
+    if args.seq1f1b:
+        import megatron_seq1f1b as s1
+
+        s1.enable(chunks)
+    if args.bf16 or args.fp16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    model = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
+        for i, chunk in enumerate(chunks)
+    ]
+    no_sync = [m.no_sync for m in model]
+    config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+    if args.overlap_grad_reduce:
+        sync = [m.start_grad_sync for m in model]
+        config.grad_sync_func = sync[0] if len(model) == 1 else sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return model
+
+
+def build_optimizer(args, model: list):
+    """Megatron-Core's Adam (distributed if asked) and its LR/weight-decay schedule."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=False)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.train_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

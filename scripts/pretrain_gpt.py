@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Pretrain a GPT with Megatron-Core, with Megatron's schedules or Seq1F1B. No Megatron-LM needed.
+
+Laid out like Megatron-LM's pretrain_gpt.py (model_provider, get_batch,
+loss_func, forward_step); the loop lives in megatron_seq1f1b.trainer.
+
+    torchrun --nproc-per-node 4 scripts/pretrain_gpt.py --pipeline-model-parallel-size 4 \
+        --num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 256 \
+        --micro-batch-size 1 --global-batch-size 8 --mock-data --vocab-size 1024 \
+        --train-iters 20 --seq1f1b --seq1f1b-splits 4
+
+Runs on CPU with gloo when there is no GPU (one thread per rank), NCCL otherwise.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+import megatron_seq1f1b as s1
+from megatron_seq1f1b.trainer.loop import pretrain
+
+
+def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    """A Megatron-Core GPTModel chunk with the local (Transformer-Engine-free) layer spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        vp_stage=vp_stage,
+    )
+
+
+def get_batch(data_iterator):
+    """The full micro-batch on this rank's device, then this segment's part of it."""
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    batch.setdefault("attention_mask", None)
+    return s1.slice_batch(batch)  # identity outside Seq1F1B segments
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of the masked token losses, the token count, and a [sum, tokens] report."""
+    losses = output_tensor.float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    batch = get_batch(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+if __name__ == "__main__":
+    pretrain(forward_step, model_provider)

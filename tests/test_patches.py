@@ -1,0 +1,643 @@
+"""Megatron-LM integration: the patches, scripts/apply_patches.sh, megatron_seq1f1b.megatron_lm.
+
+* With MEGATRON_LM_DIR pointing at a core_v0.16.1 checkout, the patches are
+  applied to a copy (as an unpacked archive with GNU patch, and as a git
+  checkout with `git apply`), compiled and reverted byte for byte.
+* Always: the script on synthetic checkouts (version refusal, usage errors,
+  apply/re-apply/revert, nothing changed when one patch conflicts), and the
+  shim's argument handling, validation, model preparation and batch slicing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_seq1f1b import megatron_lm
+from megatron_seq1f1b.checks import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "apply_patches.sh"
+PATCH_ROOT = ROOT / "patches" / "megatron-lm"
+VERSION = "core_v0.16.1"
+PATCHES = sorted((PATCH_ROOT / VERSION).glob("*.patch"))
+HAVE_PATCH = shutil.which("patch") is not None
+HAVE_GIT = shutil.which("git") is not None
+TOOLS = [pytest.param("patch", marks=pytest.mark.skipif(not HAVE_PATCH, reason="no patch")),
+         pytest.param("git", marks=pytest.mark.skipif(not HAVE_GIT, reason="no git"))]
+
+
+def run_script(*args, tool: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("SEQ1F1B_PATCH_TOOL", None)
+    if tool:
+        env["SEQ1F1B_PATCH_TOOL"] = tool
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def touched_files(patches=PATCHES) -> list[str]:
+    files = []
+    for patch in patches:
+        for line in patch.read_text().splitlines():
+            if line.startswith("+++ "):
+                files.append(line[4:].split("\t")[0].split("/", 1)[1])
+    return sorted(set(files))
+
+
+def snapshot(tree: Path) -> dict[str, bytes]:
+    """Every file (and symlink target) under `tree`, by relative path, .git excluded."""
+    out = {}
+    for path in sorted(tree.rglob("*")):
+        rel = path.relative_to(tree)
+        if rel.parts[0] == ".git":
+            continue
+        if path.is_symlink():
+            out[str(rel)] = b"->" + os.readlink(path).encode()
+        elif path.is_file():
+            out[str(rel)] = path.read_bytes()
+    return out
+
+
+def compile_all(tree: Path, files, tmp: Path) -> None:
+    """py_compile without writing __pycache__ into the tree."""
+    for i, rel in enumerate(files):
+        if rel.endswith(".py"):
+            py_compile.compile(str(tree / rel), cfile=str(tmp / f"c{i}.pyc"), doraise=True)
+
+
+def git(tree: Path, *args) -> str:
+    return subprocess.run(
+        ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        check=True, capture_output=True, text=True,
+    ).stdout
+
+
+def write_package_info(tree: Path, major: int, minor: int, patch: int, pre: str = "") -> None:
+    info = tree / "megatron" / "core" / "package_info.py"
+    info.parent.mkdir(parents=True, exist_ok=True)
+    info.write_text(f'MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = "{pre}"\n'
+                    "VERSION = (MAJOR, MINOR, PATCH, PRE_RELEASE)\n")
+
+
+def skeleton_checkout(tree: Path) -> None:
+    """A fake core_v0.16.1 tree whose files hold exactly the hunks' original lines.
+
+    Patches apply at an offset, so each touched file is the pre-image of its
+    hunks (context and removed lines) separated by filler lines. This lets CI
+    exercise the script without a Megatron-LM checkout.
+    """
+    write_package_info(tree, 0, 16, 1)
+    bodies: dict[str, list[str]] = {}
+    current = None
+    for patch in PATCHES:
+        in_hunk = False
+        for line in patch.read_text().splitlines():
+            if line.startswith("+++ "):
+                current = line[4:].split("\t")[0].split("/", 1)[1]
+                bodies.setdefault(current, [])
+                in_hunk = False
+            elif line.startswith("@@"):
+                bodies[current].append("# (filler between hunks)")
+                in_hunk = True
+            elif in_hunk and line[:1] in (" ", "-"):
+                bodies[current].append(line[1:])
+            elif in_hunk and line.startswith("\\"):
+                raise AssertionError("patches should not touch files without final newline")
+    for rel, lines in bodies.items():
+        path = tree / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines + ["# end"]) + "\n")
+
+
+def apply_cycle(tree: Path, tmp: Path, tool: str, is_git: bool, compile_: bool = True) -> None:
+    """--check, apply, re-apply, compile, --check, revert, revert again: tree restored."""
+    before = snapshot(tree)
+    files = touched_files()
+
+    check = run_script(tree, "--check", tool=tool)
+    assert check.returncode == 0, check.stderr
+    assert "apply cleanly" in check.stdout and VERSION in check.stdout
+    assert snapshot(tree) == before, "--check changed the tree"
+
+    first = run_script(tree, tool=tool)
+    assert first.returncode == 0, first.stderr
+    for patch in PATCHES:
+        assert f"applied {patch.name}" in first.stdout
+    after = snapshot(tree)
+    assert sorted(k for k in after if after[k] != before.get(k)) == files
+    assert set(after) == set(before), "apply must not add or remove files"
+    for rel in files:
+        assert b"[Seq1F1B]" in after[rel]
+    if compile_:  # skeleton files are not valid Python
+        compile_all(tree, files, tmp)
+
+    again = run_script(tree, tool=tool)
+    assert again.returncode == 0, again.stderr
+    assert "already applied" in again.stdout
+    assert snapshot(tree) == after
+
+    assert "already applied" in run_script(tree, "--check", tool=tool).stdout
+
+    revert = run_script(tree, "--revert", tool=tool)
+    assert revert.returncode == 0, revert.stderr
+    assert "restored" in revert.stdout
+    assert snapshot(tree) == before, "revert did not restore the tree byte for byte"
+    if is_git:
+        assert git(tree, "status", "--porcelain") == ""
+
+    twice = run_script(tree, "--revert", tool=tool)
+    assert twice.returncode == 0 and "nothing to revert" in twice.stdout
+
+
+def make_git_checkout(tree: Path, tag: str = VERSION) -> None:
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", "checkout")
+    git(tree, "tag", tag)
+
+
+# --------------------------------------------------------------------------- (a)
+
+@pytest.fixture(scope="module")
+def megatron_lm_dir() -> Path:
+    value = os.environ.get("MEGATRON_LM_DIR")
+    if not value:
+        reason = ("MEGATRON_LM_DIR is not set; point it at a Megatron-LM core_v0.16.1 checkout "
+                  "to test the patches on the real sources")
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    path = Path(value)
+    if not (path / "pretrain_gpt.py").is_file():
+        pytest.fail(f"MEGATRON_LM_DIR={value} is not a Megatron-LM checkout (no pretrain_gpt.py)")
+    return path
+
+
+@pytest.mark.parametrize("layout,tool", [
+    pytest.param("archive", "patch",
+                 marks=pytest.mark.skipif(not HAVE_PATCH, reason="no patch")),
+    pytest.param("git", "git", marks=pytest.mark.skipif(not HAVE_GIT, reason="no git")),
+])
+def test_real_checkout(megatron_lm_dir, tmp_path, layout, tool):
+    tree = tmp_path / "Megatron-LM"
+    shutil.copytree(megatron_lm_dir, tree, symlinks=True,
+                    ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    if layout == "git":
+        make_git_checkout(tree)
+        assert "from git tag" in run_script(tree, "--check", tool=tool).stdout
+    else:
+        assert "package_info" in run_script(tree, "--check", tool=tool).stdout
+    apply_cycle(tree, tmp_path, tool, is_git=layout == "git")
+
+
+FORWARD_STEP_PROBE = r"""
+import json, os, sys
+import torch
+sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--seq1f1b", "--seq1f1b-splits", "2", "--seq1f1b-partition", "uniform"]
+try:
+    import pretrain_gpt
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+except ModuleNotFoundError as exc:
+    print(json.dumps({"missing": str(exc)}))
+    sys.exit(0)
+from megatron_seq1f1b import megatron_lm
+from megatron_seq1f1b.segments import SegmentRun
+
+args = parse_args(megatron_lm.extra_args_provider(None))
+global_vars.set_args(args)
+global_vars._set_timers(args)
+b, s = 2, 16
+tokens = torch.arange(b * s).view(b, s)
+full = (tokens, tokens + 1, torch.ones(b, s), torch.ones(b, 1, s, s, dtype=torch.bool),
+        tokens % s, None)
+pretrain_gpt.get_batch = lambda data_iterator, vp_stage: full  # as after the TP broadcast
+pretrain_gpt.get_attr_wrapped_model = lambda model, attr: None
+seen = []
+
+def model(tokens, position_ids, attention_mask, labels=None, loss_mask=None,
+          packed_seq_params=None):
+    seen.append([list(tokens.shape), list(attention_mask.shape), int(position_ids[0, 0]),
+                 list(labels.shape)])
+    return torch.zeros(tokens.shape)
+
+run = SegmentRun([8, 8])
+tokens_per_segment = []
+for segment in range(2):
+    with run.forward(0, segment):
+        output, loss_func = pretrain_gpt.forward_step(iter(()), model)
+        tokens_per_segment.append(int(loss_func(output)[1]))
+pretrain_gpt.forward_step(iter(()), model)
+print(json.dumps({"seen": seen, "tokens": tokens_per_segment,
+                  "flags": [args.seq1f1b, args.seq1f1b_splits, args.seq1f1b_partition]}))
+"""
+
+
+def test_patched_forward_step(megatron_lm_dir, tmp_path):
+    """The patched pretrain_gpt.forward_step cuts each segment's batch (needs LM's deps)."""
+    tree = tmp_path / "Megatron-LM"
+    shutil.copytree(megatron_lm_dir, tree, symlinks=True,
+                    ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    assert run_script(tree).returncode == 0
+    env = dict(os.environ, PYTHONPATH=str(tree), WORLD_SIZE="1", RANK="0")
+    out = subprocess.run([sys.executable, "-c", FORWARD_STEP_PROBE], cwd=tree, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if "missing" in result:
+        pytest.skip(f"Megatron-LM's dependencies are not installed here: {result['missing']}")
+    assert result["flags"] == [True, 2, "uniform"]
+    assert result["seen"] == [[[2, 8], [2, 1, 8, 8], 0, [2, 8]],
+                              [[2, 8], [2, 1, 8, 16], 8, [2, 8]],
+                              [[2, 16], [2, 1, 16, 16], 0, [2, 16]]]
+    assert result["tokens"] == [16, 16]
+
+
+def test_real_checkout_calls_exist(megatron_lm_dir):
+    """The unpatched sources still hold what the hunks hook into (anchors of the patch)."""
+    text = (megatron_lm_dir / "pretrain_gpt.py").read_text()
+    assert "= get_batch(data_iterator, vp_stage)" in text
+    assert "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None" in text
+    training = (megatron_lm_dir / "megatron" / "training" / "training.py").read_text()
+    # install() patches this module-level name; train() and evaluate() look it up at call time.
+    assert "from megatron.core.pipeline_parallel import get_forward_backward_func" in training
+    assert training.count("forward_backward_func = get_forward_backward_func()") == 2
+
+
+# --------------------------------------------------------------------------- (b)
+
+def test_unsupported_version_is_refused(tmp_path):
+    write_package_info(tmp_path, 0, 12, 0)
+    (tmp_path / "pretrain_gpt.py").write_text("# not 0.16.1\n")
+    before = snapshot(tmp_path)
+    result = run_script(tmp_path)
+    assert result.returncode == 1
+    assert "core_v0.12.0" in result.stderr and "not supported" in result.stderr
+    assert VERSION in result.stderr  # the supported versions are listed
+    assert snapshot(tmp_path) == before
+    check = run_script(tmp_path, "--check")
+    assert check.returncode == 1 and VERSION in check.stderr
+
+
+@pytest.mark.skipif(not HAVE_GIT, reason="no git")
+def test_unsupported_git_tag_falls_back_to_package_info(tmp_path):
+    write_package_info(tmp_path, 0, 17, 0)
+    make_git_checkout(tmp_path, tag="core_v0.17.0")
+    result = run_script(tmp_path, "--check")
+    assert result.returncode == 1
+    assert "core_v0.17.0" in result.stderr and VERSION in result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    ((), "missing MEGATRON_LM_DIR"),
+    (("{tree}", "--frobnicate"), "unknown option"),
+    (("{tree}", "--check", "--revert"), "at most one"),
+    (("{tree}", "{tree}"), "more than one directory"),
+])
+def test_usage_errors(tmp_path, args, message):
+    result = run_script(*(a.format(tree=tmp_path) for a in args))
+    assert result.returncode == 2
+    assert message in result.stderr and "usage:" in result.stderr
+
+
+def test_help_and_not_a_checkout(tmp_path):
+    help_ = run_script("--help")
+    assert help_.returncode == 0 and "usage:" in help_.stdout and VERSION in help_.stdout
+    missing = run_script(tmp_path / "nope")
+    assert missing.returncode == 1 and "not a directory" in missing.stderr
+    empty = run_script(tmp_path)
+    assert empty.returncode == 1 and "not a Megatron-LM checkout" in empty.stderr
+
+
+def test_patches_are_well_formed():
+    assert PATCHES, f"no patches in {PATCH_ROOT / VERSION}"
+    files = touched_files()
+    assert "pretrain_gpt.py" in files
+    assert not [f for f in files if f.startswith("megatron/core/")], "no hunks in megatron/core"
+    for patch in PATCHES:
+        text = patch.read_text()
+        assert "\r" not in text
+        for line in text.splitlines():
+            if line.startswith(("--- ", "+++ ")):
+                assert re.match(r"^(---|\+\+\+) [ab]/\S+$", line), line
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_skeleton_checkout_cycle(tmp_path, tool):
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree)
+    apply_cycle(tree, tmp_path, tool, is_git=False, compile_=False)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_conflict_changes_nothing(tmp_path, tool):
+    """One patch would apply, the last one cannot: the tree stays as it was."""
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree)
+    last = touched_files(PATCHES[-1:])[0]
+    (tree / last).write_text((tree / last).read_text().replace("\n", "\n# local edit\n", 3))
+    before = snapshot(tree)
+    result = run_script(tree, tool=tool)
+    assert result.returncode == 1
+    assert "nothing was changed" in result.stderr
+    assert snapshot(tree) == before
+    if len(PATCHES) > 1:
+        assert "not applied" in result.stderr and "conflicts" in result.stderr
+    assert run_script(tree, "--check", tool=tool).returncode == 1
+    assert run_script(tree, "--revert", tool=tool).returncode == 1
+    assert snapshot(tree) == before
+
+
+@pytest.mark.skipif(not HAVE_PATCH, reason="no patch")
+def test_partly_applied_tree_is_reported(tmp_path):
+    if len(PATCHES) < 2:
+        pytest.skip("one patch only")
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree)
+    subprocess.run(["patch", "-s", "-d", str(tree), "-p1", "-i", str(PATCHES[0])], check=True)
+    before = snapshot(tree)
+    result = run_script(tree)
+    assert result.returncode == 1
+    assert f"{PATCHES[0].name} ({touched_files(PATCHES[:1])[0]}): applied" in result.stderr
+    assert snapshot(tree) == before
+
+
+def test_hunks_call_existing_shim_functions():
+    """Every megatron_lm name the hunks use exists (guards renames in the package)."""
+    names = set()
+    for patch in PATCHES:
+        added = "\n".join(line[1:] for line in patch.read_text().splitlines()
+                          if line.startswith("+") and not line.startswith("+++"))
+        names |= set(re.findall(r"seq1f1b_megatron_lm\.(\w+)", added))
+        names |= set(re.findall(r"from megatron_seq1f1b\.megatron_lm import (\w+)", added))
+        assert "megatron_seq1f1b" in added or not added.strip()
+    assert {"slice_gpt_batch", "wrap_model_provider", "extra_args_provider",
+            "validate_args"} <= names
+    for name in names:
+        assert callable(getattr(megatron_lm, name)), name
+
+
+# --------------------------------------------------------------------------- (c)
+
+def parser_with_seq1f1b() -> argparse.ArgumentParser:
+    return megatron_lm.add_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+def test_arguments_defaults_and_values():
+    args = parser_with_seq1f1b().parse_args([])
+    assert (args.seq1f1b, args.seq1f1b_splits, args.seq1f1b_partition) == (False, 4, "balanced")
+    args = parser_with_seq1f1b().parse_args(
+        ["--seq1f1b", "--seq1f1b-splits", "8", "--seq1f1b-partition", "uniform"])
+    assert (args.seq1f1b, args.seq1f1b_splits, args.seq1f1b_partition) == (True, 8, "uniform")
+    parser = parser_with_seq1f1b()
+    assert any(g.title == "seq1f1b" for g in parser._action_groups)
+    assert megatron_lm.add_arguments(parser) is parser  # twice: no argparse conflict
+
+
+@pytest.mark.parametrize("argv", [["--seq1f1b-partition", "random"], ["--seq1f1b-splits", "x"]])
+def test_arguments_rejected_by_argparse(argv, capsys):
+    with pytest.raises(SystemExit):
+        parser_with_seq1f1b().parse_args(argv)
+    assert "seq1f1b" in capsys.readouterr().err
+
+
+def test_extra_args_provider_chains():
+    calls = []
+
+    def modelopt_like(parser):
+        calls.append("other")
+        parser.add_argument("--export-model-type", default="GPTModel")
+        return parser
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser = megatron_lm.extra_args_provider(modelopt_like)(parser)
+    args = parser.parse_args(["--seq1f1b", "--export-model-type", "X"])
+    assert calls == ["other"] and args.seq1f1b and args.export_model_type == "X"
+
+    def returns_none(parser):  # a provider that forgets to return the parser
+        parser.add_argument("--foo", type=int, default=1)
+
+    parser = megatron_lm.extra_args_provider(returns_none)(argparse.ArgumentParser())
+    assert parser.parse_args(["--foo", "2", "--seq1f1b-splits", "3"]).seq1f1b_splits == 3
+    assert megatron_lm.extra_args_provider(None)(argparse.ArgumentParser()).parse_args(
+        []).seq1f1b is False
+
+
+def megatron_args(**overrides) -> SimpleNamespace:
+    """The Megatron-LM attributes the shim reads, as validate_args leaves them (GPT, TP 2)."""
+    values = dict(
+        seq1f1b=True, seq1f1b_splits=4, seq1f1b_partition="balanced",
+        seq_length=4096, decoder_seq_length=None, tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=True, context_parallel_size=1, hybrid_context_parallel=False,
+        overlap_p2p_comm=False, variable_seq_lengths=False, sft=False,
+        rl_use_sequence_packing=False, use_legacy_models=False, num_experts=None,
+        overlap_moe_expert_parallel_comm=False, mtp_num_layers=None,
+        multi_latent_attention=False, experimental_attention_variant=None, window_size=None,
+        position_embedding_type="rope", cuda_graph_impl="none",
+        fine_grained_activation_offloading=False, reset_attention_mask=False,
+        reset_position_ids=False, create_attention_mask_in_dataloader=True,
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"seq1f1b_splits": 1, "seq1f1b_partition": "uniform"},
+    {"virtual_pipeline_model_parallel_size": 2, "overlap_p2p_comm": True},
+    {"position_embedding_type": "learned_absolute", "sequence_parallel": False,
+     "tensor_model_parallel_size": 1, "seq_length": 5},
+    {"reset_attention_mask": True, "reset_position_ids": True},  # dense [b,1,s,s] masks: fine
+    {"decoder_seq_length": 4096},
+    {"seq_length": 8, "tensor_model_parallel_size": 2, "seq1f1b_splits": 4},
+])
+def test_validate_accepts(overrides):
+    megatron_lm.validate_args(megatron_args(**overrides))
+    megatron_lm.validate_args(argparse.Namespace(**vars(megatron_args(**overrides))))
+
+
+def test_validate_accepts_minimal_namespace():
+    megatron_lm.validate_args(argparse.Namespace(seq1f1b=True, seq1f1b_splits=2,
+                                                 seq1f1b_partition="uniform", seq_length=16))
+
+
+def test_validate_does_nothing_without_the_flag():
+    bad = megatron_args(seq1f1b=False, context_parallel_size=2, num_experts=8, seq1f1b_splits=0)
+    megatron_lm.validate_args(bad)
+    assert megatron_lm.args_problems(bad) == []
+    megatron_lm.validate_args(argparse.Namespace())  # a script that never added the flags
+
+
+@pytest.mark.parametrize("overrides,flags", [
+    ({"seq1f1b_splits": 0}, ["--seq1f1b-splits"]),
+    ({"seq1f1b_splits": "4"}, ["--seq1f1b-splits"]),
+    ({"seq1f1b_partition": "random"}, ["--seq1f1b-partition"]),
+    ({"context_parallel_size": 2}, ["--context-parallel-size"]),
+    ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel"]),
+    ({"num_experts": 8}, ["--num-experts"]),
+    ({"overlap_moe_expert_parallel_comm": True}, ["--overlap-moe-expert-parallel-comm"]),
+    ({"mtp_num_layers": 1}, ["--mtp-num-layers"]),
+    ({"multi_latent_attention": True}, ["--multi-latent-attention"]),
+    ({"experimental_attention_variant": "gated_delta_net"}, ["--experimental-attention-variant"]),
+    ({"window_size": (128, 0)}, ["--window-size"]),
+    ({"position_embedding_type": "mrope"}, ["--position-embedding-type"]),
+    ({"use_legacy_models": True}, ["--use-legacy-models"]),
+    ({"sft": True}, ["--sft"]),
+    ({"rl_use_sequence_packing": True}, ["--rl-use-sequence-packing"]),
+    ({"cuda_graph_impl": "local"}, ["--cuda-graph-impl"]),
+    ({"enable_cuda_graph": True}, ["--enable-cuda-graph"]),
+    ({"fine_grained_activation_offloading": True}, ["--fine-grained-activation-offloading"]),
+    ({"overlap_p2p_comm": True}, ["--no-overlap-p2p-communication"]),
+    ({"decoder_seq_length": 2048}, ["--decoder-seq-length"]),
+    ({"variable_seq_lengths": True}, ["--seq-length"]),
+    ({"modelopt_enabled": True}, ["--modelopt-enabled"]),
+    ({"export_kd_teacher_load": "/ckpt/teacher"}, ["--export-kd-teacher-load"]),
+    # sequence parallel: every segment a multiple of TP
+    ({"seq_length": 4097}, ["--seq-length", "--tensor-model-parallel-size", "--sequence-parallel"]),
+    ({"seq_length": 16, "tensor_model_parallel_size": 8, "seq1f1b_splits": 4},
+     ["--seq1f1b-splits <= 2"]),
+    ({"seq_length": 3, "sequence_parallel": False, "seq1f1b_splits": 4},
+     ["--seq1f1b-splits <= 3"]),
+])
+def test_validate_rejects_with_flag_names(overrides, flags):
+    with pytest.raises(ConfigError) as info:
+        megatron_lm.validate_args(megatron_args(**overrides))
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    for flag in flags:
+        assert flag in message, (flag, message)
+    assert len(info.value.problems) == 1, info.value.problems
+
+
+def test_validate_reports_everything_at_once():
+    problems = megatron_lm.args_problems(
+        megatron_args(context_parallel_size=2, num_experts=4, seq1f1b_splits=-1))
+    assert len(problems) == 3
+
+
+def test_prepare_model(monkeypatch):
+    """enable() gets the model (all chunks), install() the flags; the LM holder is patched."""
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    import megatron_seq1f1b.model as model_mod
+
+    enabled = []
+    monkeypatch.setattr(model_mod, "enable", lambda model: enabled.append(model) or model)
+    holder = SimpleNamespace(get_forward_backward_func=pipeline_parallel.get_forward_backward_func)
+    monkeypatch.setitem(sys.modules, "megatron.training.training", holder)
+    chunks = [object(), object()]
+    try:
+        out = megatron_lm.prepare_model(chunks, megatron_args(seq1f1b_splits=3,
+                                                              seq1f1b_partition="uniform"))
+        assert out is chunks and enabled == [chunks]
+        for getter in (holder.get_forward_backward_func,
+                       pipeline_parallel.get_forward_backward_func):
+            func = getter()
+            assert (func.num_splits, func.partition) == (3, "uniform")
+    finally:
+        import megatron_seq1f1b as s1
+
+        s1.uninstall()
+    assert not hasattr(holder.get_forward_backward_func, "seq1f1b")
+
+
+def test_prepare_model_off_and_rejected(monkeypatch):
+    import megatron_seq1f1b.api as api_mod
+    import megatron_seq1f1b.model as model_mod
+
+    def fail(*a, **k):
+        raise AssertionError("must not be called")
+
+    monkeypatch.setattr(model_mod, "enable", fail)
+    monkeypatch.setattr(api_mod, "install", fail)
+    model = object()
+    assert megatron_lm.prepare_model(model, megatron_args(seq1f1b=False)) is model
+    with pytest.raises(ConfigError, match="--modelopt-enabled"):
+        # get_model() turns ModelOpt on after validate_args: prepare_model checks again.
+        megatron_lm.prepare_model(model, megatron_args(modelopt_enabled=True))
+
+
+def test_wrap_model_provider(monkeypatch):
+    prepared = []
+    monkeypatch.setattr(megatron_lm, "_megatron_args", lambda: megatron_args(seq1f1b=False))
+    monkeypatch.setattr(megatron_lm, "prepare_model",
+                        lambda model, args=None: prepared.append(model) or model)
+
+    def model_provider(builder, pre_process=True, post_process=True, vp_stage=None,
+                       config=None, pg_collection=None):
+        """Builds the model."""
+        return ("model", builder, pre_process, post_process, vp_stage)
+
+    wrapped = megatron_lm.wrap_model_provider(model_provider)
+    assert megatron_lm.wrap_model_provider(wrapped) is wrapped
+    assert wrapped.__name__ == "model_provider" and wrapped.__doc__ == model_provider.__doc__
+    from functools import partial
+
+    out = partial(wrapped, "gpt_builder")(pre_process=False, post_process=True, vp_stage=1,
+                                          config=None, pg_collection=None)
+    assert out == ("model", "gpt_builder", False, True, 1) and prepared == [out]
+
+
+def test_wrap_model_provider_uses_megatron_args(monkeypatch):
+    import megatron_seq1f1b.model as model_mod
+
+    monkeypatch.setattr(model_mod, "enable", lambda m: (_ for _ in ()).throw(AssertionError()))
+    monkeypatch.setattr(megatron_lm, "_megatron_args", lambda: megatron_args(seq1f1b=False))
+    assert megatron_lm.wrap_model_provider(lambda: "m")() == "m"
+
+
+def test_slice_gpt_batch():
+    import torch
+
+    from megatron_seq1f1b.segments import SegmentRun
+
+    b, s = 2, 8
+    tokens = torch.arange(b * s).view(b, s)
+    labels, loss_mask, position_ids = tokens + 1, torch.ones(b, s), tokens % s
+    mask = torch.tril(torch.ones(b, 1, s, s)) < 0.5
+    batch = (tokens, labels, loss_mask, mask, position_ids, None)
+    outside = megatron_lm.slice_gpt_batch(*batch)
+    assert all(x is y for x, y in zip(outside, batch))
+
+    run = SegmentRun([5, 3])
+    with run.forward(0, 1):
+        t, la, lm, am, pos, packed = megatron_lm.slice_gpt_batch(*batch)
+        assert torch.equal(t, tokens[:, 5:]) and torch.equal(la, labels[:, 5:])
+        assert torch.equal(lm, loss_mask[:, 5:]) and torch.equal(pos, position_ids[:, 5:])
+        assert torch.equal(am, mask[:, :, 5:8, :8]) and packed is None
+        # pretrain_gpt's loss_func calls loss_mask.view(-1): slices must be contiguous
+        assert all(x.is_contiguous() for x in (t, la, lm, am, pos))
+        assert lm.view(-1).shape == (b * 3,)
+        # middle pipeline stages get Nones from get_batch
+        assert megatron_lm.slice_gpt_batch(None, None, None, None, None, None) == (None,) * 6
+        # first stage on TP ranks > 0: labels/loss_mask None, no mask
+        t, la, lm, am, pos, _ = megatron_lm.slice_gpt_batch(tokens, None, None, None,
+                                                              position_ids, None)
+        assert t.shape == (b, 3) and la is None and lm is None and am is None
+        with pytest.raises(ConfigError, match="packed sequences"):
+            megatron_lm.slice_gpt_batch(*batch[:5], object())
+    with run.forward(0, 0):
+        assert megatron_lm.slice_gpt_batch(*batch)[0].shape == (b, 5)
+    run.close()
+
+
+def test_shim_import_is_light():
+    code = ("import sys; import megatron_seq1f1b.megatron_lm; "
+            "print(sorted(m for m in ('torch', 'megatron.core', 'megatron.training') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,118 @@
+"""End-to-end runs of scripts/pretrain_gpt.py on CPU ranks (torchrun, gloo)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--mock-data", "--vocab-size", "128", "--lr", "1e-3", "--lr-decay-style", "constant",
+        "--log-interval", "1"]
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train(tmp_path, name, nproc, *flags, timeout=300):
+    log = tmp_path / f"{name}.json"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               SEQ1F1B_TIMEOUT_MINUTES="2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={_port()}", str(SCRIPT), *BASE, *flags, "--log-json", str(log)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(log.read_text()), done.stdout
+
+
+def _same(a, b, rtol=1e-5):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rtol * abs(y), (a, b)
+
+
+def test_seq1f1b_and_1f1b_loss_curves_are_equal_pp4(tmp_path):
+    common = ["--pipeline-model-parallel-size", "4", "--train-iters", "5"]
+    ours, stdout = train(tmp_path, "seq", 4, *common, "--seq1f1b", "--seq1f1b-splits", "4")
+    theirs, _ = train(tmp_path, "1f1b", 4, *common)
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+    assert ours["summary"]["losses"][-1] < ours["summary"]["losses"][0]  # it learns
+    assert "lm loss:" in stdout and "tokens/s" in stdout and "peak mem per stage" in stdout
+    assert len(ours["summary"]["peak_gib_per_stage"]) == 4
+
+
+def test_tensor_parallel_sequence_parallel_and_eval(tmp_path):
+    common = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--sequence-parallel", "--num-query-groups", "2", "--train-iters", "3",
+              "--eval-interval", "3", "--eval-iters", "1", "--position-embedding-type", "rope"]
+    ours, stdout = train(tmp_path, "seq", 4, *common, "--seq1f1b", "--seq1f1b-splits", "2")
+    theirs, _ = train(tmp_path, "1f1b", 4, *common)
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+    assert "validation loss at iteration 3" in stdout
+
+
+def test_virtual_pipeline(tmp_path):
+    common = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+              "1", "--train-iters", "3", "--global-batch-size", "4"]
+    ours, _ = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "3",
+                    "--seq1f1b-partition", "uniform")
+    theirs, _ = train(tmp_path, "1f1b", 2, *common)
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+
+
+def test_checkpoints_interchange_between_schedules(tmp_path):
+    common = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2"]
+    straight, _ = train(tmp_path, "straight", 2, *common, "--train-iters", "4")
+    seq_first = tmp_path / "seq_ckpt"
+    train(tmp_path, "a", 2, *common, "--train-iters", "2", "--seq1f1b", "--save", str(seq_first))
+    resumed_1f1b, _ = train(tmp_path, "b", 2, *common, "--train-iters", "4", "--load",
+                            str(seq_first))
+    _same(resumed_1f1b["summary"]["losses"], straight["summary"]["losses"][2:])
+    plain_first = tmp_path / "plain_ckpt"
+    train(tmp_path, "c", 2, *common, "--train-iters", "2", "--save", str(plain_first))
+    resumed_seq, _ = train(tmp_path, "d", 2, *common, "--train-iters", "4", "--load",
+                           str(plain_first), "--seq1f1b", "--seq1f1b-splits", "2")
+    _same(resumed_seq["summary"]["losses"], straight["summary"]["losses"][2:])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),
+    (["--pipeline-model-parallel-size", "3"], "--num-layers 4 must divide"),
+    (["--seq1f1b", "--seq1f1b-splits", "0"], "--seq1f1b-splits must be >= 1"),
+    (["--seq-length", "2", "--seq1f1b", "--seq1f1b-splits", "4"], "use at most 2 splits"),
+])
+def test_bad_flags_fail_fast_with_their_message(flags, message):
+    cmd = [sys.executable, str(SCRIPT), *BASE, *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_real_text_from_pydoc_trains(tmp_path):
+    prefix = tmp_path / "pydoc"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_dataset.py"),
+                           "--output", str(prefix)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "pydoc.bin").stat().st_size > 100_000
+    flags = [f for f in BASE if f not in ("--mock-data",)]
+    flags[flags.index("--vocab-size") + 1] = "257"
+    log = tmp_path / "real.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           f"--master-port={_port()}", str(SCRIPT), *flags, "--data-path", str(prefix),
+           "--tokenizer-type", "ByteTokenizer", "--data-cache-path", str(tmp_path / "cache"),
+           "--pipeline-model-parallel-size", "2", "--train-iters", "8", "--seq1f1b",
+           "--seq1f1b-splits", "2", "--lr", "3e-3", "--log-json", str(log)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    losses = json.loads(log.read_text())["summary"]["losses"]
+    assert losses[-1] < losses[0] - 0.3, losses  # English bytes: the unigram statistics come fast
