@@ -82,9 +82,16 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostFn | None = None) -
     return SimResult(makespan, busy, bubble, [peak_inflight(a) for a in schedule], timeline)
 
 
-def bubble_formula(num_stages: int, num_microbatches: int, num_splits: int) -> float:
-    """Idle share of non-interleaved Seq1F1B with equal unit costs."""
-    return (num_stages - 1) / (num_splits * num_microbatches + num_stages - 1)
+def bubble_formula(num_stages: int, num_microbatches: int, num_splits: int,
+                   num_model_chunks: int = 1) -> float:
+    """Idle share with equal unit costs: ``(p-1) / (v*k*m + p-1)``.
+
+    Exact for non-interleaved Seq1F1B; for the interleaved variant it is what
+    the simulator observes when the micro-batch groups are full (e.g. m a
+    multiple of p for k=1, Megatron's interleaved 1F1B).
+    """
+    units = num_model_chunks * num_splits * num_microbatches
+    return (num_stages - 1) / (units + num_stages - 1)
 
 
 # ------------------------------------------------------------------ command line
@@ -154,7 +161,7 @@ def main(argv=None) -> int:
         name = ("1F1B" if k == 1 else f"Seq1F1B k={k}") + (f" (v={v})" if v > 1 else "")
         peak_mb = result.peak_inflight[0] / (k * v)
         baseline_peak = baseline_peak or peak_mb
-        formula = f"{bubble_formula(p, m, k):.1%}" if v == 1 and args.cost == "uniform" else "-"
+        formula = f"{bubble_formula(p, m, k, v):.1%}" if args.cost == "uniform" else "-"
         print(f"{name:<22}{result.bubble_fraction:>8.1%}{formula:>9}"
               f"{result.peak_inflight[0]:>12}{peak_mb:>11.2f}")
         title = f"{name}: p={p}, m={m}, bubble {result.bubble_fraction:.1%}"

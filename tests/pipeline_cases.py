@@ -107,8 +107,8 @@ def optimizer_step(pp: int, k: int, distributed: bool, model: ModelSpec, data: D
     return problems
 
 
-def peak_and_iterator(pp: int, k: int, m: int, model: ModelSpec) -> dict:
-    """Live units during a real run, and how often the caller's iterator advanced."""
+def peak_and_iterator(pp: int, k: int, m: int, model: ModelSpec, png: str | None = None) -> dict:
+    """Live units during a real run, how often the caller's iterator advanced, its timeline."""
     from megatron_seq1f1b.trace import TimelineRecorder
 
     data = DataSpec(num_microbatches=m)
@@ -128,11 +128,19 @@ def peak_and_iterator(pp: int, k: int, m: int, model: ModelSpec) -> dict:
         model=models[0], num_microbatches=m, seq_length=model.seq_length, micro_batch_size=1,
     )
     record = recorder.last
+    timeline = recorder.gather(group=parallel_state.get_pipeline_model_parallel_group())
+    if png and torch.distributed.get_rank() == 0:
+        from megatron_seq1f1b import draw
+
+        draw.draw_png(timeline, png, title="measured")
     return {
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
         "peak": record.peak_live_units,
         "next_calls": len(calls),
         "computed": [str(iv.action) for iv in record.compute],
+        "gathered": [[str(iv.action) for iv in rank] for rank in timeline.compute],
+        "ordered": all(a.end <= b.start + 1e-9 for rank in timeline.compute
+                       for a, b in zip(rank, rank[1:])),
     }
 
 

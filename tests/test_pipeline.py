@@ -94,15 +94,19 @@ def test_one_split_is_bit_identical_to_megatron(ranks, pp):
 
 
 @pytest.mark.parametrize("pp,k,m", [(4, 4, 4), (4, 2, 1), (2, 3, 5)])
-def test_live_activations_peak_where_simulated(ranks, pp, k, m):
+def test_live_activations_peak_where_simulated(ranks, pp, k, m, tmp_path):
+    png = tmp_path / "measured.png"
     results = ranks.run(pp, cases.peak_and_iterator, case=f"peak-{pp}-{k}-{m}", pp=pp, k=k, m=m,
-                        model=ROPE)
+                        model=ROPE, png=str(png))
     schedule = build_schedule(pp, m, k)
     expected = simulate(schedule).peak_inflight
     for r in results:
         assert r["peak"] == expected[r["pp_rank"]], (r, expected)
         assert r["computed"] == [str(a) for a in schedule[r["pp_rank"]]]
         assert r["next_calls"] == m  # the caller's iterator advanced once per micro-batch
+        # The recorded timeline of the real run, all ranks, as the simulator's pictures use it.
+        assert r["gathered"] == [[str(a) for a in rank] for rank in schedule] and r["ordered"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_forward_only_evaluation(ranks):

@@ -151,7 +151,8 @@ def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -
         "final_lm_loss": records[-1]["lm_loss"] if records else None,
         "mean_ms_per_iter": 1e3 * sum(steady) / max(len(steady), 1),
         "tokens_per_s": tokens_per_iter * len(steady) / max(sum(steady), 1e-9),
-        "peak_gib_per_stage": [max(r["peak_gib_per_stage"][s] for r in records)
+        # Like the times, peaks skip the first iteration (it allocates optimizer state).
+        "peak_gib_per_stage": [max(r["peak_gib_per_stage"][s] for r in records[1:] or records)
                                for s in range(len(records[0]["peak_gib_per_stage"]))]
         if records else [],
         "losses": [r["lm_loss"] for r in records],
