@@ -93,3 +93,56 @@ def segment_length_problems(lengths, seq_length: int | None = None, config=None)
                 f"multiple_of={tp}))"
             )
     return problems
+
+
+def executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
+                      seq_length, pp_size, adjust_tensor_shapes_fn, model_enabled) -> list[str]:
+    """Everything wrong with a forward-backward call, found before any communication."""
+    from megatron.core.enums import ModelType
+    from megatron.core.utils import get_model_type
+
+    problems = []
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        problems.append(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if len(iterators) != len(chunks):
+        problems.append(f"{len(chunks)} model chunks but {len(iterators)} data iterators")
+    if len(chunks) > 1 and pp_size < 2:
+        problems.append("model chunks (virtual pipeline) need pipeline size >= 2")
+    if getattr(config, "variable_seq_lengths", False):
+        problems.append(
+            "variable_seq_lengths=True: Seq1F1B knows every segment's shape in advance and "
+            "exchanges no shapes; set it to False"
+        )
+    if getattr(config, "overlap_p2p_comm", False) and len(chunks) == 1:
+        problems.append("overlap_p2p_comm needs model chunks (as in Megatron); set it to False")
+    if getattr(config, "overlap_p2p_comm", False) and getattr(config, "batch_p2p_comm", False):
+        problems.append("overlap_p2p_comm and batch_p2p_comm cannot both be set (as in Megatron)")
+    if adjust_tensor_shapes_fn is not None:
+        problems.append("adjust_tensor_shapes_fn is not supported: segment shapes are fixed")
+    if pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
+        problems.append("config.pipeline_dtype must be set for pipeline parallelism")
+    for chunk in chunks:
+        if get_model_type(chunk) == ModelType.encoder_and_decoder:
+            problems.append("encoder-decoder models are not supported; use a decoder-only GPT")
+            break
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        problems.append("overlap_moe_expert_parallel_comm (combined 1F1B) is not supported")
+    if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):
+        problems.append(
+            "MoE and multi-token prediction scale auxiliary losses per forward; the Seq1F1B "
+            "executor does not support them"
+        )
+    if getattr(config, "fine_grained_activation_offloading", False):
+        problems.append("fine-grained activation offloading is not supported")
+    if num_splits > 1:
+        problems += model_config_problems(config)
+        if not model_enabled:
+            problems.append(
+                "the model is not prepared for segments: call megatron_seq1f1b.enable(model) "
+                "after building it"
+            )
+    problems += segment_length_problems(lengths, seq_length, config)
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if any(n % cp for n in lengths):
+        problems.append(f"segment lengths {lengths} must be divisible by context_parallel_size {cp}")
+    return sorted(set(problems), key=problems.index)

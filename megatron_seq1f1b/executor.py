@@ -6,15 +6,11 @@ configuration before the first message, then walks the steps of this rank
 (:mod:`megatron_seq1f1b.plan`): exchange tensors, then forward or backward
 one unit inside its segment context.
 
-Loss. ``loss_func`` returns Megatron's ``(loss_sum, num_tokens, report)``
-for one segment. Full-sequence training divides a micro-batch's loss by its
-token count and by the number of micro-batches; a segment knows only its own
-tokens. On the last stage every segment of a micro-batch is forwarded before
-the micro-batch's first backward (segment k-1), so the division happens at
-backward time, by the micro-batch's total. Reports stay ``[sum, tokens]`` per
-segment, which Megatron's training loop sums, so logged losses are exact too.
-With ``calculate_per_token_loss`` nothing is divided and the total token
-count goes to ``finalize_model_grads`` as in Megatron.
+Megatron-Core's own pieces do the rest: ``backward_step`` and
+``deallocate_output_tensor``, ``P2PCommunicator``'s ranks, the embedding
+wgrad helpers and ``finalize_model_grads``. Loss normalization is in
+:mod:`megatron_seq1f1b.loss`, point-to-point in :mod:`megatron_seq1f1b.p2p`,
+the checks in :mod:`megatron_seq1f1b.checks`.
 
 Data parallelism follows Megatron: gradient sync is off (``no_sync_func``)
 until the last backward unit of a model chunk on this rank, which is segment
@@ -30,60 +26,13 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron_seq1f1b import plan as plan_mod
-from megatron_seq1f1b.checks import (
-    model_config_problems,
-    raise_if,
-    segment_length_problems,
-)
+from megatron_seq1f1b.checks import executor_problems, raise_if
+from megatron_seq1f1b.loss import SegmentLosses
 from megatron_seq1f1b.model import chunks_of, is_enabled
 from megatron_seq1f1b.p2p import Peers, exchange
 from megatron_seq1f1b.partition import METHODS, split_sequence
 from megatron_seq1f1b.schedule import Action, build_schedule
-from megatron_seq1f1b.segments import SegmentRun, current_segment
-
-
-class _MicrobatchLoss:
-    """Per-segment loss sums of one micro-batch (last stage) and its token count."""
-
-    def __init__(self):
-        self.sums: dict[int, torch.Tensor] = {}
-        self.tokens: torch.Tensor | None = None
-        self.legacy = False
-
-
-class SegmentData:
-    """Iterator wrapper: every segment of a micro-batch gets that micro-batch.
-
-    The caller's iterator advances once per micro-batch, on the first
-    ``next()`` inside that micro-batch's segments; the executor drops the
-    batch after the micro-batch's last segment.
-    """
-
-    def __init__(self, iterator):
-        self._iterator = iterator
-        self._batches: dict[int, Any] = {}
-        self._fetched = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        info = current_segment()
-        if info is None:
-            return next(self._iterator)
-        mb = info.microbatch
-        if mb not in self._batches:
-            if mb != self._fetched:
-                raise RuntimeError(
-                    f"Seq1F1B: data for micro-batch {mb} requested before micro-batch "
-                    f"{self._fetched}; call next(data_iterator) in every forward step"
-                )
-            self._batches[mb] = next(self._iterator)
-            self._fetched += 1
-        return self._batches[mb]
-
-    def release(self, microbatch: int) -> None:
-        self._batches.pop(microbatch, None)
+from megatron_seq1f1b.segments import SegmentData, SegmentRun
 
 
 @functools.lru_cache(maxsize=64)
@@ -128,58 +77,6 @@ def _process_groups(config, p2p_communicator, pg_collection):
     if p2p_communicator is None:
         p2p_communicator = P2PCommunicator(pp_group=pg_collection.pp, config=config)
     return p2p_communicator, pg_collection
-
-
-def _problems(chunks, iterators, config, num_microbatches, num_splits, lengths, seq_length,
-              pp_size, adjust_tensor_shapes_fn, forward_only) -> list[str]:
-    from megatron.core.enums import ModelType
-    from megatron.core.utils import get_model_type
-
-    problems = []
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        problems.append(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-    if len(iterators) != len(chunks):
-        problems.append(f"{len(chunks)} model chunks but {len(iterators)} data iterators")
-    if len(chunks) > 1 and pp_size < 2:
-        problems.append("model chunks (virtual pipeline) need pipeline size >= 2")
-    if getattr(config, "variable_seq_lengths", False):
-        problems.append(
-            "variable_seq_lengths=True: Seq1F1B knows every segment's shape in advance and "
-            "exchanges no shapes; set it to False"
-        )
-    if getattr(config, "overlap_p2p_comm", False) and len(chunks) == 1:
-        problems.append("overlap_p2p_comm needs model chunks (as in Megatron); set it to False")
-    if getattr(config, "overlap_p2p_comm", False) and getattr(config, "batch_p2p_comm", False):
-        problems.append("overlap_p2p_comm and batch_p2p_comm cannot both be set (as in Megatron)")
-    if adjust_tensor_shapes_fn is not None:
-        problems.append("adjust_tensor_shapes_fn is not supported: segment shapes are fixed")
-    if pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
-        problems.append("config.pipeline_dtype must be set for pipeline parallelism")
-    for chunk in chunks:
-        if get_model_type(chunk) == ModelType.encoder_and_decoder:
-            problems.append("encoder-decoder models are not supported; use a decoder-only GPT")
-            break
-    if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        problems.append("overlap_moe_expert_parallel_comm (combined 1F1B) is not supported")
-    if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):
-        problems.append(
-            "MoE and multi-token prediction scale auxiliary losses per forward; the Seq1F1B "
-            "executor does not support them"
-        )
-    if getattr(config, "fine_grained_activation_offloading", False):
-        problems.append("fine-grained activation offloading is not supported")
-    if num_splits > 1:
-        problems += model_config_problems(config)
-        if not is_enabled(chunks):
-            problems.append(
-                "the model is not prepared for segments: call megatron_seq1f1b.enable(model) "
-                "after building it"
-            )
-    problems += segment_length_problems(lengths, seq_length, config)
-    cp = getattr(config, "context_parallel_size", 1) or 1
-    if any(n % cp for n in lengths):
-        problems.append(f"segment lengths {lengths} must be divisible by context_parallel_size {cp}")
-    return sorted(set(problems), key=problems.index)
 
 
 def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forward_only):
@@ -233,16 +130,15 @@ class _Pipeline:
         self.run = SegmentRun(lengths, forward_only=forward_only, config=config)
         self.topology = plan_mod.Topology(peers.pp_size, len(chunks))
         self.forward_data_store: list = []
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
-        self.losses: dict[tuple[int, int], _MicrobatchLoss] = {}
-        self.stash: dict[tuple[int, int, int], tuple] = {}
-        self.outgoing: dict = {}
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
+        self.losses = SegmentLosses(num_microbatches, self.k, cp, config.calculate_per_token_loss,
+                                    self.device)
+        self.stash: dict[tuple[int, int, int], tuple] = {}  # unit -> (input, output)
+        self.outgoing: dict = {}  # message -> tensor to send in the next step
         self.inbox: dict = {}  # received tensors waiting for their unit
         self.no_sync_context = None
         self.forwards_done = 0
-        cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
-        self.cp_size = cp
         tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
         self.shapes = [(n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths]
         self.last_backward = self._last_backward_units()
@@ -270,7 +166,7 @@ class _Pipeline:
 
     def make_buffer(self, message: plan_mod.Message) -> torch.Tensor:
         return torch.empty(self.shapes[message.segment], requires_grad=True,
-                           device=self.total_num_tokens.device, dtype=self.config.pipeline_dtype)
+                           device=self.device, dtype=self.config.pipeline_dtype)
 
     def disable_grad_sync(self) -> None:
         if self.no_sync_context is None:
@@ -331,45 +227,16 @@ class _Pipeline:
         return output
 
     def _loss(self, action: Action, output, loss_func):
+        """Last stage: keep the loss for backward, store the report (Megatron's cases)."""
         if loss_func is None:
             self.forward_data_store.append(output)
             return output
         if self.collect_non_loss_data:
             self.forward_data_store.append(loss_func(output, non_loss_data=True))
             return output
-        result = loss_func(output)
-        entry = self.losses.setdefault((action.microbatch, action.chunk), _MicrobatchLoss())
-        if len(result) == 3:
-            loss_sum, num_tokens, report = result
-            self.total_num_tokens += num_tokens
-            entry.sums[action.segment] = loss_sum
-            entry.tokens = num_tokens if entry.tokens is None else entry.tokens + num_tokens
-            self.forward_data_store.append(report)
-            return loss_sum
-        if len(result) == 2 and self.k == 1:
-            # Megatron's legacy form: a mean loss per micro-batch.
-            loss, report = result
-            entry.sums[0] = loss * self.cp_size / self.m
-            entry.legacy = True
-            self.forward_data_store.append(report)
-            return loss
-        raise ValueError(
-            "Seq1F1B: loss_func returned a 2-tuple (mean loss, report). With num_splits > 1 "
-            "each call sees one segment, and a per-segment mean cannot be weighted into the "
-            "micro-batch's mean. Return Megatron's triple (loss_sum, num_tokens, report), "
-            "as pretrain_gpt.py's loss_func does."
-        )
-
-    def scaled_loss(self, action: Action):
-        """The loss to backpropagate: the segment's sum / micro-batch tokens / m."""
-        key = (action.microbatch, action.chunk)
-        entry = self.losses[key]
-        loss = entry.sums.pop(action.segment)
-        if not entry.sums:
-            del self.losses[key]
-        if entry.legacy or self.config.calculate_per_token_loss:
-            return loss
-        return loss / torch.clamp(entry.tokens, min=1) / self.m
+        loss, report = self.losses.record(action, loss_func(output))
+        self.forward_data_store.append(report)
+        return loss
 
     def backward(self, action: Action, input_tensor, output_tensor, output_grad):
         """Megatron's backward step, with its gradient-sync rules per model chunk."""
@@ -381,7 +248,7 @@ class _Pipeline:
         if last_unit and (funcs is None or (not interleaved and self.peers.pp_rank == 0)):
             self.enable_grad_sync()
         if self.is_last_stage(action.chunk):
-            output_tensor = self.scaled_loss(action)
+            output_tensor = self.losses.scaled(action)
         with self.run.backward(action.microbatch, action.segment, action.chunk):
             grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type,
                                  self.config)
@@ -431,6 +298,8 @@ class _Pipeline:
 
     def close(self) -> None:
         self.run.close()
+        if not self.forward_only:
+            self.losses.close()
         if self.stash or self.outgoing or self.inbox:
             raise RuntimeError("Seq1F1B: units left over at the end of the schedule")
 
@@ -485,8 +354,9 @@ def forward_backward(
         raise_if([str(exc)])
     if len(lengths) != num_splits:
         raise_if([f"split_lengths has {len(lengths)} entries but num_splits is {num_splits}"])
-    raise_if(_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
-                       effective_seq, pp_size, adjust_tensor_shapes_fn, forward_only))
+    raise_if(executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
+                               effective_seq, pp_size, adjust_tensor_shapes_fn,
+                               num_splits == 1 or is_enabled(chunks)))
     if len(chunks) > 1:
         from megatron_seq1f1b.interleaved import interleaved_problems
 
@@ -534,7 +404,7 @@ def forward_backward(
         )
         config.finalize_model_grads_func(
             chunks,
-            pipeline.total_num_tokens if config.calculate_per_token_loss else None,
+            pipeline.losses.total_tokens if config.calculate_per_token_loss else None,
             pg_collection=pg_collection,
             force_all_reduce=force_all_reduce,
         )

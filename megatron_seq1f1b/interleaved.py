@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_seq1f1b.schedule import B, F, Schedule
+from megatron_seq1f1b.schedule import B, F, Schedule, one_forward_one_backward
 
 
 def microbatch_groups(num_stages: int, num_microbatches: int, num_splits: int) -> list[list[int]]:
@@ -85,13 +85,7 @@ def build_interleaved_schedule(
             backwards += [B(mb, s, chunk) for mb, s in backward_units]
     if forward_only:
         return [list(forwards) for _ in range(p)]
-    total = len(forwards)
-    schedule = []
-    for rank in range(p):
-        warmup = warmup_forwards(p, m, k, v, rank)
-        actions = forwards[:warmup]
-        for i in range(total - warmup):
-            actions += [forwards[warmup + i], backwards[i]]
-        actions += backwards[total - warmup:]
-        schedule.append(actions)
-    return schedule
+    return [
+        one_forward_one_backward(forwards, backwards, warmup_forwards(p, m, k, v, rank))
+        for rank in range(p)
+    ]

@@ -132,16 +132,23 @@ def build_schedule(
     if forward_only:
         return [list(forwards) for _ in range(num_stages)]
     backwards = [B(mb, s) for mb, s in backward_units(num_microbatches, num_splits)]
-    total = len(forwards)
-    schedule = []
-    for rank in range(num_stages):
-        warmup = warmup_forwards(num_stages, rank, num_microbatches, num_splits)
-        actions = forwards[:warmup]
-        for i in range(total - warmup):
-            actions += [forwards[warmup + i], backwards[i]]
-        actions += backwards[total - warmup :]
-        schedule.append(actions)
-    return schedule
+    return [
+        one_forward_one_backward(
+            forwards, backwards, warmup_forwards(num_stages, rank, num_microbatches, num_splits)
+        )
+        for rank in range(num_stages)
+    ]
+
+
+def one_forward_one_backward(
+    forwards: Sequence[Action], backwards: Sequence[Action], warmup: int
+) -> list[Action]:
+    """`warmup` forwards, then one forward and one backward in turn, then the rest backwards."""
+    steady = len(forwards) - warmup
+    actions = list(forwards[:warmup])
+    for i in range(steady):
+        actions += [forwards[warmup + i], backwards[i]]
+    return actions + list(backwards[steady:])
 
 
 def format_actions(actions: Iterable[Action]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -141,6 +141,41 @@ class SegmentRun:
                 f"Seq1F1B: key/value caches of {leftover} layer(s) were still alive at the end "
                 "of the iteration; a micro-batch's segment 0 was never backwarded"
             )
+
+
+class SegmentData:
+    """Iterator wrapper: every segment of a micro-batch gets that micro-batch.
+
+    The caller's iterator advances once per micro-batch, on the first
+    ``next()`` inside that micro-batch's segments; the executor drops the
+    batch after the micro-batch's last segment.
+    """
+
+    def __init__(self, iterator):
+        self._iterator = iterator
+        self._batches: dict[int, Any] = {}
+        self._fetched = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        info = current_segment()
+        if info is None:
+            return next(self._iterator)
+        mb = info.microbatch
+        if mb not in self._batches:
+            if mb != self._fetched:
+                raise RuntimeError(
+                    f"Seq1F1B: data for micro-batch {mb} requested before micro-batch "
+                    f"{self._fetched}; call next(data_iterator) in every forward step"
+                )
+            self._batches[mb] = next(self._iterator)
+            self._fetched += 1
+        return self._batches[mb]
+
+    def release(self, microbatch: int) -> None:
+        self._batches.pop(microbatch, None)
 
 
 _SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "input_ids")
