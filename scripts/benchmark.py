@@ -66,8 +66,9 @@ from megatron_seq1f1b.replay import Interval, Timeline  # noqa: E402
 from megatron_seq1f1b.schedule import Action, B, F, build_schedule  # noqa: E402
 
 ALL_SCHEDULES = ("1f1b", "seq1f1b-k1", "seq1f1b-uniform", "seq1f1b-balanced",
-                 "1f1b-interleaved", "seq1f1b-interleaved")
-INTERLEAVED = ("1f1b-interleaved", "seq1f1b-interleaved")
+                 "1f1b-interleaved", "seq1f1b-interleaved", "1f1b-interleaved-recompute")
+INTERLEAVED = ("1f1b-interleaved", "seq1f1b-interleaved", "1f1b-interleaved-recompute")
+OPT_IN = ("1f1b-interleaved-recompute",)
 MiB = 2 ** 20
 
 
@@ -121,7 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="first-iteration losses of all schedules must agree this closely")
     args = p.parse_args(argv)
     if args.schedules is None:
-        args.schedules = [s for s in ALL_SCHEDULES if args.vpp or s not in INTERLEAVED]
+        args.schedules = [s for s in ALL_SCHEDULES
+                          if (args.vpp or s not in INTERLEAVED) and s not in OPT_IN]
         if args.splits == 1:
             args.schedules = [s for s in args.schedules
                               if s not in ("seq1f1b-uniform", "seq1f1b-balanced")]
@@ -131,7 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--vpp must be >= 2 (omit it for the non-interleaved schedules)")
     if args.vpp and args.num_layers % (args.pp * args.vpp):
         p.error(f"--num-layers {args.num_layers} must divide by --pp x --vpp")
-    if "1f1b-interleaved" in args.schedules and args.microbatches % args.pp:
+    if any(s.startswith("1f1b-interleaved") for s in args.schedules) and \
+            args.microbatches % args.pp:
         p.error("Megatron's interleaved schedule needs --microbatches divisible by --pp")
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
@@ -206,9 +209,28 @@ class Schedule:
     fb: object = None
     times: list[float] = field(default_factory=list)
     peaks: list[list[int]] = field(default_factory=list)  # per run, per stage (bytes)
+    cpu: list[list[float]] = field(default_factory=list)  # per run, per stage (CPU seconds)
     first_loss: float | None = None
     timeline: dict | None = None
     prediction: dict | None = None
+    recompute: bool = False  # full activation recompute (Megatron's, one layer at a time)
+
+    @contextlib.contextmanager
+    def options(self):
+        """Per-schedule model options (set on the shared config only while this one runs)."""
+        if not self.recompute:
+            yield
+            return
+        config = self.layout.config
+        saved = (config.recompute_granularity, config.recompute_method,
+                 config.recompute_num_layers)
+        config.recompute_granularity, config.recompute_method = "full", "uniform"
+        config.recompute_num_layers = 1
+        try:
+            yield
+        finally:
+            (config.recompute_granularity, config.recompute_method,
+             config.recompute_num_layers) = saved
 
 
 def make_schedules(args, layouts: dict, vocab_size: int) -> list[Schedule]:
@@ -222,7 +244,10 @@ def make_schedules(args, layouts: dict, vocab_size: int) -> list[Schedule]:
         v = f", v={args.vpp}" if interleaved else ""
         if key.startswith("1f1b"):
             label = ("Megatron interleaved 1F1B" if interleaved else "Megatron 1F1B") + v
-            sched = Schedule(key, label, layout, True, 1, None, [args.seq_length])
+            recompute = key.endswith("-recompute")
+            label += " + full recompute" if recompute else ""
+            sched = Schedule(key, label, layout, True, 1, None, [args.seq_length],
+                             recompute=recompute)
             sched.fb = msched.get_forward_backward_func(args.pp, args.vpp if interleaved else None)
         else:
             if key == "seq1f1b-k1":
@@ -309,18 +334,20 @@ def microbatches(targs, layout_model, args) -> list[dict]:
     return [next(stream) for _ in range(args.microbatches)]
 
 
-def stage_peaks(peak_bytes: int) -> list[int]:
-    """Peak bytes per pipeline stage (max over the stage's tensor/data-parallel ranks)."""
+def per_stage(*values: float) -> list[list[float]]:
+    """Each value per pipeline stage (max over the stage's tensor/data-parallel ranks)."""
     from megatron.core import parallel_state
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    mine = torch.tensor([stage, peak_bytes], dtype=torch.float64)
+    mine = torch.tensor([stage, *values], dtype=torch.float64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    peaks = [0] * parallel_state.get_pipeline_model_parallel_world_size()
-    for value in everyone:
-        peaks[int(value[0])] = max(peaks[int(value[0])], int(value[1]))
-    return peaks
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    result = [[0.0] * stages for _ in values]
+    for row in everyone:
+        for i in range(len(values)):
+            result[i][int(row[0])] = max(result[i][int(row[0])], row[1 + i].item())
+    return result
 
 
 def loss_of(store: list) -> tuple[float, float]:
@@ -401,20 +428,23 @@ def run_once(sched: Schedule, batches: list, args, forward_step, memory: PeakMem
     gc.disable()
     if on_start is not None:
         on_start()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if profile is not None:
         profile.enable()
-    store = (fb or sched.fb)(
-        forward_step_func=forward_step,
-        data_iterator=iterators if layout.chunks > 1 else iterators[0],
-        model=layout.model if layout.chunks > 1 else layout.model[0],
-        num_microbatches=args.microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=False,
-    )
-    synchronize()
+    with sched.options():
+        store = (fb or sched.fb)(
+            forward_step_func=forward_step,
+            data_iterator=iterators if layout.chunks > 1 else iterators[0],
+            model=layout.model if layout.chunks > 1 else layout.model[0],
+            num_microbatches=args.microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=None,
+            forward_only=False,
+        )
+        synchronize()
     if profile is not None:
         profile.disable()
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
     gc.enable()
     peak = memory.peak_above_baseline()
     loss_sum, tokens = loss_of(store)
@@ -425,7 +455,8 @@ def run_once(sched: Schedule, batches: list, args, forward_step, memory: PeakMem
     # Every tensor-parallel rank of the last stage reports the same (sum, tokens): the
     # ratio is unaffected.
     loss = (sums[0] / sums[1].clamp(min=1)).item()
-    return {"time": times.item(), "peaks": stage_peaks(peak), "loss": loss}
+    peaks, cpus = per_stage(peak, cpu)
+    return {"time": times.item(), "peaks": [int(x) for x in peaks], "cpu": cpus, "loss": loss}
 
 
 # ------------------------------------------------------------------ timelines
@@ -633,23 +664,30 @@ def extrapolated_fits(ordered: list[dict], stages: int) -> list[dict]:
     return [ordered[0]] + [middle] * (stages - 2) + [ordered[-1]] if stages > 1 else [ordered[0]]
 
 
-def fitted_cost(ordered_fits: list[dict], lengths: list[int], p: int, quadratic: str):
+def fitted_cost(ordered_fits: list[dict], lengths: list[int], p: int, quadratic: str,
+                recompute: bool = False):
+    """cost(action, rank) from the fits; with full recompute a backward re-runs the forward."""
     quad = QUADRATIC[quadratic]
     ends = list(itertools.accumulate(lengths))
 
-    def cost(action: Action, rank: int) -> float:
-        fit = ordered_fits[action.chunk * p + rank]["F" if action.is_forward else "B"]
-        length, end = lengths[action.segment], ends[action.segment]
+    def one(fit, length, end):
         return fit["a"] * length + fit["c"] * quad(length, end) + fit["d"]
+
+    def cost(action: Action, rank: int) -> float:
+        fits = ordered_fits[action.chunk * p + rank]
+        length, end = lengths[action.segment], ends[action.segment]
+        if action.is_forward:
+            return one(fits["F"], length, end)
+        return one(fits["B"], length, end) + (one(fits["F"], length, end) if recompute else 0.0)
 
     return cost
 
 
-def predict(ordered_fits, p, m, lengths, v, quadratic):
+def predict(ordered_fits, p, m, lengths, v, quadratic, recompute=False):
     from megatron_seq1f1b.simulate import simulate
 
     schedule = build_schedule(p, m, len(lengths), v)
-    return simulate(schedule, fitted_cost(ordered_fits, lengths, p, quadratic))
+    return simulate(schedule, fitted_cost(ordered_fits, lengths, p, quadratic, recompute))
 
 
 # ------------------------------------------------------------------ reports
@@ -668,6 +706,7 @@ def summarize(schedules: list[Schedule], args, tokens_per_iter: int) -> list[dic
         stages = len(s.peaks[0])
         peak_median = [statistics.median(run[i] for run in s.peaks) for i in range(stages)]
         peak_max = [max(run[i] for run in s.peaks) for i in range(stages)]
+        cpu_median = [statistics.median(run[i] for run in s.cpu) for i in range(stages)]
         rows.append({
             "key": s.key, "label": s.label, "megatron": s.megatron, "k": s.k,
             "partition": s.partition, "lengths": s.lengths,
@@ -675,6 +714,7 @@ def summarize(schedules: list[Schedule], args, tokens_per_iter: int) -> list[dic
             "min_s": min(s.times), "max_s": max(s.times),
             "tokens_per_s": tokens_per_iter / median,
             "peak_bytes_per_stage": peak_median, "peak_bytes_per_stage_max": peak_max,
+            "cpu_s_per_stage": cpu_median, "cpu_s_total": sum(cpu_median),
             "first_iteration_loss": s.first_loss,
             "timeline": s.timeline, "prediction": s.prediction,
         })
@@ -685,6 +725,7 @@ def summarize(schedules: list[Schedule], args, tokens_per_iter: int) -> list[dic
                 continue
             b = by_key[ref.key]
             r[f"speedup_{name}"] = r["tokens_per_s"] / b["tokens_per_s"]
+            r[f"cpu_ratio_{name}"] = r["cpu_s_total"] / b["cpu_s_total"]
             r[f"peak_ratio_{name}"] = [
                 (x / y if y else None) for x, y in zip(r["peak_bytes_per_stage"],
                                                       b["peak_bytes_per_stage"])]
@@ -704,29 +745,36 @@ def markdown(rows, args, meta, calibration, predictions) -> str:
         f"schedule after {args.warmup} warm-up runs, alternating; forward-backward only "
         "(no optimizer step).")
     lines.append("")
-    lines.append("| schedule | segments | median ms | tokens/s | × 1F1B | peak MiB per stage "
-                 "| stage-0 mem × 1F1B | predicted ms | pred. error |")
-    lines.append("|---|---|---:|---:|---:|---|---:|---:|---:|")
+    lines.append("| schedule | segments | median ms (min–max) | tokens/s | × 1F1B | CPU s per "
+                 "stage | CPU × 1F1B | peak MiB per stage | stage-0 mem × 1F1B | predicted ms "
+                 "| pred. error |")
+    lines.append("|---|---|---:|---:|---:|---|---:|---|---:|---:|---:|")
+
+    def num(value, spec):
+        return "-" if value is None else format(value, spec)
+
     for r in rows:
         ref = "vs_1f1b_interleaved" if r["vpp"] and "speedup_vs_1f1b_interleaved" in r \
             else "vs_1f1b"
-        speed = r.get(f"speedup_{ref}")
-        mem = r.get(f"peak_ratio_{ref}", [None])[0]
+        mem = (r.get(f"peak_ratio_{ref}") or [None])[0]
         pred = r.get("prediction") or {}
-        pred_ms = f"{pred['makespan_s'] * 1e3:.0f}" if pred else "-"
-        err = f"{pred['rel_error']:+.1%}" if pred else "-"
         segs = "-" if r["megatron"] else "/".join(str(n) for n in r["lengths"])
         lines.append(
-            f"| {r['label']} | {segs} | {r['median_s'] * 1e3:.0f} | {r['tokens_per_s']:.0f} | "
-            f"{speed:.3f} | {' / '.join(fmt_mib(x) for x in r['peak_bytes_per_stage'])} | "
-            f"{mem:.2f} | {pred_ms} | {err} |" if speed is not None and mem is not None else
-            f"| {r['label']} | {segs} | {r['median_s'] * 1e3:.0f} | {r['tokens_per_s']:.0f} | - | "
-            f"{' / '.join(fmt_mib(x) for x in r['peak_bytes_per_stage'])} | - | {pred_ms} | "
-            f"{err} |")
+            f"| {r['label']} | {segs} | {r['median_s'] * 1e3:.0f} ({r['min_s'] * 1e3:.0f}–"
+            f"{r['max_s'] * 1e3:.0f}) | {r['tokens_per_s']:.0f} | "
+            f"{num(r.get(f'speedup_{ref}'), '.3f')} | "
+            f"{' / '.join(f'{x:.2f}' for x in r['cpu_s_per_stage'])} | "
+            f"{num(r.get(f'cpu_ratio_{ref}'), '.3f')} | "
+            f"{' / '.join(fmt_mib(x) for x in r['peak_bytes_per_stage'])} | {num(mem, '.2f')} | "
+            f"{num(pred.get('makespan_s') and pred['makespan_s'] * 1e3, '.0f')} | "
+            f"{num(pred.get('rel_error'), '+.1%')} |")
     lines.append("")
     lines.append("Ratios of interleaved schedules are against Megatron interleaved 1F1B when it "
-                 "ran, of the others against Megatron 1F1B. Peak memory: real allocations above "
-                 "the resident set at the start of the run (median over runs).")
+                 "ran, of the others against Megatron 1F1B. CPU s: process CPU time of the "
+                 "forward-backward per stage (insensitive to other processes' load; includes "
+                 "p2p threads). Peak memory: real allocations above the resident set at the start "
+                 f"of the run (median over runs). Load average before/after: "
+                 f"{meta['loadavg_start']:.1f} / {meta['loadavg_end']:.1f}.")
     timed = [r for r in rows if r.get("timeline")]
     if timed:
         lines += ["", "## Measured timelines (one recorded iteration)", "",
@@ -874,6 +922,7 @@ def main(argv=None) -> int:
     for s in schedules:
         say(f">   {s.key:<20} {s.label}" + ("" if s.megatron else f"  segments {s.lengths}"))
 
+    loadavg_start = os.getloadavg()[0]
     # Warm-up (the first run of each schedule also gives the loss check), then alternate.
     for w in range(max(args.warmup, 1)):
         for s in schedules:
@@ -883,6 +932,7 @@ def main(argv=None) -> int:
             if w >= args.warmup:  # --warmup 0: the loss-check run is measured too
                 s.times.append(result["time"])
                 s.peaks.append(result["peaks"])
+                s.cpu.append(result["cpu"])
                 say(f"  [run 1/{args.iters}] {s.label:<40} {result['time'] * 1e3:8.1f} ms  "
                     f"{tokens_per_iter / result['time']:8.0f} tokens/s  peak MiB per stage "
                     + " ".join(fmt_mib(x) for x in result["peaks"]))
@@ -903,6 +953,7 @@ def main(argv=None) -> int:
             result = run_once(s, batches, args, forward_step, memory)
             s.times.append(result["time"])
             s.peaks.append(result["peaks"])
+            s.cpu.append(result["cpu"])
             say(f"  [run {i + 1}/{args.iters}] {s.label:<40} {result['time'] * 1e3:8.1f} ms  "
                 f"{tokens_per_iter / result['time']:8.0f} tokens/s  peak MiB per stage "
                 + " ".join(fmt_mib(x) for x in result["peaks"]))
@@ -970,7 +1021,7 @@ def main(argv=None) -> int:
             for s in schedules:
                 layout_name = s.layout.name
                 result = predict(ordered_for(mode, layout_name), args.pp, args.microbatches,
-                                 s.lengths, s.layout.chunks, quadratic)
+                                 s.lengths, s.layout.chunks, quadratic, s.recompute)
                 median = statistics.median(s.times)
                 out_map[s.key] = {
                     "makespan_s": result.makespan, "bubble_fraction": result.bubble_fraction,
@@ -1048,6 +1099,7 @@ def main(argv=None) -> int:
 
     rows = summarize(schedules, args, tokens_per_iter)
     meta = {
+        "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()[0],
         "world_size": world, "dp": dp, "device": "GPU/NCCL" if on_gpu else "CPU/gloo",
         "cpu_count": cpu_count, "threads_per_rank": threads,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),

@@ -1,0 +1,61 @@
+"""scripts/benchmark.py end to end on 2 CPU ranks with a tiny model."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "benchmark.py"
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_benchmark_reports_every_schedule(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               SEQ1F1B_TIMEOUT_MINUTES="2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           f"--master-port={_port()}", str(SCRIPT),
+           "--pp", "2", "--vpp", "2", "--microbatches", "2", "--splits", "2",
+           "--seq-length", "32", "--hidden-size", "16", "--num-layers", "4",
+           "--num-attention-heads", "2", "--vocab-size", "64",
+           "--iters", "2", "--warmup", "1", "--calib-reps", "1", "--calib-mode", "isolated",
+           "--predict-pp", "2", "4", "--predict-microbatches", "4", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "first-iteration loss" in done.stdout and "OK" in done.stdout, done.stdout[-3000:]
+
+    result = json.loads((out / "results.json").read_text())
+    rows = {row["key"]: row for row in result["schedules"]}
+    assert set(rows) == {"1f1b", "seq1f1b-k1", "seq1f1b-uniform", "seq1f1b-balanced",
+                         "1f1b-interleaved", "seq1f1b-interleaved"}
+    for key, row in rows.items():
+        assert row["tokens_per_s"] > 0, key
+        assert len(row["times_s"]) == 2, key
+        assert "speedup_vs_1f1b" in row and row["speedup_vs_1f1b"] > 0, key
+        assert len(row["peak_ratio_vs_1f1b"]) == 2, key
+        assert len(row["peak_bytes_per_stage"]) == 2, key
+        assert row["prediction"]["makespan_s"] > 0, key
+        assert row["timeline"]["makespan_s"] > 0, key
+    assert rows["1f1b"]["speedup_vs_1f1b"] == 1.0
+    assert "speedup_vs_1f1b_interleaved" in rows["seq1f1b-interleaved"]
+    losses = [row["first_iteration_loss"] for row in rows.values()]
+    assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])
+    assert [(r["p"], r["m"]) for r in result["predictions"]] == [(2, 4), (4, 4)]
+
+    assert (out / "benchmark.png").stat().st_size > 0
+    assert "| Megatron 1F1B |" in (out / "results.md").read_text()
+    assert (out / "timeline_seq1f1b-uniform_measured.png").exists()
+    assert (out / "timeline_seq1f1b-uniform_simulated.png").exists()
+    trace = json.loads((out / "timeline_seq1f1b-uniform_measured.json").read_text())
+    assert trace["traceEvents"]
