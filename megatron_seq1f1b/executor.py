@@ -28,7 +28,7 @@ import torch
 from megatron_seq1f1b import plan as plan_mod
 from megatron_seq1f1b.checks import executor_problems, raise_if
 from megatron_seq1f1b.loss import SegmentLosses
-from megatron_seq1f1b.model import chunks_of, is_enabled
+from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled
 from megatron_seq1f1b.p2p import Peers, exchange
 from megatron_seq1f1b.partition import METHODS, split_sequence
 from megatron_seq1f1b.schedule import Action, build_schedule
@@ -49,12 +49,14 @@ def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_onl
     return pipeline_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only)[rank]
 
 
-def resolve_lengths(num_splits, partition, split_lengths, seq_length, config, vocab_size):
+def resolve_lengths(num_splits, partition, split_lengths, seq_length, chunks, config,
+                    vocab_size):
     if split_lengths is not None:
         return [int(n) for n in split_lengths]
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    dense = partition == "balanced" and dense_attention(chunks)
     return split_sequence(seq_length, num_splits, partition, config=config,
-                          vocab_size=vocab_size, multiple_of=tp)
+                          vocab_size=vocab_size, multiple_of=tp, dense_attention=dense)
 
 
 def _process_groups(config, p2p_communicator, pg_collection):
@@ -348,8 +350,8 @@ def forward_backward(
     except RuntimeError:
         vocab_size = None
     try:
-        lengths = resolve_lengths(num_splits, partition, split_lengths, effective_seq, config,
-                                  vocab_size)
+        lengths = resolve_lengths(num_splits, partition, split_lengths, effective_seq, chunks,
+                                  config, vocab_size)
     except ValueError as exc:
         raise_if([str(exc)])
     if len(lengths) != num_splits:

@@ -41,6 +41,21 @@ def is_enabled(model) -> bool:
     return all(getattr(unwrap(chunk), _ENABLED, False) for chunk in chunks_of(model))
 
 
+def dense_attention(model) -> bool:
+    """True if a chunk uses Megatron's local attention, which computes masked scores too.
+
+    (Transformer Engine's flash attention skips masked blocks; the balanced
+    partition weighs attention cost accordingly.)
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return any(
+        isinstance(module, DotProductAttention)
+        for chunk in chunks_of(model)
+        for module in unwrap(chunk).modules()
+    )
+
+
 def _check(gpt) -> list[str]:
     problems = model_config_problems(gpt.config)
     position = getattr(gpt, "position_embedding_type", "learned_absolute")

@@ -22,6 +22,11 @@ with ``h`` hidden size, ``h_q = heads * kv_channels``,
 ``h_kv = query_groups * kv_channels``, ``f`` FFN size, ``V`` vocabulary.
 Backward costs about twice the forward for every term, so equal forward
 FLOPs also mean equal backward FLOPs.
+
+``dense_attention=True`` models kernels that compute the whole
+``s x P`` score block and mask it afterwards (Megatron's local
+``DotProductAttention``): the quadratic term becomes ``s * P``. Flash-style
+kernels (Transformer Engine) skip masked blocks: causal pairs.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ class CostModel:
 
     per_token: float
     per_pair: float
+    dense_attention: bool = False
 
     @classmethod
-    def from_config(cls, config, vocab_size: int | None = None) -> "CostModel":
+    def from_config(cls, config, vocab_size: int | None = None,
+                    dense_attention: bool = False) -> "CostModel":
         """Coefficients from a Megatron ``TransformerConfig`` (whole model)."""
         h = config.hidden_size
         heads = config.num_attention_heads
@@ -52,11 +59,15 @@ class CostModel:
         per_layer = 2 * h * (h_q + 2 * h_kv) + 2 * h_q * h + 2 * h * ffn * gated + 2 * ffn * h
         per_token = config.num_layers * per_layer + 2 * h * (vocab_size or 0)
         per_pair = config.num_layers * 4 * h_q
-        return cls(float(per_token), float(per_pair))
+        return cls(float(per_token), float(per_pair), dense_attention)
+
+    def pairs(self, length: float, end: float) -> float:
+        """Query-key products a segment's attention computes."""
+        return length * end if self.dense_attention else causal_pairs(length, end)
 
     def segment(self, length: float, end: float) -> float:
         """Forward FLOPs of ``length`` tokens ending at position ``end``."""
-        return self.per_token * length + self.per_pair * causal_pairs(length, end)
+        return self.per_token * length + self.per_pair * self.pairs(length, end)
 
     def split_costs(self, lengths: list[int]) -> list[float]:
         costs, end = [], 0
@@ -79,12 +90,14 @@ def split_sequence(
     config=None,
     vocab_size: int | None = None,
     multiple_of: int = 1,
+    dense_attention: bool = False,
 ) -> list[int]:
     """Segment lengths for one micro-batch: sum ``seq_length``, each a multiple of ``multiple_of``.
 
     ``"uniform"`` lengths differ by at most ``multiple_of`` (longer ones
     first); ``"balanced"`` lengths give equal estimated forward FLOPs
-    (:class:`CostModel` from ``config`` and ``vocab_size``) and never increase.
+    (:class:`CostModel` from ``config`` and ``vocab_size``; ``dense_attention``
+    for kernels that compute masked scores too) and never increase.
     """
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
@@ -111,26 +124,45 @@ def split_sequence(
             "the balanced partition needs the model's TransformerConfig (config=...) to "
             "estimate attention and linear FLOPs"
         )
-    cost = CostModel.from_config(config, vocab_size)
+    cost = CostModel.from_config(config, vocab_size, dense_attention)
     boundaries = _balanced_boundaries(seq_length, num_splits, cost)
     return _round_boundaries(boundaries, units, multiple_of)
 
 
 def _balanced_boundaries(seq_length: int, num_splits: int, cost: CostModel) -> list[float]:
-    """Continuous segment end positions with equal cost, solved from the back."""
-    share = cost.segment(seq_length, seq_length) / num_splits
+    """Continuous segment end positions with equal cost.
+
+    For a guess of the per-segment cost, segments are solved from the back
+    (a quadratic, or linear for dense attention); bisection adjusts the guess
+    until the first segment costs the same as the others. (With causal
+    attention the costs add up to the whole sequence's, so the first guess,
+    total / k, is already right.)
+    """
     a, c = cost.per_token, cost.per_pair
-    ends = [float(seq_length)]
-    end = float(seq_length)
-    for _ in range(num_splits - 1):
-        # a s + c (s end - s^2/2 + s/2) = share  ->  (c/2) s^2 - (a + c end + c/2) s + share = 0
-        b = a + c * end + c / 2
-        if c == 0:
-            length = share / a
-        else:
-            length = (b - math.sqrt(max(b * b - 2 * c * share, 0.0))) / c
-        end -= length
-        ends.append(end)
+
+    def ends_for(share: float) -> list[float]:
+        ends, end = [float(seq_length)], float(seq_length)
+        for _ in range(num_splits - 1):
+            if cost.dense_attention or c == 0:
+                length = share / (a + c * end)  # a s + c s end = share
+            else:
+                # a s + c (s end - s^2/2 + s/2) = share -> (c/2) s^2 - (a + c end + c/2) s + share = 0
+                b = a + c * end + c / 2
+                length = (b - math.sqrt(max(b * b - 2 * c * share, 0.0))) / c
+            end = max(end - length, 0.0)
+            ends.append(end)
+        return ends
+
+    low, high = 0.0, cost.segment(seq_length, seq_length)
+    share = high / num_splits
+    for _ in range(200):
+        first = ends_for(share)[-1]
+        gap = cost.segment(first, first) - share
+        if abs(gap) <= 1e-12 * high:
+            break
+        low, high = (share, high) if gap > 0 else (low, share)
+        share = (low + high) / 2
+    ends = ends_for(share)
     return sorted(ends[1:]) + [float(seq_length)]
 
 

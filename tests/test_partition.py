@@ -40,6 +40,18 @@ def test_balanced_equal_flops_non_increasing(k, mult):
     assert max(costs) - min(costs) <= 2 * unit_cost
 
 
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_balanced_dense_attention_equal_costs(k):
+    """Kernels that compute masked scores too (s x end per segment): costs do not add up
+    to the whole sequence's, so the split is found by bisection; still equal."""
+    cfg = config()
+    lengths = split_sequence(32768, k, "balanced", config=cfg, vocab_size=50257,
+                             dense_attention=True)
+    assert sum(lengths) == 32768 and lengths == sorted(lengths, reverse=True)
+    costs = CostModel.from_config(cfg, 50257, dense_attention=True).split_costs(lengths)
+    assert max(costs) / min(costs) < 1.001
+
+
 def test_balanced_long_sequence_first_segment_clearly_longer():
     lengths = split_sequence(32768, 4, "balanced", config=config(), vocab_size=50257, multiple_of=8)
     # The original Seq1F1B solver gives [11040, 8416, 7080, 6232] for this model.
