@@ -49,8 +49,12 @@ def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_onl
     return pipeline_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only)[rank]
 
 
-def resolve_lengths(num_splits, partition, split_lengths, seq_length, chunks, config,
-                    vocab_size):
+def resolve_lengths(num_splits: int, partition: str, split_lengths, seq_length: int, chunks,
+                    config, vocab_size) -> list[int]:
+    """The segment lengths the executor uses: given ones, else ``split_sequence`` for this model.
+
+    (Benchmarks call this too, so that they report the lengths that actually ran.)
+    """
     if split_lengths is not None:
         return [int(n) for n in split_lengths]
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1

@@ -8,8 +8,9 @@ Launch with torchrun (CPU ranks with gloo, one thread each, or GPUs with NCCL)::
         --num-layers 4 --iters 6 --warmup 2 --out out/bench_p2
 
 One invocation builds the model once per layout (non-interleaved, and
-interleaved with ``--vpp``; both hold the same weights) and one fixed set of
-micro-batches, then runs the schedules alternately (A B C A B C ...):
+interleaved with ``--vpp``; both hold the same weights, copied across the
+layouts) and one fixed set of micro-batches, then runs the schedules
+alternately (A B C A B C ...) after warm-up runs:
 
 * ``1f1b``                Megatron-Core 1F1B
 * ``seq1f1b-k1``          Seq1F1B with one segment (the cost of our executor)
@@ -17,20 +18,32 @@ micro-batches, then runs the schedules alternately (A B C A B C ...):
 * ``seq1f1b-balanced``    Seq1F1B, k segments of equal estimated FLOPs
 * ``1f1b-interleaved``    Megatron-Core interleaved 1F1B (with ``--vpp``)
 * ``seq1f1b-interleaved`` interleaved Seq1F1B (with ``--vpp``)
+* ``1f1b-interleaved-recompute`` Megatron interleaved 1F1B with full activation
+  recompute (only when named in ``--schedules``): a memory-matched baseline
 
 Each run is one forward-backward over all micro-batches (no optimizer step;
-gradient buffers are zeroed between runs). Reported per schedule: median
-iteration time, tokens/s, peak memory per pipeline stage (real allocations,
-:class:`megatron_seq1f1b.memory.PeakMemory`, above the resident set at the
-start of the run), and ratios against Megatron 1F1B. Then (unless disabled):
-measured timelines of one iteration (recorder for Seq1F1B, timed
-forward/backward steps for Megatron), per-segment cost calibration of every
-stage, a least-squares cost fit, and simulated predictions for the measured
-configuration and for larger pipelines.
+gradient buffers are zeroed between runs); the first run of every schedule
+checks that all give the same loss. Reported per schedule: median iteration
+time (slowest rank), tokens/s, the paired ratio (median over rounds of the
+per-round time ratio), process CPU time per stage, peak memory per pipeline
+stage (real allocations, :class:`megatron_seq1f1b.memory.PeakMemory`, above
+the resident set at the start of the run), and ratios against Megatron 1F1B.
+
+Then, unless disabled: measured timelines of one extra iteration (the
+recorder for Seq1F1B; timed ``forward_step``/``backward_step`` calls for
+Megatron), drawn as PNG and Chrome trace; a calibration of every stage's
+per-segment forward/backward times and of the p2p message time; a
+least-squares fit ``time = a*len + c*quad(len, end) + d`` per stage; and
+predictions with :func:`megatron_seq1f1b.simulate.simulate` (plus a replay
+with p2p latency and, when ranks oversubscribe the CPU cores, processor
+sharing) for the measured configuration and for larger pipelines.
 
 Outputs in ``--out``: ``results.json``, ``results.md``, ``benchmark.png``,
 ``timeline_<schedule>_{measured,simulated}.png``, ``timeline_<schedule>_measured.json``
 (Chrome trace) and, with ``--profile``, ``profile_<schedule>_rank<r>.txt``.
+On CPU set ``MALLOC_MMAP_THRESHOLD_=65536`` before the processes start (see
+:mod:`megatron_seq1f1b.memory`); without it peak memory is not valid. CPU
+ranks use ``SEQ1F1B_THREADS_PER_RANK`` threads (default 1).
 """
 
 from __future__ import annotations
@@ -105,11 +118,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured runs per schedule first")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="out/benchmark", help="output directory")
-    p.add_argument("--no-timelines", action="store_true", help="skip the recorded iteration")
+    p.add_argument("--no-timelines", action="store_true", help="skip the recorded iterations")
+    p.add_argument("--timeline-runs", type=int, default=1,
+                   help="recorded iterations per schedule; the median-makespan one is drawn")
     p.add_argument("--no-calibration", action="store_true",
                    help="skip per-segment cost calibration and calibrated predictions")
     p.add_argument("--calib-reps", type=int, default=3,
-                   help="timed repetitions per calibration case (after one warm-up)")
+                   help="timed repetitions per calibration case (after one warm-up); the "
+                        "fastest counts")
     p.add_argument("--calib-mode", choices=("isolated", "concurrent", "both"), default="both",
                    help="isolated: one pipeline stage at a time (no CPU contention); "
                         "concurrent: all stages at once")
@@ -233,10 +249,17 @@ class Schedule:
              config.recompute_num_layers) = saved
 
 
+def segment_lengths(args, k: int, partition: str, layout: Layout, vocab_size: int) -> list[int]:
+    """The lengths the executor itself would choose for this model (passed explicitly)."""
+    from megatron_seq1f1b.executor import resolve_lengths
+
+    return resolve_lengths(k, partition, None, args.seq_length, layout.model, layout.config,
+                           vocab_size)
+
+
 def make_schedules(args, layouts: dict, vocab_size: int) -> list[Schedule]:
     from megatron.core.pipeline_parallel import schedules as msched
 
-    tp_multiple = args.tp if args.sequence_parallel else 1
     made = []
     for key in args.schedules:
         interleaved = key in INTERLEAVED
@@ -256,8 +279,7 @@ def make_schedules(args, layouts: dict, vocab_size: int) -> list[Schedule]:
                 k, partition = args.splits, args.interleaved_partition
             else:
                 k, partition = args.splits, key.split("-")[1]
-            lengths = split_sequence(args.seq_length, k, partition, config=layout.config,
-                                     vocab_size=vocab_size, multiple_of=tp_multiple)
+            lengths = segment_lengths(args, k, partition, layout, vocab_size)
             name = "interleaved Seq1F1B" if interleaved else "Seq1F1B"
             label = f"{name} k={k}" + (f" {partition}" if k > 1 else "") + v
             sched = Schedule(key, label, layout, False, k, partition, lengths)
@@ -320,7 +342,7 @@ def copy_weights_across_layouts(src: Layout, dst: Layout, tied: bool) -> None:
             param.copy_(table[name].to(param.device))
 
 
-def microbatches(targs, layout_model, args) -> list[dict]:
+def microbatches(targs, args) -> list[dict]:
     """This data-parallel rank's m micro-batches, materialized once and reused by every run."""
     from megatron.core import parallel_state
 
@@ -495,14 +517,71 @@ def record_timeline(sched: Schedule, batches, args, forward_step, memory, group)
 # ------------------------------------------------------------------ calibration
 
 
-def calibration_cases(args, config, vocab_size) -> list[list[int]]:
+def measure_p2p(args, config, token_counts, reps: int = 5) -> list[list[float]]:
+    """One-way time of a pipeline message per size: ping-pong between neighbouring stages.
+
+    One neighbour pair at a time (the others wait at a barrier). Returns
+    [[bytes, seconds], ...] from every pair (collective).
+    """
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    pp_rank, p = group.rank(), group.size()
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    rows = []
+    for stage in range(p - 1):
+        dist.barrier()
+        if pp_rank not in (stage, stage + 1):
+            continue
+        peer = dist.get_global_rank(group, stage + 1 if pp_rank == stage else stage)
+        for tokens in token_counts:
+            tensor = torch.zeros(tokens // tp, args.micro_batch_size, config.hidden_size,
+                                 dtype=config.pipeline_dtype, device=device)
+            samples = []
+            for rep in range(reps + 1):
+                synchronize()
+                start = time.perf_counter()
+                if pp_rank == stage:
+                    dist.send(tensor, peer)
+                    dist.recv(tensor, peer)
+                else:
+                    dist.recv(tensor, peer)
+                    dist.send(tensor, peer)
+                synchronize()
+                if rep:
+                    samples.append((time.perf_counter() - start) / 2)
+            if pp_rank == stage:
+                rows.append([float(tensor.numel() * tensor.element_size()),
+                             statistics.median(samples)])
+    dist.barrier()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows)
+    return [row for part in gathered for row in part]
+
+
+def message_latency(p2p_fit: dict, lengths, args, config) -> float:
+    """Mean one-way time of one schedule's messages (all segments occur equally often)."""
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    element = torch.empty((), dtype=config.pipeline_dtype).element_size()
+    sizes = [n // tp * args.micro_batch_size * config.hidden_size * element for n in lengths]
+    return sum(p2p_fit["alpha"] + p2p_fit["beta"] * b for b in sizes) / len(sizes)
+
+
+def calibration_cases(args, layout: Layout, vocab_size) -> list[list[int]]:
+    """Full sequence, uniform k=2, uniform k, balanced k (and FLOP-balanced k if different)."""
     tp_multiple = args.tp if args.sequence_parallel else 1
     cases = [[args.seq_length]]
-    for k, partition in ((2, "uniform"), (args.splits, "uniform"), (args.splits, "balanced")):
-        if k < 2 or args.seq_length // tp_multiple < k:
-            continue
-        lengths = split_sequence(args.seq_length, k, partition, config=config,
-                                 vocab_size=vocab_size, multiple_of=tp_multiple)
+    if args.seq_length // tp_multiple < 2:
+        return cases
+    candidates = [segment_lengths(args, k, partition, layout, vocab_size)
+                  for k, partition in ((2, "uniform"), (args.splits, "uniform"),
+                                       (args.splits, "balanced")) if k >= 2]
+    if args.splits >= 2:
+        candidates.append(split_sequence(args.seq_length, args.splits, "balanced",
+                                         config=layout.config, vocab_size=vocab_size,
+                                         multiple_of=tp_multiple))
+    for lengths in candidates:
         if lengths not in cases:
             cases.append(lengths)
     return cases
@@ -580,8 +659,9 @@ def calibrate_layout(layout: Layout, cases, batch, forward_step, args, mode: str
                 for j in range(len(lengths)):
                     rows.append([
                         lengths[j], samples[0][j][1],
-                        statistics.median(s[j][2] for s in samples),
-                        statistics.median(s[j][3] for s in samples),
+                        # min: on a shared machine interference only ever adds time
+                        min(s[j][2] for s in samples),
+                        min(s[j][3] for s in samples),
                     ])
             mine[(pp_rank, c)] = rows
             chunk.zero_grad_buffer()
@@ -683,11 +763,113 @@ def fitted_cost(ordered_fits: list[dict], lengths: list[int], p: int, quadratic:
     return cost
 
 
-def predict(ordered_fits, p, m, lengths, v, quadratic, recompute=False):
+@dataclass
+class SharedResult:
+    makespan: float
+    bubble_fraction: float
+    peak_inflight: list[int]
+    timeline: Timeline
+
+
+def pipeline_replay(schedule, cost, cores: float | None = None,
+                    latency: float = 0.0) -> SharedResult:
+    """Replay with rendezvous p2p (as :func:`megatron_seq1f1b.replay.replay`), plus two effects.
+
+    * ``latency``: a step that exchanges tensors starts computing ``latency``
+      seconds after the last peer arrived (the replay's ``comm_latency``).
+    * ``cores``: processor sharing. While n ranks compute at once, each
+      progresses at ``min(1, cores / n)`` of its isolated speed (one thread per
+      rank); models oversubscribed CPUs, where overlapping compute slows down
+      and bubbles hand their core to the busy ranks. None: one device per rank.
+
+    With neither, this is the plain replay that :func:`simulate` runs.
+    """
+    from megatron_seq1f1b.plan import plan_steps
+    from megatron_seq1f1b.replay import index_messages
+    from megatron_seq1f1b.schedule import schedule_shape
+    from megatron_seq1f1b.simulate import peak_inflight
+
+    _, _, _, chunks = schedule_shape(schedule)
+    steps = plan_steps(schedule, chunks)
+    sent, received = index_messages(steps)
+    n = len(steps)
+    position = [0] * n
+    queue: list[list] = [[] for _ in range(n)]  # [action, remaining, start] of the current step
+    start_at = [0.0] * n  # compute of the current step may begin then (after p2p latency)
+    timeline = Timeline([[] for _ in range(n)], [[] for _ in range(n)])
+    waiting_since = [0.0] * n
+    now = 0.0
+
+    def ready(rank: int) -> bool:
+        step = steps[rank][position[rank]]
+        for table, messages in ((received, step.sends), (sent, step.recvs)):
+            for msg in messages:
+                peer, peer_step = table[msg]
+                if position[peer] < peer_step:
+                    return False
+        return True
+
+    while True:
+        progressed = True
+        while progressed:
+            progressed = False
+            for rank in range(n):
+                if queue[rank] or position[rank] >= len(steps[rank]) or not ready(rank):
+                    continue
+                step = steps[rank][position[rank]]
+                comm = bool(step.sends or step.recvs)
+                if step.actions:
+                    queue[rank] = [[a, cost(a, rank), None] for a in step.actions]
+                    start_at[rank] = now + (latency if comm else 0.0)
+                    if comm and start_at[rank] > waiting_since[rank]:
+                        timeline.waits[rank].append(Interval(
+                            rank, waiting_since[rank], start_at[rank], None, position[rank]))
+                else:
+                    position[rank] += 1
+                    waiting_since[rank] = now
+                progressed = True
+        pending = [r for r in range(n) if queue[r]]
+        if not pending:
+            if any(position[r] < len(steps[r]) for r in range(n)):
+                raise RuntimeError("pipeline_replay: deadlock")
+            break
+        active = [r for r in pending if start_at[r] <= now + 1e-15]
+        rate = 1.0 if cores is None else min(1.0, cores / max(len(active), 1))
+        for r in active:
+            if queue[r][0][2] is None:
+                queue[r][0][2] = now
+        candidates = [queue[r][0][1] / rate for r in active]
+        candidates += [start_at[r] - now for r in pending if r not in active]
+        dt = max(min(candidates), 0.0)
+        now += dt
+        for r in active:
+            head = queue[r][0]
+            head[1] -= dt * rate
+            if head[1] <= 1e-12:
+                timeline.compute[r].append(Interval(r, head[2], now, head[0], position[r]))
+                queue[r].pop(0)
+                if not queue[r]:
+                    position[r] += 1
+                    waiting_since[r] = now
+    makespan = timeline.makespan
+    busy = sum(iv.end - iv.start for rank in timeline.compute for iv in rank)
+    bubble = 1.0 - busy / (makespan * n) if makespan else 0.0
+    return SharedResult(makespan, bubble, [peak_inflight(a) for a in schedule], timeline)
+
+
+def predict(ordered_fits, p, m, lengths, v, quadratic, recompute=False, cores=None,
+            latency=0.0):
+    """Simulated iteration with fitted costs: simulate(), or pipeline_replay() when p2p
+    latency or shared cores (fewer than p) are modelled."""
     from megatron_seq1f1b.simulate import simulate
 
     schedule = build_schedule(p, m, len(lengths), v)
-    return simulate(schedule, fitted_cost(ordered_fits, lengths, p, quadratic, recompute))
+    cost = fitted_cost(ordered_fits, lengths, p, quadratic, recompute)
+    if cores is not None and cores >= p:
+        cores = None
+    if cores is None and not latency:
+        return simulate(schedule, cost)
+    return pipeline_replay(schedule, cost, cores, latency)
 
 
 # ------------------------------------------------------------------ reports
@@ -725,6 +907,11 @@ def summarize(schedules: list[Schedule], args, tokens_per_iter: int) -> list[dic
                 continue
             b = by_key[ref.key]
             r[f"speedup_{name}"] = r["tokens_per_s"] / b["tokens_per_s"]
+            # Runs alternate, so run i of every schedule saw the same machine state: the
+            # median of per-round ratios is less sensitive to drift than a ratio of medians.
+            paired = [bt / t for bt, t in zip(b["times_s"], r["times_s"])]
+            r[f"paired_speedup_{name}"] = statistics.median(paired)
+            r[f"paired_speedup_{name}_range"] = [min(paired), max(paired)]
             r[f"cpu_ratio_{name}"] = r["cpu_s_total"] / b["cpu_s_total"]
             r[f"peak_ratio_{name}"] = [
                 (x / y if y else None) for x, y in zip(r["peak_bytes_per_stage"],
@@ -744,11 +931,14 @@ def markdown(rows, args, meta, calibration, predictions) -> str:
         f"{meta['threads_per_rank']} thread(s) per rank. {args.iters} measured runs per "
         f"schedule after {args.warmup} warm-up runs, alternating; forward-backward only "
         "(no optimizer step).")
+    if not meta["memory_valid"]:
+        lines += ["", f"**Peak memory is not valid in this run**: CPU without "
+                  f"{MMAP_THRESHOLD_HINT} (freed tensors stay resident)."]
     lines.append("")
-    lines.append("| schedule | segments | median ms (min–max) | tokens/s | × 1F1B | CPU s per "
-                 "stage | CPU × 1F1B | peak MiB per stage | stage-0 mem × 1F1B | predicted ms "
-                 "| pred. error |")
-    lines.append("|---|---|---:|---:|---:|---|---:|---|---:|---:|---:|")
+    lines.append("| schedule | segments | median ms (min–max) | tokens/s | × 1F1B | paired × 1F1B "
+                 "(min–max) | CPU s per stage | CPU × 1F1B | peak MiB per stage | stage-0 mem × "
+                 "1F1B | predicted ms | pred. error |")
+    lines.append("|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|")
 
     def num(value, spec):
         return "-" if value is None else format(value, spec)
@@ -759,10 +949,14 @@ def markdown(rows, args, meta, calibration, predictions) -> str:
         mem = (r.get(f"peak_ratio_{ref}") or [None])[0]
         pred = r.get("prediction") or {}
         segs = "-" if r["megatron"] else "/".join(str(n) for n in r["lengths"])
+        paired = "-"
+        if r.get(f"paired_speedup_{ref}") is not None:
+            low, high = r[f"paired_speedup_{ref}_range"]
+            paired = f"{r[f'paired_speedup_{ref}']:.3f} ({low:.2f}–{high:.2f})"
         lines.append(
             f"| {r['label']} | {segs} | {r['median_s'] * 1e3:.0f} ({r['min_s'] * 1e3:.0f}–"
             f"{r['max_s'] * 1e3:.0f}) | {r['tokens_per_s']:.0f} | "
-            f"{num(r.get(f'speedup_{ref}'), '.3f')} | "
+            f"{num(r.get(f'speedup_{ref}'), '.3f')} | {paired} | "
             f"{' / '.join(f'{x:.2f}' for x in r['cpu_s_per_stage'])} | "
             f"{num(r.get(f'cpu_ratio_{ref}'), '.3f')} | "
             f"{' / '.join(fmt_mib(x) for x in r['peak_bytes_per_stage'])} | {num(mem, '.2f')} | "
@@ -770,33 +964,46 @@ def markdown(rows, args, meta, calibration, predictions) -> str:
             f"{num(pred.get('rel_error'), '+.1%')} |")
     lines.append("")
     lines.append("Ratios of interleaved schedules are against Megatron interleaved 1F1B when it "
-                 "ran, of the others against Megatron 1F1B. CPU s: process CPU time of the "
+                 "ran, of the others against Megatron 1F1B. Paired: median over rounds of the "
+                 "ratio of the two schedules' times in the same round. CPU s: process CPU time of the "
                  "forward-backward per stage (insensitive to other processes' load; includes "
                  "p2p threads). Peak memory: real allocations above the resident set at the start "
                  f"of the run (median over runs). Load average before/after: "
                  f"{meta['loadavg_start']:.1f} / {meta['loadavg_end']:.1f}.")
     timed = [r for r in rows if r.get("timeline")]
     if timed:
-        lines += ["", "## Measured timelines (one recorded iteration)", "",
+        lines += ["", f"## Measured timelines (median of {args.timeline_runs} recorded "
+                  "iteration(s))", "",
+                  "Busy: time inside compute actions; bubble: idle share of ranks × makespan; "
+                  "busy ÷ simulated busy > 1 means the actions ran slower in the pipeline than "
+                  "the calibration predicts.", "",
                   "| schedule | makespan ms | bubble (idle share) | busy ms per rank | p2p wait ms "
-                  "per rank | simulated bubble |", "|---|---:|---:|---|---|---:|"]
+                  "per rank | simulated bubble | busy ÷ simulated busy |",
+                  "|---|---:|---:|---|---|---:|---:|"]
         for r in timed:
             t = r["timeline"]
             sim = (r.get("prediction") or {}).get("bubble_fraction")
+            sim_busy = (r.get("prediction") or {}).get("busy_s")
+            inflation = f"{sum(t['busy_s']) / sum(sim_busy):.2f}" if sim_busy else "-"
             lines.append(
                 f"| {r['label']} | {t['makespan_s'] * 1e3:.0f} | {t['bubble_fraction']:.1%} | "
                 f"{' / '.join(f'{x * 1e3:.0f}' for x in t['busy_s'])} | "
                 f"{' / '.join(f'{x * 1e3:.0f}' for x in t['p2p_wait_s']) or '-'} | "
-                f"{'-' if sim is None else f'{sim:.1%}'} |")
+                f"{'-' if sim is None else f'{sim:.1%}'} | {inflation} |")
     if calibration:
         lines += ["", "## Cost calibration", "",
-                  f"Mode used for predictions: {calibration['mode_used']}; quadratic term: "
-                  f"{calibration['quadratic']} (lower fit error than the alternative: "
+                  f"Predictions: {calibration['prediction_variant']}; quadratic term: "
+                  f"{calibration['quadratic']} (mean relative fit error of both: "
                   + ", ".join(f"{q} {e:.1%}" for q, e in calibration["fit_error"].items())
                   + "). time = a·len + c·quad + d per stage, forward / backward:", "",
-                  "| layout | stage.chunk | F a (µs/token) | F c (ns/pair) | F d (ms) | "
-                  "B a (µs/token) | B c (ns/pair) | B d (ms) | fit error F / B |",
+                  "| layout | stage.chunk | F a (µs/token) | F c (ns/quad) | F d (ms) | "
+                  "B a (µs/token) | B c (ns/quad) | B d (ms) | fit error F / B |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        if calibration.get("p2p"):
+            p2p = calibration["p2p"]
+            lines[-3:-3] = ["", f"Pipeline message (ping-pong between neighbouring stages): "
+                            f"{p2p['alpha'] * 1e3:.3f} ms + {p2p['beta'] * 1e9:.3f} ns/byte one "
+                            "way; used as the per-step latency of the replay."]
         for layout, fits in calibration["fits"].items():
             for key, fit in fits.items():
                 f_, b_ = fit["F"], fit["B"]
@@ -804,15 +1011,24 @@ def markdown(rows, args, meta, calibration, predictions) -> str:
                     f"| {layout} | {key} | {f_['a'] * 1e6:.2f} | {f_['c'] * 1e9:.2f} | "
                     f"{f_['d'] * 1e3:.2f} | {b_['a'] * 1e6:.2f} | {b_['c'] * 1e9:.2f} | "
                     f"{b_['d'] * 1e3:.2f} | {f_['mean_rel_err']:.1%} / {b_['mean_rel_err']:.1%} |")
-        if calibration.get("other_mode"):
-            lines += ["", "Predictions of the measured configuration with the other calibration "
-                      f"mode ({calibration['other_mode']['mode']}):", ""]
-            for key, value in calibration["other_mode"]["predictions"].items():
-                lines.append(f"- {key}: {value['makespan_s'] * 1e3:.0f} ms "
-                             f"({value['rel_error']:+.1%} vs measured)")
+        if calibration.get("other_variants"):
+            lines += ["", "Predictions of the measured configuration (primary: "
+                      f"{calibration['prediction_variant']}) and with the other variants:", "",
+                      "| schedule | measured ms | " + " | ".join(
+                          [calibration["prediction_variant"]]
+                          + [o["variant"] for o in calibration["other_variants"]]) + " |",
+                      "|---|---:|" + "---:|" * (1 + len(calibration["other_variants"]))]
+            for r in rows:
+                cells = [r["prediction"]] + [o["predictions"][r["key"]]
+                                             for o in calibration["other_variants"]]
+                lines.append(f"| {r['label']} | {r['median_s'] * 1e3:.0f} | " + " | ".join(
+                    f"{c['makespan_s'] * 1e3:.0f} ({c['rel_error']:+.1%})" for c in cells)
+                    + " |")
     if predictions:
-        lines += ["", "## Calibrated predictions for larger pipelines (weak scaling: every "
-                  "stage holds the measured per-stage layers)", ""]
+        lines += ["", "## Calibrated predictions for larger pipelines", "",
+                  "simulate() with the fitted costs; weak scaling (every stage holds the measured "
+                  "per-stage layers, first/last stage as measured); one device per stage; "
+                  f"{calibration['mode_used']} calibration; no p2p latency.", ""]
         keys = [k for k in predictions[0]["schedules"]]
         lines.append("| p | m | " + " | ".join(f"{k} bubble" for k in keys) + " | "
                      + " | ".join(f"{k} × 1F1B" for k in keys if k != "1f1b") + " |")
@@ -904,7 +1120,7 @@ def main(argv=None) -> int:
                                                           pretrain_gpt.model_provider), args.vpp)
         copy_weights_across_layouts(layouts["plain"], layouts["interleaved"], tied)
 
-    batches = microbatches(plain_args, layouts["plain"].model, args)
+    batches = microbatches(plain_args, args)
     schedules = make_schedules(args, layouts, args.vocab_size)
     memory = PeakMemory(device)
     forward_step = pretrain_gpt.forward_step
@@ -972,14 +1188,20 @@ def main(argv=None) -> int:
                 path.write_text(text.getvalue())
                 print(f"> cProfile of {s.key} on rank {args.profile_rank}: {path}", flush=True)
 
-    # Measured timelines: one recorded iteration per schedule.
+    # Measured timelines: --timeline-runs recorded iterations per schedule (alternating);
+    # the one with the median makespan is kept and drawn.
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    measured_timelines = {}
     if not args.no_timelines:
+        recorded = {s.key: [] for s in schedules}
+        for _ in range(args.timeline_runs):
+            for s in schedules:
+                recorded[s.key].append(
+                    record_timeline(s, batches, args, forward_step, memory, pp_group))
         for s in schedules:
-            timeline = record_timeline(s, batches, args, forward_step, memory, pp_group)
-            measured_timelines[s.key] = timeline
+            runs = sorted(recorded[s.key], key=lambda t: t.makespan)
+            timeline = runs[(len(runs) - 1) // 2]
             s.timeline = timeline_stats(timeline)
+            s.timeline["makespans_s"] = [t.makespan for t in recorded[s.key]]
             if rank0():
                 from megatron_seq1f1b import draw
 
@@ -996,12 +1218,31 @@ def main(argv=None) -> int:
     # Calibration, fit, predictions.
     calibration, predictions = None, []
     if not args.no_calibration:
-        cases = calibration_cases(args, layouts["plain"].config, args.vocab_size)
+        cases = calibration_cases(args, layouts["plain"], args.vocab_size)
         modes = ("isolated", "concurrent") if args.calib_mode == "both" else (args.calib_mode,)
         say(f"> calibrating segment costs ({', '.join(modes)}), cases {cases}")
         raw = {mode: {name: calibrate_layout(layout, cases, batches[0], forward_step, args, mode)
                       for name, layout in layouts.items()} for mode in modes}
-        mode_used = modes[0]
+        # Cores per pipeline rank when this node's ranks oversubscribe its CPU cores.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        shared_cores = None
+        if not on_gpu and local_world * threads > cpu_count:
+            shared_cores = cpu_count * args.pp / (local_world * threads)
+
+        # The calibration that matches the run: with a core (or device) per rank all
+        # stages compute at once, as in the concurrent calibration; oversubscribed, the
+        # isolated one plus processor sharing in the replay.
+        mode_used = "isolated" if shared_cores and "isolated" in modes else (
+            "concurrent" if "concurrent" in modes else modes[0])
+        other_modes = [mode for mode in modes if mode != mode_used]
+        p2p_fit = None
+        if args.pp > 1:
+            token_counts = sorted({n for case in cases for n in case})
+            p2p_rows = measure_p2p(args, layouts["plain"].config, token_counts)
+            coef = _nonneg_lstsq([[1.0, r[0]] for r in p2p_rows], [r[1] for r in p2p_rows])
+            p2p_fit = {"alpha": coef[0], "beta": coef[1], "samples": p2p_rows}
+            say(f"> p2p one-way time: {coef[0] * 1e3:.3f} ms + {coef[1] * 1e9:.3f} ns/byte "
+                f"({len(p2p_rows)} samples)")
         # Pick the quadratic term that fits the data better (summed over stages, F and B).
         fit_error = {}
         for quadratic in QUADRATIC:
@@ -1016,21 +1257,39 @@ def main(argv=None) -> int:
             layout = layouts[layout_name]
             return _virtual_fits(fits[mode][layout_name], args.pp, layout.chunks)
 
-        def predict_measured(mode):
+        def predict_measured(mode, cores, with_latency):
             out_map = {}
             for s in schedules:
-                layout_name = s.layout.name
-                result = predict(ordered_for(mode, layout_name), args.pp, args.microbatches,
-                                 s.lengths, s.layout.chunks, quadratic, s.recompute)
+                layout = s.layout
+                latency = message_latency(p2p_fit, s.lengths, args, layout.config) \
+                    if with_latency and p2p_fit else 0.0
+                result = predict(ordered_for(mode, layout.name), args.pp, args.microbatches,
+                                 s.lengths, layout.chunks, quadratic, s.recompute, cores,
+                                 latency)
                 median = statistics.median(s.times)
                 out_map[s.key] = {
                     "makespan_s": result.makespan, "bubble_fraction": result.bubble_fraction,
-                    "rel_error": result.makespan / median - 1.0, "mode": mode,
+                    "rel_error": result.makespan / median - 1.0, "p2p_latency_s": latency,
+                    "busy_s": [sum(iv.end - iv.start for iv in rank)
+                               for rank in result.timeline.compute],
+                    "variant": variant_name(mode, cores, with_latency),
                     "_timeline": result.timeline,
                 }
             return out_map
 
-        measured_pred = predict_measured(mode_used)
+        def variant_name(mode, cores, with_latency):
+            if not with_latency and not cores:
+                return f"simulate(), {mode} calibration"
+            return (f"{mode} calibration" + (" + p2p latency" if with_latency else "")
+                    + (f" + {cores:g} shared cores" if cores else ""))
+
+        has_latency = p2p_fit is not None
+        variants = [(mode_used, shared_cores, has_latency)]
+        if shared_cores or has_latency:
+            variants.append((mode_used, None, False))
+        variants += [(mode, None, has_latency) for mode in other_modes]
+        primary = variant_name(*variants[0])
+        measured_pred = predict_measured(*variants[0])
         for s in schedules:
             entry = dict(measured_pred[s.key])
             sim_timeline = entry.pop("_timeline")
@@ -1039,22 +1298,21 @@ def main(argv=None) -> int:
                 from megatron_seq1f1b import draw
 
                 draw.draw_png(sim_timeline, out / f"timeline_{s.key}_simulated.png",
-                              title=(f"simulated ({mode_used} calibration): {s.label}, "
+                              title=(f"simulated ({primary}): {s.label}, "
                                      f"p={args.pp}, m={args.microbatches}, makespan "
                                      f"{entry['makespan_s'] * 1e3:.0f} ms, bubble "
                                      f"{entry['bubble_fraction']:.1%}"),
                               time_label="seconds (simulated from calibrated costs)")
-            say(f"> predicted {s.key}: {entry['makespan_s'] * 1e3:.0f} ms "
+            say(f"> predicted {s.key} ({primary}): {entry['makespan_s'] * 1e3:.0f} ms "
                 f"(measured median {statistics.median(s.times) * 1e3:.0f} ms, error "
                 f"{entry['rel_error']:+.1%}), bubble {entry['bubble_fraction']:.1%}")
-        other = None
-        if len(modes) > 1:
-            other_pred = predict_measured(modes[1])
-            other = {"mode": modes[1], "predictions": {
-                k: {kk: vv for kk, vv in v.items() if kk != "_timeline"}
-                for k, v in other_pred.items()}}
-            for key, value in other["predictions"].items():
-                say(f"> predicted ({modes[1]} calibration) {key}: "
+        other = []
+        for variant in variants[1:]:
+            preds = {k: {kk: vv for kk, vv in v.items() if kk != "_timeline"}
+                     for k, v in predict_measured(*variant).items()}
+            other.append({"variant": variant_name(*variant), "predictions": preds})
+            for key, value in preds.items():
+                say(f"> predicted {key} ({variant_name(*variant)}): "
                     f"{value['makespan_s'] * 1e3:.0f} ms (error {value['rel_error']:+.1%})")
 
         # Larger pipelines (weak scaling) with the isolated fits.
@@ -1084,17 +1342,18 @@ def main(argv=None) -> int:
                                              "peak_inflight_rank0_units": result.peak_inflight[0]}
                 predictions.append(row)
         calibration = {
-            "cases": cases, "mode_used": mode_used, "quadratic": quadratic,
+            "cases": cases, "mode_used": mode_used, "prediction_variant": primary,
+            "shared_cores": shared_cores, "quadratic": quadratic, "p2p": p2p_fit,
             "fit_error": fit_error,
             "fits": {name: {f"{k[0]}.{k[1]}": v for k, v in per.items()}
                      for name, per in fits[mode_used].items()},
             "fits_other_mode": ({name: {f"{k[0]}.{k[1]}": v for k, v in per.items()}
-                                 for name, per in fits[modes[1]].items()}
-                                if len(modes) > 1 else None),
+                                 for name, per in fits[other_modes[0]].items()}
+                                if other_modes else None),
             "samples": {mode: {name: {f"{k[0]}.{k[1]}": rows for k, rows in per.items()}
                                for name, per in per_mode.items()}
                         for mode, per_mode in raw.items()},
-            "other_mode": other,
+            "other_variants": other,
         }
 
     rows = summarize(schedules, args, tokens_per_iter)
@@ -1103,6 +1362,7 @@ def main(argv=None) -> int:
         "world_size": world, "dp": dp, "device": "GPU/NCCL" if on_gpu else "CPU/gloo",
         "cpu_count": cpu_count, "threads_per_rank": threads,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "memory_valid": on_gpu or "MALLOC_MMAP_THRESHOLD_" in os.environ,
         "tokens_per_iteration": tokens_per_iter, "torch": torch.__version__,
         "command": " ".join(sys.argv),
     }

@@ -29,7 +29,8 @@ def test_benchmark_reports_every_schedule(tmp_path):
            "--pp", "2", "--vpp", "2", "--microbatches", "2", "--splits", "2",
            "--seq-length", "32", "--hidden-size", "16", "--num-layers", "4",
            "--num-attention-heads", "2", "--vocab-size", "64",
-           "--iters", "2", "--warmup", "1", "--calib-reps", "1", "--calib-mode", "isolated",
+           "--iters", "2", "--warmup", "1", "--timeline-runs", "2", "--calib-reps", "1",
+           "--calib-mode", "isolated",
            "--predict-pp", "2", "4", "--predict-microbatches", "4", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -47,6 +48,7 @@ def test_benchmark_reports_every_schedule(tmp_path):
         assert len(row["peak_bytes_per_stage"]) == 2, key
         assert row["prediction"]["makespan_s"] > 0, key
         assert row["timeline"]["makespan_s"] > 0, key
+        assert len(row["timeline"]["makespans_s"]) == 2, key
     assert rows["1f1b"]["speedup_vs_1f1b"] == 1.0
     assert "speedup_vs_1f1b_interleaved" in rows["seq1f1b-interleaved"]
     losses = [row["first_iteration_loss"] for row in rows.values()]
