@@ -99,11 +99,17 @@ def _segment_mask(attention_mask, current, device):
     return attention_mask
 
 
-def _reject_packed(packed_seq_params) -> None:
+def _reject_unsliceable(packed_seq_params, attention_bias) -> None:
+    """Inputs shaped for the whole sequence that a segment cannot cut (yet)."""
     if packed_seq_params is not None:
         raise ValueError(
             "Seq1F1B does not support packed sequences (THD, packed_seq_params); use "
             "padded [b, s] batches"
+        )
+    if attention_bias is not None:
+        raise ValueError(
+            "Seq1F1B does not support an attention_bias (it is shaped for the whole "
+            "sequence, not a segment); run without it"
         )
 
 
@@ -117,7 +123,7 @@ def local_attention_forward(core_attention, original):
         if current is None:
             return original(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        _reject_packed(packed_seq_params)
+        _reject_unsliceable(packed_seq_params, attention_bias)
         key, value = prefix_kv(core_attention, key, value, current)
         mask = _segment_mask(attention_mask, current, query.device)
         with _masked_softmax(core_attention):
@@ -138,7 +144,7 @@ def te_attention_forward(core_attention, original):
             return original(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params,
                             **kwargs)
-        _reject_packed(packed_seq_params)
+        _reject_unsliceable(packed_seq_params, attention_bias)
         mask_type = attn_mask_type if attn_mask_type is not None else core_attention.attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.causal_bottom_right, "causal"):
             raise ValueError(

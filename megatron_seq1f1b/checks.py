@@ -25,6 +25,21 @@ def raise_if(problems: list[str]) -> None:
         raise ConfigError(problems)
 
 
+# Transformer Engine's FP8 GEMMs need the token dimension divisible by 8.
+FP8_TOKEN_MULTIPLE = 8
+
+
+def segment_multiple(config) -> int:
+    """What every segment length must divide by for this model configuration.
+
+    The tensor-parallel size with sequence parallelism (each rank holds
+    length / tp tokens), times 8 with FP8 (each rank's tokens feed FP8 GEMMs).
+    """
+    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    tp = (get("tensor_model_parallel_size", 1) or 1) if get("sequence_parallel") else 1
+    return tp * (FP8_TOKEN_MULTIPLE if get("fp8") else 1)
+
+
 def model_config_problems(config) -> list[str]:
     """TransformerConfig options that segment-wise attention does not support (yet)."""
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
@@ -68,6 +83,17 @@ def model_config_problems(config) -> list[str]:
         )
     if get("enable_cuda_graph"):
         problems.append("CUDA graphs (enable_cuda_graph) capture fixed shapes; disable them")
+    if get("tp_comm_overlap"):
+        problems.append(
+            "tensor-parallel communication overlap (tp_comm_overlap) uses Transformer Engine "
+            "userbuffers sized for the whole sequence; segments are shorter; disable it"
+        )
+    for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if get(name):
+            problems.append(
+                f"FP8 attention ({name}) is untested with bottom-right causal masks over a "
+                "K/V prefix; keep attention in bf16/fp16 (FP8 linear layers are fine)"
+            )
     return problems
 
 
@@ -83,8 +109,10 @@ def segment_length_problems(lengths, seq_length: int | None = None, config=None)
             f"segment lengths {lengths} sum to {sum(lengths)}, not the sequence length "
             f"{seq_length}"
         )
+    if config is None:
+        return problems
     tp = getattr(config, "tensor_model_parallel_size", 1) or 1
-    if config is not None and getattr(config, "sequence_parallel", False) and tp > 1:
+    if getattr(config, "sequence_parallel", False) and tp > 1:
         bad = [n for n in lengths if n % tp]
         if bad:
             problems.append(
@@ -92,6 +120,14 @@ def segment_length_problems(lengths, seq_length: int | None = None, config=None)
                 f"tensor-parallel size {tp}; {bad} are not (use split_sequence(..., "
                 f"multiple_of={tp}))"
             )
+    multiple = segment_multiple(config)
+    if getattr(config, "fp8", None) and any(n % multiple for n in lengths):
+        bad = [n for n in lengths if n % multiple]
+        problems.append(
+            f"with FP8 every segment's tokens per rank must be divisible by "
+            f"{FP8_TOKEN_MULTIPLE} (Transformer Engine's FP8 GEMMs); {bad} are not (use "
+            f"split_sequence(..., multiple_of={multiple}))"
+        )
     return problems
 
 

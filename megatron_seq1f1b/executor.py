@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron_seq1f1b import plan as plan_mod
-from megatron_seq1f1b.checks import executor_problems, raise_if
+from megatron_seq1f1b.checks import executor_problems, raise_if, segment_multiple
 from megatron_seq1f1b.loss import SegmentLosses
 from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled
 from megatron_seq1f1b.p2p import Peers, exchange
@@ -57,10 +57,10 @@ def resolve_lengths(num_splits: int, partition: str, split_lengths, seq_length: 
     """
     if split_lengths is not None:
         return [int(n) for n in split_lengths]
-    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     dense = partition == "balanced" and dense_attention(chunks)
     return split_sequence(seq_length, num_splits, partition, config=config,
-                          vocab_size=vocab_size, multiple_of=tp, dense_attention=dense)
+                          vocab_size=vocab_size, multiple_of=segment_multiple(config),
+                          dense_attention=dense)
 
 
 def _process_groups(config, p2p_communicator, pg_collection):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
-from megatron_seq1f1b.checks import SUPPORTED_POSITIONS, raise_if
+from megatron_seq1f1b.checks import FP8_TOKEN_MULTIPLE, SUPPORTED_POSITIONS, raise_if
 from megatron_seq1f1b.partition import METHODS, split_sequence
 
 GROUP_TITLE = "seq1f1b"
@@ -191,6 +191,18 @@ def args_problems(args: Any) -> list[str]:
             "add --no-overlap-p2p-communication, or interleave with "
             "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
+    if _flag(args, "tp_comm_overlap", False):
+        problems.append(
+            "--tp-comm-overlap sizes Transformer Engine's userbuffers for the whole sequence; "
+            "segments are shorter; remove it"
+        )
+    for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if _flag(args, name, False):
+            flag = "--" + name.replace("_", "-")
+            problems.append(
+                f"{flag} is untested with bottom-right causal masks over a K/V prefix; "
+                "remove it (FP8 linear layers with --fp8-format are fine)"
+            )
     if _flag(args, "modelopt_enabled", False) or _flag(args, "export_kd_teacher_load"):
         problems.append(
             "ModelOpt models (--modelopt-enabled, a ModelOpt checkpoint in --load, or "
@@ -201,14 +213,16 @@ def args_problems(args: Any) -> list[str]:
     if splits is not None and isinstance(seq_length, int):
         tp = _flag(args, "tensor_model_parallel_size", 1) or 1
         multiple = tp if _flag(args, "sequence_parallel", False) and tp > 1 else 1
+        multiple *= FP8_TOKEN_MULTIPLE if _flag(args, "fp8") else 1
         try:
             split_sequence(seq_length, splits, "uniform", multiple_of=multiple)
         except ValueError:
             if multiple > 1:
-                where = (f"with --sequence-parallel and --tensor-model-parallel-size {tp} every "
-                         f"segment must be a multiple of {tp} tokens")
-                fix = (f"use --seq1f1b-splits <= {seq_length // tp} and a --seq-length "
-                       f"divisible by {tp}")
+                where = (f"every segment must be a multiple of {multiple} tokens "
+                         "(--tensor-model-parallel-size with --sequence-parallel, times 8 "
+                         "with --fp8-format)")
+                fix = (f"use --seq1f1b-splits <= {seq_length // multiple} and a --seq-length "
+                       f"divisible by {multiple}")
             else:
                 where = "every segment needs at least one token"
                 fix = f"use --seq1f1b-splits <= {seq_length}"

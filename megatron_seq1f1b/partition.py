@@ -107,8 +107,9 @@ def split_sequence(
         raise ValueError(f"unknown partition method {method!r}; choose one of {METHODS}")
     if seq_length % multiple_of:
         raise ValueError(
-            f"seq_length {seq_length} is not a multiple of {multiple_of} (with sequence "
-            "parallelism every segment length must divide by the tensor-parallel size)"
+            f"seq_length {seq_length} is not a multiple of {multiple_of}, which every "
+            "segment length must be (the tensor-parallel size with sequence parallelism, "
+            "times 8 with FP8)"
         )
     units = seq_length // multiple_of
     if units < num_splits:

@@ -258,6 +258,8 @@ def error_messages() -> dict:
         ("mtp", "mtp_num_layers", 1),
         ("offloading", "fine_grained_activation_offloading", True),
         ("cuda_graphs", "cuda_graph_impl", "local"),
+        ("tp_comm_overlap", "tp_comm_overlap", True),
+        ("fp8_attention", "fp8_dot_product_attention", True),
     ]:
         gpt = _model(spec)
         setattr(gpt.config, field, value)
@@ -301,4 +303,15 @@ def error_messages() -> dict:
     sp_config = make_config(spec, tp=2, sp=True)
     capture("sp_divisibility", lambda: SegmentRun((17, 15), config=sp_config))
     capture("bad_lengths", lambda: SegmentRun((16, 0)))
+    fp8_config = make_config(spec)
+    fp8_config.fp8 = "hybrid"
+    capture("fp8_lengths", lambda: SegmentRun((12, 20), config=fp8_config))
+
+    def attention_bias():
+        core = gpt.decoder.layers[0].self_attention.core_attention
+        q = torch.zeros(16, 1, 2, 8)
+        with SegmentRun((16, 16)).forward(0, 0):
+            core(q, q, q, None, attention_bias=torch.zeros(1, 2, 16, 16))
+
+    capture("attention_bias", attention_bias)
     return messages

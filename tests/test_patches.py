@@ -507,6 +507,11 @@ def test_validate_does_nothing_without_the_flag():
     ({"variable_seq_lengths": True}, ["--seq-length"]),
     ({"modelopt_enabled": True}, ["--modelopt-enabled"]),
     ({"export_kd_teacher_load": "/ckpt/teacher"}, ["--export-kd-teacher-load"]),
+    ({"tp_comm_overlap": True}, ["--tp-comm-overlap"]),
+    ({"fp8_dot_product_attention": True}, ["--fp8-dot-product-attention"]),
+    ({"fp8_multi_head_attention": True}, ["--fp8-multi-head-attention"]),
+    # FP8: every segment's tokens per rank a multiple of 8 (here TP 2 with SP: 16)
+    ({"fp8": "hybrid", "seq_length": 4096 + 4}, ["--fp8-format", "multiple of 16"]),
     # sequence parallel: every segment a multiple of TP
     ({"seq_length": 4097}, ["--seq-length", "--tensor-model-parallel-size", "--sequence-parallel"]),
     ({"seq_length": 16, "tensor_model_parallel_size": 8, "seq1f1b_splits": 4},

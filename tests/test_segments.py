@@ -87,6 +87,10 @@ EXPECTED_ERRORS = {
     "leak_at_close": "still alive at the end of the iteration",
     "sp_divisibility": "divisible by the tensor-parallel size 2; [17, 15]",
     "bad_lengths": "must be positive",
+    "tp_comm_overlap": "userbuffers sized for the whole sequence",
+    "fp8_attention": "FP8 attention (fp8_dot_product_attention)",
+    "fp8_lengths": "divisible by 8 (Transformer Engine's FP8 GEMMs); [12, 20]",
+    "attention_bias": "does not support an attention_bias",
 }
 
 

@@ -42,6 +42,7 @@ def save(args, iteration: int, model: list, optimizer, scheduler) -> Path:
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "rng": torch.get_rng_state(),
+        **_cuda_rng_states(),
     }
     torch.save(state, path)
     dist.barrier()
@@ -69,4 +70,19 @@ def load(args, model: list, optimizer, scheduler) -> int:
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
+    if torch.cuda.is_available() and state.get("cuda_rng") is not None:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        torch.cuda.set_rng_state(state["cuda_rng"])
+        get_cuda_rng_tracker().set_states(state["cuda_rng_tracker"])
     return iteration
+
+
+def _cuda_rng_states() -> dict:
+    """The GPU generators (default and Megatron's tracker: dropout in TP regions)."""
+    if not torch.cuda.is_available():
+        return {}
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"cuda_rng": torch.cuda.get_rng_state(),
+            "cuda_rng_tracker": get_cuda_rng_tracker().get_states()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 from typing import Callable
 
@@ -16,7 +17,11 @@ def init_distributed(args) -> torch.device:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        # torchrun sets LOCAL_RANK; other launchers (e.g. srun) only RANK.
+        local = os.environ.get("LOCAL_RANK")
+        if local is None:
+            local = int(os.environ.get("RANK", 0)) % torch.cuda.device_count()
+        device = torch.device("cuda", int(local))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
@@ -69,7 +74,9 @@ def transformer_config(args):
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         use_cpu_initialization=not torch.cuda.is_available(),
-        masked_softmax_fusion=torch.cuda.is_available(),
+        # Megatron's fused softmax needs Apex's or Megatron-LM's compiled kernels.
+        masked_softmax_fusion=(torch.cuda.is_available()
+                               and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None),
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -147,6 +154,13 @@ def build_optimizer(args, model: list):
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=False)
+    if args.fp16:
+        # As Megatron-LM's train(): backward_step scales the loss with the dynamic
+        # loss scale; without it fp16 gradients underflow and the optimizer's
+        # unscaling shrinks every update to nothing. (Other dtypes: scale 1.)
+        from megatron.core.utils import get_model_config
+
+        get_model_config(model[0]).grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if args.lr_warmup_iters else args.lr,

@@ -1,0 +1,70 @@
+"""p2p.exchange posts a step as one batch, whatever batch_p2p_comm says.
+
+Posted one by one, NCCL would run the operations between two ranks in
+posting order on one stream, and a receive posted early could block a send
+behind it (pipeline size >= 3). Gloo does not show that, so the multi-rank
+tests cannot catch a regression; this one looks at what is posted.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_seq1f1b.p2p import Peers, PipelineCommError, exchange
+from megatron_seq1f1b.plan import ACTIVATION, GRADIENT, Message, Step
+from megatron_seq1f1b.schedule import F
+
+
+class _Op:
+    """Stands in for dist.P2POp, which needs an initialised process group."""
+
+    def __init__(self, op, tensor, peer, group):
+        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+class _Failed:
+    def wait(self):
+        raise RuntimeError("timed out")
+
+
+def _peers() -> Peers:
+    return Peers(pp_rank=1, pp_size=3, global_rank=11, stage_to_global=[10, 11, 12],
+                 group=None, sync_after_batch=False)
+
+
+def _step() -> Step:
+    act_out = Message(ACTIVATION, 1, 0, 0, 1, 2)
+    grad_in = Message(GRADIENT, 0, 1, 0, 2, 1)
+    return Step(sends=(act_out,), recvs=(grad_in,), actions=(F(2, 0),))
+
+
+def test_step_is_posted_as_one_batch(monkeypatch):
+    batches = []
+    monkeypatch.setattr(dist, "P2POp", _Op)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: batches.append(ops) or [_Done()])
+    # (a direct dist.isend/irecv would fail: no process group exists in this test)
+    step = _step()
+    sent = torch.ones(2, 1, 4)
+    received = exchange(step, 7, _peers(), {step.sends[0]: sent}, lambda m: torch.zeros(2, 1, 4))
+
+    assert len(batches) == 1
+    (send, recv) = batches[0]
+    assert send.op is dist.isend and send.tensor is sent and send.peer == 12
+    assert recv.op is dist.irecv and recv.tensor is received[step.recvs[0]] and recv.peer == 12
+    assert set(received) == set(step.recvs)
+
+
+def test_failure_names_rank_step_and_messages(monkeypatch):
+    monkeypatch.setattr(dist, "P2POp", _Op)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [_Failed()])
+    step = _step()
+    with pytest.raises(PipelineCommError) as error:
+        exchange(step, 7, _peers(), {step.sends[0]: torch.ones(1)}, lambda m: torch.zeros(1))
+    text = str(error.value)
+    assert "rank 11 (pipeline stage 1)" in text and "step 7" in text
+    assert "send act 1.0 1->2" in text and "receive grad 0.1 2->1" in text
