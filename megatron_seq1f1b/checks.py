@@ -111,23 +111,16 @@ def segment_length_problems(lengths, seq_length: int | None = None, config=None)
         )
     if config is None:
         return problems
-    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
-    if getattr(config, "sequence_parallel", False) and tp > 1:
-        bad = [n for n in lengths if n % tp]
-        if bad:
-            problems.append(
-                f"with sequence parallelism every segment length must be divisible by the "
-                f"tensor-parallel size {tp}; {bad} are not (use split_sequence(..., "
-                f"multiple_of={tp}))"
-            )
     multiple = segment_multiple(config)
-    if getattr(config, "fp8", None) and any(n % multiple for n in lengths):
-        bad = [n for n in lengths if n % multiple]
-        problems.append(
-            f"with FP8 every segment's tokens per rank must be divisible by "
-            f"{FP8_TOKEN_MULTIPLE} (Transformer Engine's FP8 GEMMs); {bad} are not (use "
-            f"split_sequence(..., multiple_of={multiple}))"
-        )
+    bad = [n for n in lengths if n % multiple]
+    if bad:
+        if getattr(config, "fp8", None):
+            rule = (f"with FP8 every segment's tokens per rank must be divisible by "
+                    f"{FP8_TOKEN_MULTIPLE} (Transformer Engine's FP8 GEMMs)")
+        else:
+            rule = ("with sequence parallelism every segment length must be divisible by the "
+                    f"tensor-parallel size {multiple}")
+        problems.append(f"{rule}; {bad} are not (use split_sequence(..., multiple_of={multiple}))")
     return problems
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
-from megatron_seq1f1b.checks import FP8_TOKEN_MULTIPLE, SUPPORTED_POSITIONS, raise_if
+from megatron_seq1f1b.checks import SUPPORTED_POSITIONS, raise_if, segment_multiple
 from megatron_seq1f1b.partition import METHODS, split_sequence
 
 GROUP_TITLE = "seq1f1b"
@@ -211,9 +211,7 @@ def args_problems(args: Any) -> list[str]:
 
     # Segment lengths: with sequence parallelism each one must divide by the TP size.
     if splits is not None and isinstance(seq_length, int):
-        tp = _flag(args, "tensor_model_parallel_size", 1) or 1
-        multiple = tp if _flag(args, "sequence_parallel", False) and tp > 1 else 1
-        multiple *= FP8_TOKEN_MULTIPLE if _flag(args, "fp8") else 1
+        multiple = segment_multiple(args)  # Megatron-LM's args use the config's names
         try:
             split_sequence(seq_length, splits, "uniform", multiple_of=multiple)
         except ValueError:

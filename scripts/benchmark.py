@@ -74,6 +74,7 @@ if str(ROOT) not in sys.path:
 
 import megatron_seq1f1b as s1  # noqa: E402
 from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT, PeakMemory  # noqa: E402
+from megatron_seq1f1b.checks import segment_multiple  # noqa: E402
 from megatron_seq1f1b.partition import causal_pairs, split_sequence  # noqa: E402
 from megatron_seq1f1b.replay import Interval, Timeline  # noqa: E402
 from megatron_seq1f1b.schedule import Action, B, F, build_schedule  # noqa: E402
@@ -570,17 +571,16 @@ def message_latency(p2p_fit: dict, lengths, args, config) -> float:
 
 def calibration_cases(args, layout: Layout, vocab_size) -> list[list[int]]:
     """Full sequence, uniform k=2, uniform k, balanced k (and FLOP-balanced k if different)."""
-    tp_multiple = args.tp if args.sequence_parallel else 1
     cases = [[args.seq_length]]
-    if args.seq_length // tp_multiple < 2:
+    if args.seq_length // segment_multiple(layout.config) < 2:
         return cases
     candidates = [segment_lengths(args, k, partition, layout, vocab_size)
                   for k, partition in ((2, "uniform"), (args.splits, "uniform"),
                                        (args.splits, "balanced")) if k >= 2]
-    if args.splits >= 2:
+    if args.splits >= 2:  # the causal-pair split too, for comparison
         candidates.append(split_sequence(args.seq_length, args.splits, "balanced",
                                          config=layout.config, vocab_size=vocab_size,
-                                         multiple_of=tp_multiple))
+                                         multiple_of=segment_multiple(layout.config)))
     for lengths in candidates:
         if lengths not in cases:
             cases.append(lengths)
