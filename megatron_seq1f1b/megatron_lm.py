@@ -4,14 +4,25 @@ The patches (``patches/megatron-lm/<tag>/``) only add calls into this module,
 so that the logic lives, and is tested, here:
 
 * ``pretrain_gpt.py``: :func:`extra_args_provider` adds the ``--seq1f1b``
-  flags (chained with ModelOpt's provider); :func:`wrap_model_provider`
-  prepares every model chunk right after it is built (:func:`prepare_model`:
-  validate, :func:`~megatron_seq1f1b.enable`, :func:`~megatron_seq1f1b.install`,
-  which makes training and evaluation use the Seq1F1B schedule);
-  :func:`slice_gpt_batch` cuts the tuple returned by ``get_batch`` to the
-  current segment, after the tensor-parallel broadcast of the full micro-batch.
+  flags (chained with ModelOpt's provider); every model chunk is prepared
+  right after it is built (:func:`prepare_model`: validate,
+  :func:`~megatron_seq1f1b.enable`, :func:`~megatron_seq1f1b.install`, which
+  makes training and evaluation use the Seq1F1B schedule); the batch that
+  ``get_batch`` returns is cut to the current segment, after the
+  tensor-parallel broadcast of the full micro-batch.
 * ``megatron/training/arguments.py``: ``validate_args`` ends with
   :func:`validate_args`, so bad combinations fail before anything is built.
+
+Megatron-LM changed two of these places between tags; each change has a small
+adapter here, and all adapters share one code path:
+
+=================  ===========================  ==============================
+tag                model chunks prepared by     segment batch cut by
+=================  ===========================  ==============================
+core_v0.16/0.17    :func:`wrap_model_provider`  :func:`slice_gpt_batch` (6-tuple)
+core_v0.18         :func:`wrap_model_provider`  :func:`slice_gpt_batch_fields`
+core_v0.19         :func:`add_post_wrap_hook`   :func:`slice_gpt_batch_fields`
+=================  ===========================  ==============================
 
 Without ``--seq1f1b`` every function here is a no-op (or the identity).
 Importing this module does not import torch or Megatron.
@@ -20,6 +31,8 @@ Importing this module does not import torch or Megatron.
 from __future__ import annotations
 
 import argparse
+import inspect
+import sys
 from typing import Any, Callable, Optional
 
 from megatron_seq1f1b.checks import SUPPORTED_POSITIONS, raise_if, segment_multiple
@@ -203,6 +216,19 @@ def args_problems(args: Any) -> list[str]:
                 f"{flag} is untested with bottom-right causal masks over a K/V prefix; "
                 "remove it (FP8 linear layers with --fp8-format are fine)"
             )
+    if _flag(args, "dataloader_inter_document_masking", False):
+        problems.append(
+            "--dataloader-inter-document-masking gives every batch cu_seqlens (packed, THD "
+            "attention); Seq1F1B needs padded [b, s] batches; remove it (--reset-attention-mask "
+            "keeps documents apart with a dense mask instead)"
+        )
+    for name in ("logits_load_dir", "logits_save_dir"):
+        if _flag(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            problems.append(
+                f"{flag}: cached-logits distillation reads and writes the logits of whole "
+                "micro-batches, Seq1F1B computes them one segment at a time; remove it"
+            )
     if _flag(args, "modelopt_enabled", False) or _flag(args, "export_kd_teacher_load"):
         problems.append(
             "ModelOpt models (--modelopt-enabled, a ModelOpt checkpoint in --load, or "
@@ -250,10 +276,12 @@ def _megatron_args() -> Any:
 def prepare_model(model: Any, args: Any = None) -> Any:
     """Validate, ``enable(model)`` and ``install`` the Seq1F1B schedule (``--seq1f1b`` only).
 
-    `model` is what the model provider built: one chunk, or a list of chunks
-    with virtual pipelining, possibly wrapped. Installing replaces the
+    `model` is what the model provider built (one chunk, core_v0.16-0.18), or
+    the list of chunks a core_v0.19 builder passes to its post-wrap hooks;
+    chunks may be wrapped (DDP, Float16Module). Installing replaces the
     ``get_forward_backward_func`` that ``megatron.training.training`` imported,
-    which ``train()`` and ``evaluate()`` call after the model is built.
+    which ``train()`` and ``evaluate()`` call after the model is built (with
+    ``schedule_pg_collection=`` from core_v0.19: :func:`_accept_getter_keywords`).
     Validation runs again here because ``get_model`` may turn on ModelOpt
     after ``validate_args``, and YAML configs skip ``validate_args``.
     """
@@ -266,8 +294,55 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     from megatron_seq1f1b.model import enable
 
     enable(model)
-    install(args.seq1f1b_splits, args.seq1f1b_partition)
+    _accept_getter_keywords(install(args.seq1f1b_splits, args.seq1f1b_partition))
     return model
+
+
+#: Keyword arguments Megatron-Core's ``get_forward_backward_func`` takes; Megatron-LM
+#: core_v0.19's ``train()`` and ``evaluate()`` pass ``schedule_pg_collection``.
+GETTER_KEYWORDS = ("pp_size", "vp_size", "schedule_pg_collection")
+
+
+def _accept_getter_keywords(ours: Callable) -> None:
+    """Make the getters that ``install`` set take every keyword of Megatron's getter.
+
+    Megatron-LM core_v0.19 calls ``get_forward_backward_func(schedule_pg_collection=...)``.
+    Each getter in ``megatron_seq1f1b.api._GETTER_HOLDERS`` (where ``install``
+    puts its getter, ``megatron.training.training`` included) that returns
+    `ours` and does not take them all (:func:`takes_getter_keywords`) is
+    replaced by one that does (``uninstall()`` still restores Megatron's
+    own); a getter that already takes them is left alone. The replacement
+    refuses a multi-module (cross-grid) process-group collection: Seq1F1B
+    runs one model on one pipeline grid.
+    """
+
+    def getter(pp_size=None, vp_size=None, schedule_pg_collection=None):
+        if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
+            raise_if([
+                "a multi-module (cross-grid) pg_collection selects Megatron's bridge schedule; "
+                "Seq1F1B runs a single GPT model: remove --seq1f1b"
+            ])
+        return ours
+
+    from megatron_seq1f1b.api import _GETTER_HOLDERS
+
+    getter.seq1f1b = ours
+    for name in _GETTER_HOLDERS:
+        current = getattr(sys.modules.get(name), "get_forward_backward_func", None)
+        if getattr(current, "seq1f1b", None) is not ours:
+            continue
+        if not takes_getter_keywords(current):
+            sys.modules[name].get_forward_backward_func = getter
+
+
+def takes_getter_keywords(getter: Callable) -> bool:
+    """True if `getter` accepts every name in :data:`GETTER_KEYWORDS` (or ``**kwargs``)."""
+    params = inspect.signature(getter).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return True
+    names = {p.name for p in params
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return set(GETTER_KEYWORDS) <= names
 
 
 def wrap_model_provider(model_provider: Callable) -> Callable:
@@ -284,26 +359,79 @@ def wrap_model_provider(model_provider: Callable) -> Callable:
     return provider
 
 
-def slice_gpt_batch(tokens: Any, labels: Any, loss_mask: Any, attention_mask: Any,
-                    position_ids: Any, packed_seq_params: Any) -> tuple:
-    """The current segment's part of pretrain_gpt.py's ``get_batch`` tuple.
+def add_post_wrap_hook(model_config: Any, args: Any = None) -> Any:
+    """Have Megatron-LM's model builder call :func:`prepare_model` (``--seq1f1b`` only).
 
-    Same order in and out: ``(tokens, labels, loss_mask, attention_mask,
-    position_ids, packed_seq_params)``; ``[b, s]`` tensors cut to
-    ``[:, start:end]``, a ``[b, 1, s, s]`` mask to rows ``start:end`` and
-    columns ``:end``, None stays None (contiguous copies). Identity
-    outside a segmented step.
+    From core_v0.19, pretrain_gpt.py builds the model from a ``GPTModelConfig``
+    (``gpt_config_from_args``) instead of a model provider; its builder runs
+    ``model_config.post_wrap_hooks`` on the list of chunks once they are
+    built and wrapped (DDP, Float16Module), before the optimizer is created
+    and a checkpoint is loaded. This appends :func:`prepare_model` there
+    (once). Returns `model_config`; unchanged without ``--seq1f1b``.
+    """
+    if args is None:
+        args = _megatron_args()
+    if not _flag(args, "seq1f1b", False):
+        return model_config
+    hooks = model_config.post_wrap_hooks
+    if prepare_model not in hooks:
+        hooks.append(prepare_model)
+    return model_config
+
+
+#: Megatron-LM core_v0.18+: what pretrain_gpt.get_batch returns, in this order
+#: (its ``BATCH_KEYS``).
+GPT_BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group",
+                  "labels", "local_cp_size", "loss_mask", "max_seqlen", "position_ids", "tokens")
+#: Fields that only packed (THD) batches or hybrid context parallelism carry.
+_PACKED_KEYS = ("packed_seq_params", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
+                "hybrid_cp_group", "local_cp_size")
+
+
+def _slice_fields(fields: dict) -> dict:
+    """The one slicing path behind both adapters: `fields` by name, cut to this segment.
+
+    ``[b, s]`` tensors are cut to ``[:, start:end]``, a ``[b, 1, s, s]`` mask
+    to rows ``start:end`` and columns ``:end`` (contiguous copies), None stays
+    None, other fields pass unchanged. Identity outside a segmented step;
+    packed batches (any of :data:`_PACKED_KEYS` set) are refused inside one.
     """
     from megatron_seq1f1b.segments import current_segment, slice_batch
 
     if current_segment() is None:
-        return tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params
-    if packed_seq_params is not None:
+        return fields
+    if any(fields.get(key) is not None for key in _PACKED_KEYS):
         raise_if([
             "packed sequences (THD format, packed_seq_params from cu_seqlens in the data) "
             "cannot be cut into segments; use padded [b, s] batches"
         ])
-    names = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-    batch = slice_batch(dict(zip(names, (tokens, labels, loss_mask, attention_mask,
-                                         position_ids))))
-    return (*(batch[n] for n in names), None)
+    return slice_batch(fields)
+
+
+def slice_gpt_batch(tokens: Any, labels: Any, loss_mask: Any, attention_mask: Any,
+                    position_ids: Any, packed_seq_params: Any) -> tuple:
+    """The current segment's part of pretrain_gpt.py's ``get_batch`` tuple (core_v0.16/0.17).
+
+    Same order in and out: ``(tokens, labels, loss_mask, attention_mask,
+    position_ids, packed_seq_params)``; cut as :func:`_slice_fields` does.
+    Identity outside a segmented step.
+    """
+    names = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids",
+             "packed_seq_params")
+    batch = _slice_fields(dict(zip(names, (tokens, labels, loss_mask, attention_mask,
+                                           position_ids, packed_seq_params))))
+    return tuple(batch[n] for n in names)
+
+
+def slice_gpt_batch_fields(*values: Any) -> tuple:
+    """The current segment's part of pretrain_gpt.py's ``get_batch`` result (core_v0.18+).
+
+    `values` are the ten fields in :data:`GPT_BATCH_KEYS` order (Megatron's
+    ``BATCH_KEYS``, alphabetical); the same order comes back, cut as
+    :func:`_slice_fields` does. Identity outside a segmented step.
+    """
+    if len(values) != len(GPT_BATCH_KEYS):
+        raise TypeError(f"slice_gpt_batch_fields takes the {len(GPT_BATCH_KEYS)} fields "
+                        f"{', '.join(GPT_BATCH_KEYS)}; got {len(values)}")
+    batch = _slice_fields(dict(zip(GPT_BATCH_KEYS, values)))
+    return tuple(batch[n] for n in GPT_BATCH_KEYS)

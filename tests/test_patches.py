@@ -1,16 +1,22 @@
 """Megatron-LM integration: the patches, scripts/apply_patches.sh, megatron_seq1f1b.megatron_lm.
 
-* With MEGATRON_LM_DIR pointing at a core_v0.16.1 checkout, the patches are
-  applied to a copy (as an unpacked archive with GNU patch, and as a git
-  checkout with `git apply`), compiled and reverted byte for byte.
-* Always: the script on synthetic checkouts (version refusal, usage errors,
-  apply/re-apply/revert, nothing changed when one patch conflicts), and the
-  shim's argument handling, validation, model preparation and batch slicing.
+* With MEGATRON_LM_DIR pointing at a checkout of a supported tag (or
+  MEGATRON_LM_DIRS at several, separated by os.pathsep), the patches are
+  applied to a copy of each (as an unpacked archive with GNU patch, and as a
+  git checkout tagged with the detected tag, with `git apply`), compiled and
+  reverted byte for byte; the anchors the hunks rely on are checked too.
+* Always: the script on synthetic checkouts of every supported tag (version
+  refusal with the nearest tag, the 0.19.1 alias, --force-version, usage
+  errors, apply/re-apply/revert, nothing changed when one patch conflicts),
+  the patches' form, and the shim's argument handling, validation, model
+  preparation and batch slicing.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import json
 import os
 import py_compile
@@ -29,8 +35,25 @@ from megatron_seq1f1b.checks import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
 PATCH_ROOT = ROOT / "patches" / "megatron-lm"
-VERSION = "core_v0.16.1"
-PATCHES = sorted((PATCH_ROOT / VERSION).glob("*.patch"))
+TAGS = ["core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0"]
+PATCHES_OF = {tag: sorted((PATCH_ROOT / tag).glob("*.patch")) for tag in TAGS}
+VERSION = "core_v0.16.1"  # the tag the single-tag synthetic tests use
+PATCHES = PATCHES_OF[VERSION]
+# What megatron/core/package_info.py says in each tag's sources (core_v0.19.0 says 0.19.1:
+# the script's alias table maps it back).
+REPORTED = {"core_v0.16.1": (0, 16, 1), "core_v0.17.1": (0, 17, 1),
+            "core_v0.18.2": (0, 18, 2), "core_v0.19.0": (0, 19, 1)}
+# The shim functions each tag's hunks call (the adapters differ per tag).
+SHIM_CALLS = {
+    "core_v0.16.1": {"extra_args_provider", "validate_args", "wrap_model_provider",
+                     "slice_gpt_batch"},
+    "core_v0.17.1": {"extra_args_provider", "validate_args", "wrap_model_provider",
+                     "slice_gpt_batch"},
+    "core_v0.18.2": {"extra_args_provider", "validate_args", "wrap_model_provider",
+                     "slice_gpt_batch_fields"},
+    "core_v0.19.0": {"extra_args_provider", "validate_args", "add_post_wrap_hook",
+                     "slice_gpt_batch_fields"},
+}
 HAVE_PATCH = shutil.which("patch") is not None
 HAVE_GIT = shutil.which("git") is not None
 TOOLS = [pytest.param("patch", marks=pytest.mark.skipif(not HAVE_PATCH, reason="no patch")),
@@ -90,17 +113,18 @@ def write_package_info(tree: Path, major: int, minor: int, patch: int, pre: str 
                     "VERSION = (MAJOR, MINOR, PATCH, PRE_RELEASE)\n")
 
 
-def skeleton_checkout(tree: Path) -> None:
-    """A fake core_v0.16.1 tree whose files hold exactly the hunks' original lines.
+def skeleton_checkout(tree: Path, tag: str = VERSION, version=None) -> None:
+    """A fake `tag` tree whose files hold exactly the hunks' original lines.
 
     Patches apply at an offset, so each touched file is the pre-image of its
     hunks (context and removed lines) separated by filler lines. This lets CI
-    exercise the script without a Megatron-LM checkout.
+    exercise the script without a Megatron-LM checkout. package_info.py says
+    `version` (default: what the tag's own sources say, REPORTED).
     """
-    write_package_info(tree, 0, 16, 1)
+    write_package_info(tree, *(version or REPORTED[tag]))
     bodies: dict[str, list[str]] = {}
     current = None
-    for patch in PATCHES:
+    for patch in PATCHES_OF[tag]:
         in_hunk = False
         for line in patch.read_text().splitlines():
             if line.startswith("+++ "):
@@ -120,19 +144,21 @@ def skeleton_checkout(tree: Path) -> None:
         path.write_text("\n".join(lines + ["# end"]) + "\n")
 
 
-def apply_cycle(tree: Path, tmp: Path, tool: str, is_git: bool, compile_: bool = True) -> None:
+def apply_cycle(tree: Path, tmp: Path, tool: str, is_git: bool, compile_: bool = True,
+                tag: str = VERSION, extra=()) -> None:
     """--check, apply, re-apply, compile, --check, revert, revert again: tree restored."""
     before = snapshot(tree)
-    files = touched_files()
+    patches = PATCHES_OF[tag]
+    files = touched_files(patches)
 
-    check = run_script(tree, "--check", tool=tool)
+    check = run_script(tree, "--check", *extra, tool=tool)
     assert check.returncode == 0, check.stderr
-    assert "apply cleanly" in check.stdout and VERSION in check.stdout
+    assert "apply cleanly" in check.stdout and f"Megatron-LM {tag} (" in check.stdout
     assert snapshot(tree) == before, "--check changed the tree"
 
-    first = run_script(tree, tool=tool)
+    first = run_script(tree, *extra, tool=tool)
     assert first.returncode == 0, first.stderr
-    for patch in PATCHES:
+    for patch in patches:
         assert f"applied {patch.name}" in first.stdout
     after = snapshot(tree)
     assert sorted(k for k in after if after[k] != before.get(k)) == files
@@ -142,21 +168,21 @@ def apply_cycle(tree: Path, tmp: Path, tool: str, is_git: bool, compile_: bool =
     if compile_:  # skeleton files are not valid Python
         compile_all(tree, files, tmp)
 
-    again = run_script(tree, tool=tool)
+    again = run_script(tree, *extra, tool=tool)
     assert again.returncode == 0, again.stderr
     assert "already applied" in again.stdout
     assert snapshot(tree) == after
 
-    assert "already applied" in run_script(tree, "--check", tool=tool).stdout
+    assert "already applied" in run_script(tree, "--check", *extra, tool=tool).stdout
 
-    revert = run_script(tree, "--revert", tool=tool)
+    revert = run_script(tree, "--revert", *extra, tool=tool)
     assert revert.returncode == 0, revert.stderr
     assert "restored" in revert.stdout
     assert snapshot(tree) == before, "revert did not restore the tree byte for byte"
     if is_git:
         assert git(tree, "status", "--porcelain") == ""
 
-    twice = run_script(tree, "--revert", tool=tool)
+    twice = run_script(tree, "--revert", *extra, tool=tool)
     assert twice.returncode == 0 and "nothing to revert" in twice.stdout
 
 
@@ -169,18 +195,45 @@ def make_git_checkout(tree: Path, tag: str = VERSION) -> None:
 
 # --------------------------------------------------------------------------- (a)
 
-@pytest.fixture(scope="module")
-def megatron_lm_dir() -> Path:
-    value = os.environ.get("MEGATRON_LM_DIR")
-    if not value:
-        reason = ("MEGATRON_LM_DIR is not set; point it at a Megatron-LM core_v0.16.1 checkout "
-                  "to test the patches on the real sources")
+def _checkout_dirs() -> list[str]:
+    """MEGATRON_LM_DIRS (os.pathsep-separated), then MEGATRON_LM_DIR; duplicates once."""
+    dirs = [d for d in os.environ.get("MEGATRON_LM_DIRS", "").split(os.pathsep) if d]
+    if os.environ.get("MEGATRON_LM_DIR"):
+        dirs.append(os.environ["MEGATRON_LM_DIR"])
+    return list(dict.fromkeys(dirs))
+
+
+CHECKOUTS = _checkout_dirs()
+
+
+def detect_tag(path: Path) -> str:
+    """The tag whose patches the script picks for `path` (git tag at HEAD or package_info.py)."""
+    result = run_script(path, "--check")
+    found = re.search(r"^Megatron-LM (\S+) \(", result.stdout, re.MULTILINE)
+    if not found:
+        pytest.fail(f"{path}: apply_patches.sh found no supported version:\n{result.stderr}")
+    assert found.group(1) in TAGS, found.group(1)
+    return found.group(1)
+
+
+@pytest.fixture(scope="module", params=CHECKOUTS or [None],
+                ids=[Path(d).name for d in CHECKOUTS] or ["no-checkout"])
+def lm_checkout(request) -> tuple[Path, str]:
+    """(checkout, its tag) for each directory in MEGATRON_LM_DIRS / MEGATRON_LM_DIR."""
+    if request.param is None:
+        reason = ("MEGATRON_LM_DIR(S) is not set; point it at Megatron-LM checkouts of "
+                  f"{', '.join(TAGS)} to test the patches on the real sources")
         print(f"SKIP: {reason}")
         pytest.skip(reason)
-    path = Path(value)
+    path = Path(request.param)
     if not (path / "pretrain_gpt.py").is_file():
-        pytest.fail(f"MEGATRON_LM_DIR={value} is not a Megatron-LM checkout (no pretrain_gpt.py)")
-    return path
+        pytest.fail(f"{path} is not a Megatron-LM checkout (no pretrain_gpt.py)")
+    return path, detect_tag(path)
+
+
+def copy_checkout(source: Path, tree: Path) -> None:
+    shutil.copytree(source, tree, symlinks=True,
+                    ignore=shutil.ignore_patterns(".git", "__pycache__"))
 
 
 @pytest.mark.parametrize("layout,tool", [
@@ -188,20 +241,20 @@ def megatron_lm_dir() -> Path:
                  marks=pytest.mark.skipif(not HAVE_PATCH, reason="no patch")),
     pytest.param("git", "git", marks=pytest.mark.skipif(not HAVE_GIT, reason="no git")),
 ])
-def test_real_checkout(megatron_lm_dir, tmp_path, layout, tool):
+def test_real_checkout(lm_checkout, tmp_path, layout, tool):
+    source, tag = lm_checkout
     tree = tmp_path / "Megatron-LM"
-    shutil.copytree(megatron_lm_dir, tree, symlinks=True,
-                    ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    copy_checkout(source, tree)
     if layout == "git":
-        make_git_checkout(tree)
+        make_git_checkout(tree, tag)
         assert "from git tag" in run_script(tree, "--check", tool=tool).stdout
     else:
         assert "package_info" in run_script(tree, "--check", tool=tool).stdout
-    apply_cycle(tree, tmp_path, tool, is_git=layout == "git")
+    apply_cycle(tree, tmp_path, tool, is_git=layout == "git", tag=tag)
 
 
 FORWARD_STEP_PROBE = r"""
-import json, os, sys
+import inspect, json, os, sys
 import torch
 sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -212,8 +265,10 @@ try:
     import pretrain_gpt
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
-except ModuleNotFoundError as exc:
-    print(json.dumps({"missing": str(exc)}))
+except ImportError as exc:  # a missing dependency, or a Python older than the tag needs
+    if "seq1f1b" in str(exc):
+        raise
+    print(json.dumps({"missing": f"{exc} (Python {sys.version.split()[0]})"}))
     sys.exit(0)
 from megatron_seq1f1b import megatron_lm
 from megatron_seq1f1b.segments import SegmentRun
@@ -223,8 +278,13 @@ global_vars.set_args(args)
 global_vars._set_timers(args)
 b, s = 2, 16
 tokens = torch.arange(b * s).view(b, s)
-full = (tokens, tokens + 1, torch.ones(b, s), torch.ones(b, 1, s, s, dtype=torch.bool),
-        tokens % s, None)
+fields = dict(tokens=tokens, labels=tokens + 1, loss_mask=torch.ones(b, s),
+              attention_mask=torch.ones(b, 1, s, s, dtype=torch.bool), position_ids=tokens % s)
+if "cu_seqlens_padded" in inspect.getsource(pretrain_gpt.forward_step):  # core_v0.18+
+    full = [fields.get(key) for key in megatron_lm.GPT_BATCH_KEYS]
+else:
+    full = (fields["tokens"], fields["labels"], fields["loss_mask"], fields["attention_mask"],
+            fields["position_ids"], None)
 pretrain_gpt.get_batch = lambda data_iterator, vp_stage: full  # as after the TP broadcast
 pretrain_gpt.get_attr_wrapped_model = lambda model, attr: None
 seen = []
@@ -247,11 +307,11 @@ print(json.dumps({"seen": seen, "tokens": tokens_per_segment,
 """
 
 
-def test_patched_forward_step(megatron_lm_dir, tmp_path):
+def test_patched_forward_step(lm_checkout, tmp_path):
     """The patched pretrain_gpt.forward_step cuts each segment's batch (needs LM's deps)."""
+    source, _ = lm_checkout
     tree = tmp_path / "Megatron-LM"
-    shutil.copytree(megatron_lm_dir, tree, symlinks=True,
-                    ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    copy_checkout(source, tree)
     assert run_script(tree).returncode == 0
     env = dict(os.environ, PYTHONPATH=str(tree), WORLD_SIZE="1", RANK="0")
     out = subprocess.run([sys.executable, "-c", FORWARD_STEP_PROBE], cwd=tree, env=env,
@@ -267,15 +327,50 @@ def test_patched_forward_step(megatron_lm_dir, tmp_path):
     assert result["tokens"] == [16, 16]
 
 
-def test_real_checkout_calls_exist(megatron_lm_dir):
-    """The unpatched sources still hold what the hunks hook into (anchors of the patch)."""
-    text = (megatron_lm_dir / "pretrain_gpt.py").read_text()
+def call_keywords(source: str, func_name: str) -> list[set[str]]:
+    """The keyword names of every call `func_name(...)` in `source`."""
+    return [{k.arg for k in node.keywords}
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == func_name]
+
+
+def test_real_checkout_calls_exist(lm_checkout):
+    """The unpatched sources still hold what the hunks and the shim rely on."""
+    source, tag = lm_checkout
+    text = (source / "pretrain_gpt.py").read_text()
+    patch_text = "".join(p.read_text() for p in PATCHES_OF[tag])
     assert "= get_batch(data_iterator, vp_stage)" in text
     assert "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None" in text
-    training = (megatron_lm_dir / "megatron" / "training" / "training.py").read_text()
+    # core_v0.18+: get_batch returns its BATCH_KEYS in order; slice_gpt_batch_fields knows them.
+    keys = [node.value for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BATCH_KEYS"
+                                                    for t in node.targets)]
+    assert bool(keys) == ("slice_gpt_batch_fields" in patch_text)
+    for value in keys:
+        assert tuple(ast.literal_eval(value)) == megatron_lm.GPT_BATCH_KEYS
+    # core_v0.19: the model comes from a GPTModelConfig whose builder runs post_wrap_hooks.
+    builds_from_config = "gpt_config_from_args(" in text
+    assert builds_from_config == ("add_post_wrap_hook" in patch_text)
+    if builds_from_config:
+        gpt = (source / "megatron" / "training" / "models" / "gpt.py").read_text()
+        assert "compose_hooks(self._model_config.post_wrap_hooks)" in gpt
+    else:
+        assert "partial(model_provider, gpt_builder)" in text
+
+    training = (source / "megatron" / "training" / "training.py").read_text()
     # install() patches this module-level name; train() and evaluate() look it up at call time.
     assert "from megatron.core.pipeline_parallel import get_forward_backward_func" in training
-    assert training.count("forward_backward_func = get_forward_backward_func()") == 2
+    getter_calls = call_keywords(training, "get_forward_backward_func")
+    assert len(getter_calls) == 2
+    assert set().union(*getter_calls) <= set(megatron_lm.GETTER_KEYWORDS)
+    # Every keyword train_step and evaluate pass is one the Seq1F1B function takes.
+    import megatron_seq1f1b as s1
+
+    accepted = set(inspect.signature(s1.get_forward_backward_func(2)).parameters)
+    schedule_calls = call_keywords(training, "forward_backward_func")
+    assert len(schedule_calls) == 3  # train_step, evaluate (loss), evaluate (non-loss data)
+    assert set().union(*schedule_calls) <= accepted, set().union(*schedule_calls) - accepted
 
 
 # --------------------------------------------------------------------------- (b)
@@ -287,10 +382,85 @@ def test_unsupported_version_is_refused(tmp_path):
     result = run_script(tmp_path)
     assert result.returncode == 1
     assert "core_v0.12.0" in result.stderr and "not supported" in result.stderr
-    assert VERSION in result.stderr  # the supported versions are listed
+    for tag in TAGS:  # the supported versions are listed
+        assert tag in result.stderr
+    assert "nearest supported version: core_v0.16.1" in result.stderr
     assert snapshot(tmp_path) == before
     check = run_script(tmp_path, "--check")
     assert check.returncode == 1 and VERSION in check.stderr
+
+
+@pytest.mark.parametrize("version,nearest", [
+    ((0, 20, 0), "core_v0.19.0"),   # newer than all: the newest
+    ((1, 0, 0), "core_v0.19.0"),
+    ((0, 19, 3), "core_v0.19.0"),   # through the alias 0.19.1
+    ((0, 18, 0), "core_v0.18.2"),   # same minor beats the closer-looking 0.17.1
+    ((0, 17, 5), "core_v0.17.1"),
+    ((0, 16, 0), "core_v0.16.1"),
+    ((0, 12, 0), "core_v0.16.1"),   # older than all: the oldest
+])
+def test_nearest_version_is_named(tmp_path, version, nearest):
+    skeleton_checkout(tmp_path, nearest, version=version)
+    before = snapshot(tmp_path)
+    result = run_script(tmp_path, "--check")
+    assert result.returncode == 1
+    reported = "core_v{}.{}.{}".format(*version)
+    assert f"Megatron-LM {reported} (from megatron/core/package_info.py) is not supported" \
+        in result.stderr
+    assert f"nearest supported version: {nearest};" in result.stderr
+    assert f"--force-version {nearest}" in result.stderr
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_force_version(tmp_path, tool):
+    """A release the script does not know, whose files match a supported tag's."""
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree, "core_v0.18.2", version=(0, 20, 0))
+    assert run_script(tree, tool=tool).returncode == 1
+    check = run_script(tree, "--check", "--force-version", "core_v0.18.2", tool=tool)
+    assert check.returncode == 0, check.stderr
+    assert ("Megatron-LM core_v0.18.2 (forced with --force-version core_v0.18.2; "
+            "megatron/core/package_info.py says core_v0.20.0)") in check.stdout
+    apply_cycle(tree, tmp_path, tool, is_git=False, compile_=False, tag="core_v0.18.2",
+                extra=("--force-version=core_v0.18.2",))
+    # Forcing the wrong tag changes nothing: the context has to match exactly.
+    before = snapshot(tree)
+    wrong = run_script(tree, "--force-version", "core_v0.16.1", tool=tool)
+    assert wrong.returncode == 1 and "nothing was changed" in wrong.stderr
+    assert snapshot(tree) == before
+
+
+def test_force_version_through_alias_and_without_version(tmp_path):
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree, "core_v0.19.0")
+    (tree / "megatron" / "core" / "package_info.py").unlink()
+    assert "not a Megatron-LM checkout" in run_script(tree, "--check").stderr
+    result = run_script(tree, "--check", "--force-version", "core_v0.19.1")
+    assert result.returncode == 0, result.stderr
+    assert "Megatron-LM core_v0.19.0 (forced with --force-version core_v0.19.1; " \
+        "no version found in the checkout)" in result.stdout
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_alias_0_19_1_is_core_v0_19_0(tmp_path, tool):
+    """The core_v0.19.0 tag's package_info.py says 0.19.1: its patches are chosen."""
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree, "core_v0.19.0")  # package_info.py: 0.19.1, as in the tag
+    check = run_script(tree, "--check", tool=tool)
+    assert check.returncode == 0, check.stderr
+    assert ("Megatron-LM core_v0.19.0 (from megatron/core/package_info.py: core_v0.19.1, "
+            "an alias of core_v0.19.0)") in check.stdout
+    apply_cycle(tree, tmp_path, tool, is_git=False, compile_=False, tag="core_v0.19.0")
+
+
+@pytest.mark.skipif(not HAVE_GIT, reason="no git")
+def test_alias_applies_to_git_tags(tmp_path):
+    skeleton_checkout(tmp_path, "core_v0.19.0", version=(0, 0, 0))
+    make_git_checkout(tmp_path, tag="core_v0.19.1")
+    result = run_script(tmp_path, "--check")
+    assert result.returncode == 0, result.stderr
+    assert "(from git tag: core_v0.19.1, an alias of core_v0.19.0)" in result.stdout
 
 
 @pytest.mark.skipif(not HAVE_GIT, reason="no git")
@@ -300,6 +470,8 @@ def test_unsupported_git_tag_falls_back_to_package_info(tmp_path):
     result = run_script(tmp_path, "--check")
     assert result.returncode == 1
     assert "core_v0.17.0" in result.stderr and VERSION in result.stderr
+    assert "no patches for git tag core_v0.17.0" in result.stderr
+    assert "nearest supported version: core_v0.17.1" in result.stderr
 
 
 @pytest.mark.parametrize("args,message", [
@@ -307,6 +479,11 @@ def test_unsupported_git_tag_falls_back_to_package_info(tmp_path):
     (("{tree}", "--frobnicate"), "unknown option"),
     (("{tree}", "--check", "--revert"), "at most one"),
     (("{tree}", "{tree}"), "more than one directory"),
+    (("{tree}", "--force-version"), "--force-version needs a TAG"),
+    (("{tree}", "--force-version="), "--force-version needs a TAG"),
+    (("{tree}", "--force-version", "core_v0.99.0"), "no patches for that tag"),
+    (("{tree}", "--force-version", "core_v0.16.1", "--force-version", "core_v0.16.1"),
+     "given twice"),
 ])
 def test_usage_errors(tmp_path, args, message):
     result = run_script(*(a.format(tree=tmp_path) for a in args))
@@ -316,31 +493,54 @@ def test_usage_errors(tmp_path, args, message):
 
 def test_help_and_not_a_checkout(tmp_path):
     help_ = run_script("--help")
-    assert help_.returncode == 0 and "usage:" in help_.stdout and VERSION in help_.stdout
+    assert help_.returncode == 0 and "usage:" in help_.stdout and "--force-version" in help_.stdout
+    for tag in TAGS:
+        assert tag in help_.stdout
+    assert "core_v0.19.1 = core_v0.19.0" in help_.stdout
     missing = run_script(tmp_path / "nope")
     assert missing.returncode == 1 and "not a directory" in missing.stderr
     empty = run_script(tmp_path)
     assert empty.returncode == 1 and "not a Megatron-LM checkout" in empty.stderr
 
 
-def test_patches_are_well_formed():
-    assert PATCHES, f"no patches in {PATCH_ROOT / VERSION}"
-    files = touched_files()
-    assert "pretrain_gpt.py" in files
+def test_every_patch_folder_is_tested():
+    assert sorted(p.name for p in PATCH_ROOT.iterdir() if p.is_dir()) == sorted(TAGS)
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_patches_are_well_formed(tag):
+    patches = PATCHES_OF[tag]
+    assert patches, f"no patches in {PATCH_ROOT / tag}"
+    files = touched_files(patches)
+    assert "pretrain_gpt.py" in files and "megatron/training/arguments.py" in files
     assert not [f for f in files if f.startswith("megatron/core/")], "no hunks in megatron/core"
-    for patch in PATCHES:
+    for patch in patches:
         text = patch.read_text()
         assert "\r" not in text
+        header = text.split("\n--- ", 1)[0]
+        assert header.startswith(f"Seq1F1B for Megatron-LM {tag}"), header[:80]
+        assert len(header.strip().splitlines()) >= 3, "a short header explains the patch"
         for line in text.splitlines():
             if line.startswith(("--- ", "+++ ")):
                 assert re.match(r"^(---|\+\+\+) [ab]/\S+$", line), line
+        # Hunks add calls into the shim; the one line they replace is the
+        # extra_args_provider argument (now chained through the shim).
+        for hunk in re.split(r"^@@.*$", text, flags=re.MULTILINE)[1:]:
+            lines = [ln for ln in hunk.splitlines() if not ln.startswith(("+++ ", "--- "))]
+            added = "\n".join(ln[1:] for ln in lines if ln.startswith("+"))
+            removed = [ln[1:].strip() for ln in lines if ln.startswith("-")]
+            assert "[Seq1F1B]" in added
+            assert "megatron_seq1f1b" in added or "seq1f1b_megatron_lm" in added
+            assert set(removed) <= {
+                "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,"}, removed
 
 
+@pytest.mark.parametrize("tag", TAGS)
 @pytest.mark.parametrize("tool", TOOLS)
-def test_skeleton_checkout_cycle(tmp_path, tool):
+def test_skeleton_checkout_cycle(tmp_path, tool, tag):
     tree = tmp_path / "fake"
-    skeleton_checkout(tree)
-    apply_cycle(tree, tmp_path, tool, is_git=False, compile_=False)
+    skeleton_checkout(tree, tag)
+    apply_cycle(tree, tmp_path, tool, is_git=False, compile_=False, tag=tag)
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -376,19 +576,20 @@ def test_partly_applied_tree_is_reported(tmp_path):
     assert snapshot(tree) == before
 
 
-def test_hunks_call_existing_shim_functions():
+@pytest.mark.parametrize("tag", TAGS)
+def test_hunks_call_existing_shim_functions(tag):
     """Every megatron_lm name the hunks use exists (guards renames in the package)."""
     names = set()
-    for patch in PATCHES:
+    for patch in PATCHES_OF[tag]:
         added = "\n".join(line[1:] for line in patch.read_text().splitlines()
                           if line.startswith("+") and not line.startswith("+++"))
         names |= set(re.findall(r"seq1f1b_megatron_lm\.(\w+)", added))
         names |= set(re.findall(r"from megatron_seq1f1b\.megatron_lm import (\w+)", added))
         assert "megatron_seq1f1b" in added or not added.strip()
-    assert {"slice_gpt_batch", "wrap_model_provider", "extra_args_provider",
-            "validate_args"} <= names
+    assert names == SHIM_CALLS[tag]
     for name in names:
         assert callable(getattr(megatron_lm, name)), name
+        assert getattr(megatron_lm, name).__doc__, name
 
 
 # --------------------------------------------------------------------------- (c)
@@ -451,6 +652,7 @@ def megatron_args(**overrides) -> SimpleNamespace:
         position_embedding_type="rope", cuda_graph_impl="none",
         fine_grained_activation_offloading=False, reset_attention_mask=False,
         reset_position_ids=False, create_attention_mask_in_dataloader=True,
+        dataloader_inter_document_masking=False, logits_load_dir=None, logits_save_dir=None,
     )
     values.update(overrides)
     return SimpleNamespace(**values)
@@ -510,6 +712,10 @@ def test_validate_does_nothing_without_the_flag():
     ({"tp_comm_overlap": True}, ["--tp-comm-overlap"]),
     ({"fp8_dot_product_attention": True}, ["--fp8-dot-product-attention"]),
     ({"fp8_multi_head_attention": True}, ["--fp8-multi-head-attention"]),
+    # core_v0.19: cu_seqlens from the data loader, cached-logits distillation
+    ({"dataloader_inter_document_masking": True}, ["--dataloader-inter-document-masking"]),
+    ({"logits_load_dir": "/cache/logits"}, ["--logits-load-dir"]),
+    ({"logits_save_dir": "/cache/logits"}, ["--logits-save-dir"]),
     # FP8: every segment's tokens per rank a multiple of 8 (here TP 2 with SP: 16)
     ({"fp8": "hybrid", "seq_length": 4096 + 4}, ["--fp8-format", "multiple of 16"]),
     # sequence parallel: every segment a multiple of TP
@@ -553,11 +759,57 @@ def test_prepare_model(monkeypatch):
                        pipeline_parallel.get_forward_backward_func):
             func = getter()
             assert (func.num_splits, func.partition) == (3, "uniform")
+            # core_v0.19's train() and evaluate() pass schedule_pg_collection
+            assert megatron_lm.takes_getter_keywords(getter)
+            assert getter(schedule_pg_collection=None) is func
+            assert getter(pp_size=2, vp_size=None, schedule_pg_collection=None) is func
     finally:
         import megatron_seq1f1b as s1
 
         s1.uninstall()
     assert not hasattr(holder.get_forward_backward_func, "seq1f1b")
+
+
+def test_getter_keyword_adapter(monkeypatch):
+    """Getters without schedule_pg_collection are replaced; others are left alone."""
+    import megatron_seq1f1b.api as api_mod
+
+    ours = object()
+
+    def full(pp_size=None, vp_size=None, schedule_pg_collection=None):
+        return ours
+
+    def any_keyword(pp_size=None, vp_size=None, **kwargs):
+        return ours
+
+    def short(pp_size=None, vp_size=None):
+        return ours
+
+    full.seq1f1b = any_keyword.seq1f1b = short.seq1f1b = ours
+    assert megatron_lm.takes_getter_keywords(full)
+    assert megatron_lm.takes_getter_keywords(any_keyword)
+    assert not megatron_lm.takes_getter_keywords(short)
+    holders = {"seq1f1b_test_full": SimpleNamespace(get_forward_backward_func=full),
+               "seq1f1b_test_any": SimpleNamespace(get_forward_backward_func=any_keyword),
+               "seq1f1b_test_short": SimpleNamespace(get_forward_backward_func=short),
+               # Megatron's own getter (or another install's): not ours, left alone
+               "seq1f1b_test_other": SimpleNamespace(get_forward_backward_func=lambda: None)}
+    for name, module in holders.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(api_mod, "_GETTER_HOLDERS", tuple(holders) + ("seq1f1b_test_absent",))
+    megatron_lm._accept_getter_keywords(ours)
+    assert holders["seq1f1b_test_full"].get_forward_backward_func is full
+    assert holders["seq1f1b_test_any"].get_forward_backward_func is any_keyword
+    replaced = holders["seq1f1b_test_short"].get_forward_backward_func
+    assert replaced is not short and replaced(schedule_pg_collection=None) is ours
+    assert replaced(pp_size=2, vp_size=None) is ours and replaced.seq1f1b is ours
+
+    class MultiModuleProcessGroupCollection:  # Megatron's cross-grid collection, by name
+        pass
+
+    with pytest.raises(ConfigError, match="multi-module"):
+        replaced(schedule_pg_collection=MultiModuleProcessGroupCollection())
+    assert holders["seq1f1b_test_other"].get_forward_backward_func() is None
 
 
 def test_prepare_model_off_and_rejected(monkeypatch):
@@ -605,6 +857,46 @@ def test_wrap_model_provider_uses_megatron_args(monkeypatch):
     assert megatron_lm.wrap_model_provider(lambda: "m")() == "m"
 
 
+def test_add_post_wrap_hook(monkeypatch):
+    """core_v0.19: the GPTModelConfig's builder calls prepare_model on the built chunks."""
+    prepared = []
+    monkeypatch.setattr(megatron_lm, "prepare_model",
+                        lambda model, args=None: prepared.append(model) or model)
+    config = SimpleNamespace(post_wrap_hooks=[])
+    assert megatron_lm.add_post_wrap_hook(config, megatron_args(seq1f1b=False)) is config
+    assert config.post_wrap_hooks == []
+    monkeypatch.setattr(megatron_lm, "_megatron_args", lambda: megatron_args(seq1f1b=False))
+    assert megatron_lm.add_post_wrap_hook(config).post_wrap_hooks == []
+
+    first = lambda model: model  # noqa: E731 (a hook someone added before)
+    config.post_wrap_hooks.append(first)
+    for _ in range(2):  # once only
+        assert megatron_lm.add_post_wrap_hook(config, megatron_args()) is config
+    assert config.post_wrap_hooks == [first, megatron_lm.prepare_model]
+    # as GPTModelBuilder.build_distributed_models runs them (compose_hooks)
+    chunks = ["chunk0", "chunk1"]
+    model = chunks
+    for hook in config.post_wrap_hooks:
+        model = hook(model)
+    assert model is chunks and prepared == [chunks]
+
+
+def test_post_wrap_hook_prepares_the_chunks(monkeypatch):
+    """The real prepare_model as a post-wrap hook: the list of chunks gets enabled."""
+    import megatron_seq1f1b.api as api_mod
+    import megatron_seq1f1b.model as model_mod
+
+    calls = []
+    monkeypatch.setattr(model_mod, "enable", lambda model: calls.append(("enable", model)))
+    monkeypatch.setattr(api_mod, "install",
+                        lambda *a, **k: calls.append(("install", a)) or (lambda **kw: None))
+    monkeypatch.setattr(megatron_lm, "_megatron_args", lambda: megatron_args(seq1f1b_splits=2))
+    config = megatron_lm.add_post_wrap_hook(SimpleNamespace(post_wrap_hooks=[]))
+    chunks = ["chunk0", "chunk1"]
+    assert config.post_wrap_hooks[0](chunks) is chunks
+    assert calls == [("enable", chunks), ("install", (2, "balanced"))]
+
+
 def test_slice_gpt_batch():
     import torch
 
@@ -637,6 +929,50 @@ def test_slice_gpt_batch():
             megatron_lm.slice_gpt_batch(*batch[:5], object())
     with run.forward(0, 0):
         assert megatron_lm.slice_gpt_batch(*batch)[0].shape == (b, 5)
+    run.close()
+
+
+def test_slice_gpt_batch_fields():
+    """core_v0.18+: get_batch's ten fields in BATCH_KEYS order, cut like the 6-tuple."""
+    import torch
+
+    from megatron_seq1f1b.segments import SegmentRun
+
+    b, s = 2, 8
+    tokens = torch.arange(b * s).view(b, s)
+    fields = dict(tokens=tokens, labels=tokens + 1, loss_mask=torch.ones(b, s),
+                  attention_mask=torch.tril(torch.ones(b, 1, s, s)) < 0.5,
+                  position_ids=tokens % s)
+    values = tuple(fields.get(key) for key in megatron_lm.GPT_BATCH_KEYS)
+    assert megatron_lm.GPT_BATCH_KEYS == tuple(sorted(megatron_lm.GPT_BATCH_KEYS))
+    outside = megatron_lm.slice_gpt_batch_fields(*values)
+    assert len(outside) == 10 and all(x is y for x, y in zip(outside, values))
+
+    run = SegmentRun([5, 3])
+    with run.forward(0, 1):
+        out = dict(zip(megatron_lm.GPT_BATCH_KEYS, megatron_lm.slice_gpt_batch_fields(*values)))
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(out[key], fields[key][:, 5:]) and out[key].is_contiguous(), key
+        assert torch.equal(out["attention_mask"], fields["attention_mask"][:, :, 5:8, :8])
+        for key in ("cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "local_cp_size",
+                    "max_seqlen"):
+            assert out[key] is None
+        # the same cut as the 6-tuple adapter
+        six = megatron_lm.slice_gpt_batch(*(fields[k] for k in (
+            "tokens", "labels", "loss_mask", "attention_mask", "position_ids")), None)
+        for key, value in zip(("tokens", "labels", "loss_mask", "attention_mask",
+                               "position_ids"), six):
+            assert torch.equal(out[key], value)
+        # middle pipeline stages: all None
+        assert megatron_lm.slice_gpt_batch_fields(*[None] * 10) == (None,) * 10
+        # packed (THD) batches and hybrid CP carry these: refused inside a segment
+        for key in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "hybrid_cp_group",
+                    "local_cp_size"):
+            packed = dict(zip(megatron_lm.GPT_BATCH_KEYS, values), **{key: torch.tensor([0])})
+            with pytest.raises(ConfigError, match="packed sequences"):
+                megatron_lm.slice_gpt_batch_fields(*packed.values())
+    with pytest.raises(TypeError, match="ten|10"):
+        megatron_lm.slice_gpt_batch_fields(*values[:6])
     run.close()
 
 
