@@ -17,7 +17,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16.1,<0.17",
+        "megatron-core>=0.16.1,<0.20",
     ],
     extras_require={
         # Tests run on CPU with gloo; numpy is needed by Megatron-Core's datasets.

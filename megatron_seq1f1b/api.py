@@ -16,6 +16,8 @@ _GETTER_HOLDERS = (
     "megatron.training.training",  # Megatron-LM, if imported
 )
 _installed: dict[str, Callable] = {}
+# Keywords of Megatron-Core's getter (0.19 added schedule_pg_collection); ours takes them all.
+GETTER_KEYWORDS = ("pp_size", "vp_size", "schedule_pg_collection")
 
 
 def get_forward_backward_func(
@@ -88,7 +90,13 @@ def install(num_splits: int, partition: str = "uniform", **kwargs) -> Callable:
     """
     ours = get_forward_backward_func(num_splits, partition, **kwargs)
 
-    def getter(pp_size=None, vp_size=None):
+    def getter(pp_size=None, vp_size=None, schedule_pg_collection=None):
+        # schedule_pg_collection: Megatron-Core 0.19 (Megatron-LM's train() and evaluate() pass it)
+        if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
+            raise_if([
+                "a multi-module (cross-grid) pg_collection selects Megatron's bridge schedule; "
+                "Seq1F1B runs one model on one pipeline grid"
+            ])
         return ours
 
     getter.seq1f1b = ours

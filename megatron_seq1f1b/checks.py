@@ -127,9 +127,6 @@ def segment_length_problems(lengths, seq_length: int | None = None, config=None)
 def executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
                       seq_length, pp_size, adjust_tensor_shapes_fn, model_enabled) -> list[str]:
     """Everything wrong with a forward-backward call, found before any communication."""
-    from megatron.core.enums import ModelType
-    from megatron.core.utils import get_model_type
-
     problems = []
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         problems.append(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
@@ -150,10 +147,6 @@ def executor_problems(chunks, iterators, config, num_microbatches, num_splits, l
         problems.append("adjust_tensor_shapes_fn is not supported: segment shapes are fixed")
     if pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
         problems.append("config.pipeline_dtype must be set for pipeline parallelism")
-    for chunk in chunks:
-        if get_model_type(chunk) == ModelType.encoder_and_decoder:
-            problems.append("encoder-decoder models are not supported; use a decoder-only GPT")
-            break
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         problems.append("overlap_moe_expert_parallel_comm (combined 1F1B) is not supported")
     if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):

@@ -1,4 +1,4 @@
-"""Run Megatron-Core 0.16 on CPU with gloo (development, tests, the demo).
+"""Run Megatron-Core (0.16.1 to 0.19.x) on CPU with gloo (development, tests, the demo).
 
 Megatron-Core assumes CUDA in a handful of places. :func:`enable` patches
 exactly those, in this process only, and only when called:
@@ -25,6 +25,10 @@ exactly those, in this process only, and only when called:
 7. ``Tensor.type()`` (without arguments) of a CPU tensor names the CUDA type
    (``torch.cuda.FloatTensor``): Megatron's optimizers (mixed precision and
    the distributed optimizer) sort parameters by these names.
+8. CUDA streams and events (``torch.cuda.current_stream``, ``Stream``,
+   ``stream``, ``Event``) are torch's CPU stand-ins (``torch.cpu.*``), whose
+   waits are no-ops: Megatron-Core 0.19's DDP waits on the current stream
+   before every gradient reduction.
 
 Calling it twice is harmless. It must not be used in a process that also uses
 a GPU.
@@ -185,6 +189,10 @@ def enable() -> None:
     torch.cuda.manual_seed = _seed_cpu
     torch.cuda.manual_seed_all = _seed_cpu
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda *args, **kwargs: torch.cpu.current_stream()
+    torch.cuda.Stream = torch.cpu.Stream
+    torch.cuda.stream = torch.cpu.stream
+    torch.cuda.Event = torch.cpu.Event
     torch.Tensor.cuda = _tensor_cuda
     torch.Tensor.type = _tensor_type
     _patch_rng()

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron_seq1f1b import compat
 from megatron_seq1f1b import plan as plan_mod
 from megatron_seq1f1b.checks import executor_problems, raise_if, segment_multiple
 from megatron_seq1f1b.loss import SegmentLosses
@@ -117,8 +118,6 @@ class _Pipeline:
     def __init__(self, *, forward_step_func, chunks, iterators, config, num_microbatches,
                  lengths, micro_batch_size, forward_only, collect_non_loss_data, first_val_step,
                  peers, pg_collection, steps, recorder):
-        from megatron.core.utils import get_model_type
-
         self.forward_step_func = forward_step_func
         self.chunks = chunks
         self.data = [SegmentData(it) if it is not None else None for it in iterators]
@@ -132,7 +131,6 @@ class _Pipeline:
         self.pg_collection = pg_collection
         self.steps = steps
         self.recorder = recorder
-        self.model_type = get_model_type(chunks[0])
         self.run = SegmentRun(lengths, forward_only=forward_only, config=config)
         self.topology = plan_mod.Topology(peers.pp_size, len(chunks))
         self.forward_data_store: list = []
@@ -246,8 +244,6 @@ class _Pipeline:
 
     def backward(self, action: Action, input_tensor, output_tensor, output_grad):
         """Megatron's backward step, with its gradient-sync rules per model chunk."""
-        from megatron.core.pipeline_parallel.schedules import backward_step
-
         last_unit = action in self.last_backward
         funcs = self.grad_sync_funcs()
         interleaved = len(self.chunks) > 1
@@ -256,8 +252,7 @@ class _Pipeline:
         if self.is_last_stage(action.chunk):
             output_tensor = self.losses.scaled(action)
         with self.run.backward(action.microbatch, action.segment, action.chunk):
-            grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type,
-                                 self.config)
+            grad = compat.backward_step(input_tensor, output_tensor, output_grad, self.config)
         if interleaved:
             if last_unit and funcs is not None:
                 self.enable_grad_sync()

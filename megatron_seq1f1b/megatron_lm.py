@@ -31,8 +31,6 @@ Importing this module does not import torch or Megatron.
 from __future__ import annotations
 
 import argparse
-import inspect
-import sys
 from typing import Any, Callable, Optional
 
 from megatron_seq1f1b.checks import SUPPORTED_POSITIONS, raise_if, segment_multiple
@@ -280,8 +278,7 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     the list of chunks a core_v0.19 builder passes to its post-wrap hooks;
     chunks may be wrapped (DDP, Float16Module). Installing replaces the
     ``get_forward_backward_func`` that ``megatron.training.training`` imported,
-    which ``train()`` and ``evaluate()`` call after the model is built (with
-    ``schedule_pg_collection=`` from core_v0.19: :func:`_accept_getter_keywords`).
+    which ``train()`` and ``evaluate()`` call after the model is built.
     Validation runs again here because ``get_model`` may turn on ModelOpt
     after ``validate_args``, and YAML configs skip ``validate_args``.
     """
@@ -294,55 +291,8 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     from megatron_seq1f1b.model import enable
 
     enable(model)
-    _accept_getter_keywords(install(args.seq1f1b_splits, args.seq1f1b_partition))
+    install(args.seq1f1b_splits, args.seq1f1b_partition)
     return model
-
-
-#: Keyword arguments Megatron-Core's ``get_forward_backward_func`` takes; Megatron-LM
-#: core_v0.19's ``train()`` and ``evaluate()`` pass ``schedule_pg_collection``.
-GETTER_KEYWORDS = ("pp_size", "vp_size", "schedule_pg_collection")
-
-
-def _accept_getter_keywords(ours: Callable) -> None:
-    """Make the getters that ``install`` set take every keyword of Megatron's getter.
-
-    Megatron-LM core_v0.19 calls ``get_forward_backward_func(schedule_pg_collection=...)``.
-    Each getter in ``megatron_seq1f1b.api._GETTER_HOLDERS`` (where ``install``
-    puts its getter, ``megatron.training.training`` included) that returns
-    `ours` and does not take them all (:func:`takes_getter_keywords`) is
-    replaced by one that does (``uninstall()`` still restores Megatron's
-    own); a getter that already takes them is left alone. The replacement
-    refuses a multi-module (cross-grid) process-group collection: Seq1F1B
-    runs one model on one pipeline grid.
-    """
-
-    def getter(pp_size=None, vp_size=None, schedule_pg_collection=None):
-        if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
-            raise_if([
-                "a multi-module (cross-grid) pg_collection selects Megatron's bridge schedule; "
-                "Seq1F1B runs a single GPT model: remove --seq1f1b"
-            ])
-        return ours
-
-    from megatron_seq1f1b.api import _GETTER_HOLDERS
-
-    getter.seq1f1b = ours
-    for name in _GETTER_HOLDERS:
-        current = getattr(sys.modules.get(name), "get_forward_backward_func", None)
-        if getattr(current, "seq1f1b", None) is not ours:
-            continue
-        if not takes_getter_keywords(current):
-            sys.modules[name].get_forward_backward_func = getter
-
-
-def takes_getter_keywords(getter: Callable) -> bool:
-    """True if `getter` accepts every name in :data:`GETTER_KEYWORDS` (or ``**kwargs``)."""
-    params = inspect.signature(getter).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return True
-    names = {p.name for p in params
-             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-    return set(GETTER_KEYWORDS) <= names
 
 
 def wrap_model_provider(model_provider: Callable) -> Callable:

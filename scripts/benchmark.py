@@ -422,10 +422,10 @@ def megatron_step_timer(recorder, chunks: list):
         recorder.compute(start, action, next(step), 0)
         return result
 
-    def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    def backward_step(input_tensor, output_tensor, output_tensor_grad, *rest):
+        # rest: (config,), or (model_type, config) on Megatron-Core 0.16
         start = recorder.now()
-        result = original_backward(input_tensor, output_tensor, output_tensor_grad, model_type,
-                                   config)
+        result = original_backward(input_tensor, output_tensor, output_tensor_grad, *rest)
         fwd = owner.pop(id(output_tensor), F(0, 0, 0))
         recorder.compute(start, B(fwd.microbatch, 0, fwd.chunk), next(step), 0)
         return result

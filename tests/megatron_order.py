@@ -9,8 +9,6 @@ runs in a one-rank harness worker.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import schedules
@@ -36,6 +34,12 @@ class FakeP2P:
         self.config = config
         self.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
 
+    # Read by Megatron-Core 0.19's schedules (properties of its P2PCommunicator).
+    total_stages = property(lambda self: self.pp_group.size())
+    current_stage = property(lambda self: self.pp_group.rank())
+    is_pp_first_stage = property(lambda self: self.pp_group.rank() == 0)
+    is_pp_last_stage = property(lambda self: self.pp_group.rank() == self.pp_group.size() - 1)
+
     @staticmethod
     def _like(shapes, make):
         # Megatron's communicator answers a list of shapes with a list of tensors.
@@ -59,6 +63,17 @@ class FakeP2P:
 
     def send_backward_recv_forward(self, grad, shapes, is_first_stage):
         return self.recv_forward(shapes, is_first_stage)
+
+
+def fake_groups(rank: int, num_stages: int):
+    """Megatron's ProcessGroupCollection (0.19 checks the type) holding fake groups."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    group = FakeGroup(0, 1)
+    pgs = ProcessGroupCollection()
+    pgs.tp, pgs.cp, pgs.dp_cp, pgs.embd, pgs.pos_embd = group, group, group, None, None
+    pgs.pp = FakeGroup(rank, num_stages)
+    return pgs
 
 
 class Probe(torch.nn.Module):
@@ -90,9 +105,7 @@ def record_1f1b(num_stages: int, num_microbatches: int) -> list[list[str]]:
             out = leaf * 2
             return out, lambda output: (output.sum(), {"loss": output.detach()})
 
-        group = FakeGroup(0, 1)
-        pgs = SimpleNamespace(tp=group, cp=group, embd=None, pos_embd=None,
-                              pp=FakeGroup(rank, num_stages), dp_cp=group)
+        pgs = fake_groups(rank, num_stages)
         schedules.forward_backward_pipelining_without_interleaving(
             forward_step_func=forward_step,
             data_iterator=iter(range(num_microbatches)),
@@ -146,9 +159,7 @@ def record_interleaved(num_stages: int, num_microbatches: int, num_chunks: int) 
             order.append(f"F{mb}c{chunk}")
             return leaf * 2, lambda output: (output.sum(), {"loss": output.detach()})
 
-        group = FakeGroup(0, 1)
-        pgs = SimpleNamespace(tp=group, cp=group, embd=None, pos_embd=None,
-                              pp=FakeGroup(rank, num_stages), dp_cp=group)
+        pgs = fake_groups(rank, num_stages)
         schedules.forward_backward_pipelining_with_interleaving(
             forward_step_func=forward_step,
             data_iterator=[iter([(mb, c) for mb in range(num_microbatches)])

@@ -33,6 +33,18 @@ def test_install_and_uninstall():
         assert pipeline_parallel.get_forward_backward_func() is ours
         assert schedules.get_forward_backward_func() is ours
         assert schedules.get_forward_backward_func(pp_size=4, vp_size=None) is ours
+        # Megatron-LM core_v0.19's train() and evaluate() pass schedule_pg_collection.
+        assert schedules.get_forward_backward_func(schedule_pg_collection=None) is ours
+        getter_keywords = set(inspect.signature(schedules.get_forward_backward_func).parameters)
+        assert getter_keywords == set(s1.api.GETTER_KEYWORDS)
+        assert set(inspect.signature(original).parameters) <= getter_keywords
+
+        class MultiModuleProcessGroupCollection:  # Megatron's cross-grid collection, by name
+            pass
+
+        with pytest.raises(s1.ConfigError, match="multi-module"):
+            schedules.get_forward_backward_func(
+                schedule_pg_collection=MultiModuleProcessGroupCollection())
         assert ours.num_splits == 3 and ours.partition == "balanced"
         again = s1.install(2)  # re-installing replaces, uninstall still restores Megatron's
         assert pipeline_parallel.get_forward_backward_func() is again

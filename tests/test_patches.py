@@ -363,7 +363,9 @@ def test_real_checkout_calls_exist(lm_checkout):
     assert "from megatron.core.pipeline_parallel import get_forward_backward_func" in training
     getter_calls = call_keywords(training, "get_forward_backward_func")
     assert len(getter_calls) == 2
-    assert set().union(*getter_calls) <= set(megatron_lm.GETTER_KEYWORDS)
+    import megatron_seq1f1b.api as api_mod
+
+    assert set().union(*getter_calls) <= set(api_mod.GETTER_KEYWORDS)
     # Every keyword train_step and evaluate pass is one the Seq1F1B function takes.
     import megatron_seq1f1b as s1
 
@@ -760,7 +762,6 @@ def test_prepare_model(monkeypatch):
             func = getter()
             assert (func.num_splits, func.partition) == (3, "uniform")
             # core_v0.19's train() and evaluate() pass schedule_pg_collection
-            assert megatron_lm.takes_getter_keywords(getter)
             assert getter(schedule_pg_collection=None) is func
             assert getter(pp_size=2, vp_size=None, schedule_pg_collection=None) is func
     finally:
@@ -768,48 +769,6 @@ def test_prepare_model(monkeypatch):
 
         s1.uninstall()
     assert not hasattr(holder.get_forward_backward_func, "seq1f1b")
-
-
-def test_getter_keyword_adapter(monkeypatch):
-    """Getters without schedule_pg_collection are replaced; others are left alone."""
-    import megatron_seq1f1b.api as api_mod
-
-    ours = object()
-
-    def full(pp_size=None, vp_size=None, schedule_pg_collection=None):
-        return ours
-
-    def any_keyword(pp_size=None, vp_size=None, **kwargs):
-        return ours
-
-    def short(pp_size=None, vp_size=None):
-        return ours
-
-    full.seq1f1b = any_keyword.seq1f1b = short.seq1f1b = ours
-    assert megatron_lm.takes_getter_keywords(full)
-    assert megatron_lm.takes_getter_keywords(any_keyword)
-    assert not megatron_lm.takes_getter_keywords(short)
-    holders = {"seq1f1b_test_full": SimpleNamespace(get_forward_backward_func=full),
-               "seq1f1b_test_any": SimpleNamespace(get_forward_backward_func=any_keyword),
-               "seq1f1b_test_short": SimpleNamespace(get_forward_backward_func=short),
-               # Megatron's own getter (or another install's): not ours, left alone
-               "seq1f1b_test_other": SimpleNamespace(get_forward_backward_func=lambda: None)}
-    for name, module in holders.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(api_mod, "_GETTER_HOLDERS", tuple(holders) + ("seq1f1b_test_absent",))
-    megatron_lm._accept_getter_keywords(ours)
-    assert holders["seq1f1b_test_full"].get_forward_backward_func is full
-    assert holders["seq1f1b_test_any"].get_forward_backward_func is any_keyword
-    replaced = holders["seq1f1b_test_short"].get_forward_backward_func
-    assert replaced is not short and replaced(schedule_pg_collection=None) is ours
-    assert replaced(pp_size=2, vp_size=None) is ours and replaced.seq1f1b is ours
-
-    class MultiModuleProcessGroupCollection:  # Megatron's cross-grid collection, by name
-        pass
-
-    with pytest.raises(ConfigError, match="multi-module"):
-        replaced(schedule_pg_collection=MultiModuleProcessGroupCollection())
-    assert holders["seq1f1b_test_other"].get_forward_backward_func() is None
 
 
 def test_prepare_model_off_and_rejected(monkeypatch):
