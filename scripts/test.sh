@@ -3,4 +3,4 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$SEQ1F1B_ROOT"
-exec "$SEQ1F1B_PYTHON" -m pytest tests "$@"
+exec "$SEQ1F1B_PYTHON" -m pytest "$@"   # no paths given: pytest.ini's testpaths (tests/)
