@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_seq1f1b.schedule import B, F, Schedule, one_forward_one_backward
+from megatron_seq1f1b.actions import B, F, Schedule, one_forward_one_backward
 
 
 def microbatch_groups(num_stages: int, num_microbatches: int, num_splits: int) -> list[list[int]]:
