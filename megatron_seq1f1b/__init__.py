@@ -36,7 +36,7 @@ _LAZY = {
 _SUBMODULES = {
     "cpu", "schedule", "simulate", "validate", "partition", "plan", "replay", "draw",
     "interleaved", "segments", "model", "api", "executor", "checks", "p2p", "kv_cache",
-    "attention", "trace", "megatron_lm", "memory", "trainer", "actions",
+    "attention", "trace", "megatron_lm", "memory", "trainer", "actions", "bench",
 }
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)

@@ -1,0 +1,220 @@
+"""Calibration: what a segment's forward and backward cost on each stage, and a message.
+
+Every rank runs, on its own model chunks, forward of segments 0..k-1 then
+backward k-1..0 of one micro-batch by hand (``SegmentRun``), for a few
+partitions; the fastest of ``--calib-reps`` repetitions counts. *Isolated*
+runs one stage at a time (no CPU contention), *concurrent* all at once. A
+ping-pong between neighbouring stages times the pipeline messages.
+Everything here is collective; :mod:`.fit` turns the samples into costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_seq1f1b.bench.layouts import Layout
+from megatron_seq1f1b.bench.lineup import segment_lengths
+from megatron_seq1f1b.bench.ranks import local_device, say, synchronize
+from megatron_seq1f1b.checks import segment_multiple
+from megatron_seq1f1b.partition import split_sequence
+
+# Per (stage, chunk): one row [length, end, forward_s, backward_s] per segment of every case.
+StageSamples = dict[tuple[int, int], list[list[float]]]
+
+
+@dataclass
+class CalibrationSamples:
+    """What the calibration measured, before any fitting."""
+
+    cases: list[list[int]]  # the partitions timed
+    modes: tuple[str, ...]  # "isolated" and/or "concurrent"
+    raw: dict[str, dict[str, StageSamples]]  # mode -> layout name -> samples
+    p2p_rows: list[list[float]] | None  # [[bytes, one-way seconds], ...]; None for pp=1
+
+
+def calibration_cases(args: argparse.Namespace, layout: Layout, vocab_size: int) -> list[list[int]]:
+    """Full sequence, uniform k=2, uniform k, balanced k (and FLOP-balanced k if different)."""
+    cases = [[args.seq_length]]
+    if args.seq_length // segment_multiple(layout.config) < 2:
+        return cases
+    candidates = [segment_lengths(args, k, partition, layout, vocab_size)
+                  for k, partition in ((2, "uniform"), (args.splits, "uniform"),
+                                       (args.splits, "balanced")) if k >= 2]
+    if args.splits >= 2:  # the causal-pair split too, for comparison
+        candidates.append(split_sequence(args.seq_length, args.splits, "balanced",
+                                         config=layout.config, vocab_size=vocab_size,
+                                         multiple_of=segment_multiple(layout.config)))
+    for lengths in candidates:
+        if lengths not in cases:
+            cases.append(lengths)
+    return cases
+
+
+def _time_microbatch(chunk, chunk_index: int, lengths: list[int], batch: dict,
+                     forward_step: Callable, config, args: argparse.Namespace,
+                     pre: bool, post: bool) -> list[list[float]]:
+    """Forward segments 0..k-1 then backward k-1..0 of one micro-batch on one chunk.
+
+    Returns [(length, end, forward_s, backward_s)] per segment. Inputs of
+    non-first chunks are random activations of the segment's shape; outputs of
+    non-last chunks get random gradients.
+    """
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from megatron_seq1f1b.segments import SegmentRun
+
+    run = SegmentRun(lengths, config=config)
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    b, h = args.micro_batch_size, config.hidden_size
+    device = local_device()
+    dtype = config.pipeline_dtype
+    data = itertools.repeat(batch)
+    set_input = get_attr_wrapped_model(chunk, "set_input_tensor")
+    outputs, grads, rows = [], [], []
+    end = 0
+    for j, length in enumerate(lengths):
+        end += length
+        inp = None
+        if not pre:
+            inp = torch.randn(length // tp, b, h, device=device, dtype=dtype, requires_grad=True)
+        grad = None if post else torch.randn(length // tp, b, h, device=device, dtype=dtype)
+        synchronize()
+        start = time.perf_counter()
+        set_input([inp])
+        with run.forward(0, j, chunk_index):
+            output, loss_func = forward_step(data, chunk)
+        if post:
+            output = loss_func(output)[0]
+        synchronize()
+        rows.append([length, end, time.perf_counter() - start, 0.0])
+        outputs.append(output)
+        grads.append(grad)
+    for j in reversed(range(len(lengths))):
+        synchronize()
+        start = time.perf_counter()
+        with run.backward(0, j, chunk_index):
+            torch.autograd.backward(outputs[j], grad_tensors=grads[j])
+        synchronize()
+        rows[j][3] = time.perf_counter() - start
+        outputs[j] = None
+    run.close()
+    return rows
+
+
+def calibrate_layout(layout: Layout, cases: list[list[int]], batch: dict, forward_step: Callable,
+                     args: argparse.Namespace, mode: str) -> StageSamples:
+    """Per-segment forward/backward times of every chunk of this rank: {(stage, chunk): rows}."""
+    from megatron.core import parallel_state
+
+    import megatron_seq1f1b as s1
+
+    layout.activate()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    config = layout.config
+    mine: dict = {}
+
+    def measure():
+        for c, chunk in enumerate(layout.model):
+            gpt = s1.model.unwrap(chunk)
+            rows = []
+            for lengths in cases:
+                samples = []
+                for rep in range(args.calib_reps + 1):
+                    got = _time_microbatch(chunk, c, lengths, batch, forward_step, config, args,
+                                           gpt.pre_process, gpt.post_process)
+                    if rep:
+                        samples.append(got)
+                for j in range(len(lengths)):
+                    rows.append([
+                        lengths[j], samples[0][j][1],
+                        # min: on a shared machine interference only ever adds time
+                        min(s[j][2] for s in samples),
+                        min(s[j][3] for s in samples),
+                    ])
+            mine[(pp_rank, c)] = rows
+            chunk.zero_grad_buffer()
+
+    if mode == "concurrent":
+        dist.barrier()
+        measure()
+        dist.barrier()
+    else:
+        for stage in range(args.pp):
+            dist.barrier()
+            if stage == pp_rank:
+                measure()
+        dist.barrier()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged = {}
+    for part in gathered:
+        for key, rows in part.items():
+            merged.setdefault(key, rows)
+    return merged
+
+
+def measure_p2p(args: argparse.Namespace, config, token_counts: list[int],
+                reps: int = 5) -> list[list[float]]:
+    """One-way time of a pipeline message per size: ping-pong between neighbouring stages.
+
+    One neighbour pair at a time (the others wait at a barrier). Returns
+    [[bytes, seconds], ...] from every pair (collective).
+    """
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    pp_rank, p = group.rank(), group.size()
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    device = local_device()
+    rows = []
+    for stage in range(p - 1):
+        dist.barrier()
+        if pp_rank not in (stage, stage + 1):
+            continue
+        peer = dist.get_global_rank(group, stage + 1 if pp_rank == stage else stage)
+        for tokens in token_counts:
+            tensor = torch.zeros(tokens // tp, args.micro_batch_size, config.hidden_size,
+                                 dtype=config.pipeline_dtype, device=device)
+            samples = []
+            for rep in range(reps + 1):
+                synchronize()
+                start = time.perf_counter()
+                if pp_rank == stage:
+                    dist.send(tensor, peer)
+                    dist.recv(tensor, peer)
+                else:
+                    dist.recv(tensor, peer)
+                    dist.send(tensor, peer)
+                synchronize()
+                if rep:
+                    samples.append((time.perf_counter() - start) / 2)
+            if pp_rank == stage:
+                rows.append([float(tensor.numel() * tensor.element_size()),
+                             statistics.median(samples)])
+    dist.barrier()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows)
+    return [row for part in gathered for row in part]
+
+
+def calibrate(args: argparse.Namespace, layouts: dict[str, Layout], batch: dict,
+              forward_step: Callable) -> CalibrationSamples:
+    """Segment costs of every layout in each --calib-mode, then (pp > 1) message times."""
+    cases = calibration_cases(args, layouts["plain"], args.vocab_size)
+    modes = ("isolated", "concurrent") if args.calib_mode == "both" else (args.calib_mode,)
+    say(f"> calibrating segment costs ({', '.join(modes)}), cases {cases}")
+    raw = {mode: {name: calibrate_layout(layout, cases, batch, forward_step, args, mode)
+                  for name, layout in layouts.items()} for mode in modes}
+    p2p_rows = None
+    if args.pp > 1:
+        token_counts = sorted({n for case in cases for n in case})
+        p2p_rows = measure_p2p(args, layouts["plain"].config, token_counts)
+    return CalibrationSamples(cases, modes, raw, p2p_rows)

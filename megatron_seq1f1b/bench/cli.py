@@ -1,0 +1,194 @@
+"""The benchmark's flags, and ``main``: build, measure, calibrate, predict, report, in that order.
+
+``scripts/benchmark.py`` is the command users run (under torchrun); it hands
+``main`` the model provider and forward step of ``scripts/pretrain_gpt.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_seq1f1b.bench.calibration import calibrate
+from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
+from megatron_seq1f1b.bench.lineup import ALL_SCHEDULES, INTERLEAVED, OPT_IN, make_schedules
+from megatron_seq1f1b.bench.markdown import markdown
+from megatron_seq1f1b.bench.pictures import (
+    bar_chart, draw_measured_timelines, draw_simulated_timelines,
+)
+from megatron_seq1f1b.bench.predict import calibrated_predictions, shared_cores_per_pipeline
+from megatron_seq1f1b.bench.ranks import rank0, say
+from megatron_seq1f1b.bench.runner import measure_rounds, profile_runs
+from megatron_seq1f1b.bench.summary import summarize
+from megatron_seq1f1b.bench.timelines import record_timelines
+from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT, PeakMemory
+from megatron_seq1f1b.trainer import arguments, data, setup
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Megatron-Core 1F1B vs Seq1F1B, side by side (launch with torchrun).",
+        allow_abbrev=False,
+    )
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    p.add_argument("--vpp", type=int, default=None,
+                   help="model chunks per rank (virtual pipeline size); adds the interleaved "
+                        "schedules")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per iteration (m)")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--splits", type=int, default=4, help="Seq1F1B segments per micro-batch (k)")
+    p.add_argument("--schedules", nargs="+", choices=ALL_SCHEDULES, default=None,
+                   help="default: all (the interleaved ones only with --vpp)")
+    p.add_argument("--interleaved-partition", choices=("uniform", "balanced"), default="balanced",
+                   help="partition of interleaved Seq1F1B")
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"),
+                   default="rope")
+    p.add_argument("--bf16", action="store_true", help="GPU only")
+    p.add_argument("--iters", type=int, default=6, help="measured runs per schedule")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured runs per schedule first")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default="out/benchmark", help="output directory")
+    p.add_argument("--no-timelines", action="store_true", help="skip the recorded iterations")
+    p.add_argument("--timeline-runs", type=int, default=1,
+                   help="recorded iterations per schedule; the median-makespan one is drawn")
+    p.add_argument("--no-calibration", action="store_true",
+                   help="skip per-segment cost calibration and calibrated predictions")
+    p.add_argument("--calib-reps", type=int, default=3,
+                   help="timed repetitions per calibration case (after one warm-up); the "
+                        "fastest counts")
+    p.add_argument("--calib-mode", choices=("isolated", "concurrent", "both"), default="both",
+                   help="isolated: one pipeline stage at a time (no CPU contention); "
+                        "concurrent: all stages at once")
+    p.add_argument("--predict-pp", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--predict-microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile one extra run of every schedule on --profile-rank")
+    p.add_argument("--profile-rank", type=int, default=0)
+    p.add_argument("--loss-rtol", type=float, default=1e-4,
+                   help="first-iteration losses of all schedules must agree this closely")
+    args = p.parse_args(argv)
+    if args.schedules is None:
+        args.schedules = [s for s in ALL_SCHEDULES
+                          if (args.vpp or s not in INTERLEAVED) and s not in OPT_IN]
+        if args.splits == 1:
+            args.schedules = [s for s in args.schedules
+                              if s not in ("seq1f1b-uniform", "seq1f1b-balanced")]
+    if any(s in INTERLEAVED for s in args.schedules) and not args.vpp:
+        p.error("the interleaved schedules need --vpp")
+    if args.vpp is not None and args.vpp < 2:
+        p.error("--vpp must be >= 2 (omit it for the non-interleaved schedules)")
+    if args.vpp and args.num_layers % (args.pp * args.vpp):
+        p.error(f"--num-layers {args.num_layers} must divide by --pp x --vpp")
+    if any(s.startswith("1f1b-interleaved") for s in args.schedules) and \
+            args.microbatches % args.pp:
+        p.error("Megatron's interleaved schedule needs --microbatches divisible by --pp")
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    return args
+
+
+def _write_outputs(out: Path, args: argparse.Namespace, meta: dict, rows: list[dict],
+                   calibration: dict | None, predictions: list[dict]) -> None:
+    """results.json, results.md and benchmark.png (rank 0), and results.md on stdout."""
+    result = {"args": vars(args), "meta": meta, "schedules": rows,
+              "calibration": calibration, "predictions": predictions}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.md").write_text(markdown(rows, args, meta, calibration, predictions))
+    try:
+        bar_chart(rows, out / "benchmark.png",
+                  f"p={args.pp}, m={args.microbatches}, k={args.splits}, seq "
+                  f"{args.seq_length}, hidden {args.hidden_size}, {args.num_layers} layers "
+                  f"({meta['device']}, {meta['world_size']} ranks)")
+    except ImportError:
+        print("> matplotlib missing: no benchmark.png", flush=True)
+    print("", flush=True)
+    print((out / "results.md").read_text(), flush=True)
+    print(f"> wrote {out}/results.json, results.md, benchmark.png", flush=True)
+
+
+def main(argv: list[str] | None = None, *, model_provider: Callable,
+         forward_step: Callable) -> int:
+    """Run the whole benchmark in this torchrun process; 0 on success, 2 on a loss mismatch."""
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plain_args = arguments.parse(trainer_argv(args, False), world)
+    data.quiet_logs()
+    device = setup.init_distributed(plain_args)  # parallel state without virtual pipeline
+    out = Path(args.out)
+    if rank0():
+        out.mkdir(parents=True, exist_ok=True)
+    on_gpu = device.type == "cuda"
+    if not on_gpu and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        say(f"WARNING: {MMAP_THRESHOLD_HINT} is not set: freed tensors can stay resident, so "
+            "CPU peak memory is overestimated and schedules cannot be compared. Launch as "
+            f"`{MMAP_THRESHOLD_HINT} torchrun ...`.")
+
+    layouts = build_layouts(args, plain_args, model_provider, world)
+    batches = microbatches(plain_args, args)
+    schedules = make_schedules(args, layouts, args.vocab_size)
+    memory = PeakMemory(device)
+    dp = plain_args.data_parallel_size
+    tokens_per_iter = args.microbatches * args.micro_batch_size * args.seq_length * dp
+    threads = torch.get_num_threads()
+    cpu_count = os.cpu_count() or 1
+    say(f"> benchmark: world {world} ({'GPU/NCCL' if on_gpu else 'CPU/gloo'}), tp {args.tp}, "
+        f"pp {args.pp}, vpp {args.vpp}, dp {dp}; m={args.microbatches} x {args.micro_batch_size}"
+        f" x {args.seq_length} tokens, k={args.splits}; {args.num_layers} layers, hidden "
+        f"{args.hidden_size}; {threads} thread(s) per rank on {cpu_count} CPU cores")
+    if not on_gpu and world * threads > cpu_count:
+        say(f"> note: {world} ranks x {threads} thread(s) oversubscribe {cpu_count} cores: "
+            "compute is slowed when ranks overlap, which also hides part of the bubbles")
+    for s in schedules:
+        say(f">   {s.key:<20} {s.label}" + ("" if s.megatron else f"  segments {s.lengths}"))
+
+    loadavg_start = os.getloadavg()[0]
+    if not measure_rounds(schedules, batches, args, forward_step, memory, tokens_per_iter):
+        return 2
+    if args.profile:
+        profile_runs(schedules, batches, args, forward_step, memory, out)
+    if not args.no_timelines:
+        measured = record_timelines(schedules, batches, args, forward_step, memory)
+        if rank0():
+            draw_measured_timelines(schedules, measured, args, out)
+
+    calibration, predictions = None, []
+    if not args.no_calibration:
+        samples = calibrate(args, layouts, batches[0], forward_step)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        shared_cores = shared_cores_per_pipeline(args.pp, on_gpu, local_world, threads,
+                                                 cpu_count)
+        calibration, predictions, simulated = calibrated_predictions(
+            schedules, layouts, samples, args, shared_cores)
+        if rank0() and not args.no_timelines:
+            draw_simulated_timelines(schedules, simulated, args,
+                                     calibration["prediction_variant"], out)
+
+    rows = summarize(schedules, tokens_per_iter)
+    meta = {
+        "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()[0],
+        "world_size": world, "dp": dp, "device": "GPU/NCCL" if on_gpu else "CPU/gloo",
+        "cpu_count": cpu_count, "threads_per_rank": threads,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "memory_valid": on_gpu or "MALLOC_MMAP_THRESHOLD_" in os.environ,
+        "tokens_per_iteration": tokens_per_iter, "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+    }
+    if rank0():
+        _write_outputs(out, args, meta, rows, calibration, predictions)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,125 @@
+"""Cost models from calibration samples: per-stage fits and the per-action cost they imply.
+
+Per (stage, chunk) and direction, ``time = a*len + c*quad(len, end) + d`` with
+non-negative coefficients, where ``quad`` is either the causal pairs a
+segment attends to or the score rectangle a non-flash kernel computes; the
+better-fitting one is used. Pipeline messages fit ``alpha + beta*bytes``.
+Pure: no processes, no Megatron.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable, Sequence
+
+from megatron_seq1f1b.partition import causal_pairs
+from megatron_seq1f1b.schedule import Action
+from megatron_seq1f1b.simulate import CostFn
+
+QUADRATIC: dict[str, Callable[[float, float], float]] = {
+    "causal_pairs": lambda length, end: causal_pairs(length, end),
+    "rectangle": lambda length, end: length * end,  # score entries a non-flash kernel computes
+}
+
+
+def nonneg_lstsq(features: Sequence[Sequence[float]], target: Sequence[float]) -> list[float]:
+    """Least squares with non-negative coefficients (best of all feature subsets).
+
+    Exhaustive over subsets, which is exact and cheap for the three features used here.
+    """
+    import numpy as np
+
+    X, y = np.asarray(features, dtype=float), np.asarray(target, dtype=float)
+    n = X.shape[1]
+    best, best_res = [0.0] * n, math.inf
+    for size in range(1, n + 1):
+        for subset in itertools.combinations(range(n), size):
+            coef, *_ = np.linalg.lstsq(X[:, subset], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            res = float(((X[:, subset] @ coef - y) ** 2).sum())
+            if res < best_res - 1e-15:
+                full = [0.0] * n
+                for i, value in zip(subset, coef):
+                    full[i] = float(value)
+                best, best_res = full, res
+    return best
+
+
+def fit_costs(rows_by_stage: dict, quadratic: str) -> dict:
+    """time = a*len + c*quad(len, end) + d per (stage, chunk), forward and backward."""
+    quad = QUADRATIC[quadratic]
+    fits = {}
+    for key, rows in rows_by_stage.items():
+        features = [[length, quad(length, end), 1.0] for length, end, _, _ in rows]
+        entry = {}
+        for name, col in (("F", 2), ("B", 3)):
+            target = [r[col] for r in rows]
+            coef = nonneg_lstsq(features, target)
+            pred = [sum(c * x for c, x in zip(coef, f)) for f in features]
+            rel = [abs(p - t) / t for p, t in zip(pred, target) if t > 0]
+            entry[name] = {"a": coef[0], "c": coef[1], "d": coef[2],
+                           "mean_rel_err": sum(rel) / max(len(rel), 1),
+                           "max_rel_err": max(rel, default=0.0)}
+        fits[key] = entry
+    return fits
+
+
+def best_quadratic(samples_by_layout: dict) -> tuple[str, dict[str, float]]:
+    """The quadratic term that fits better (mean error over stages, F and B), and both errors."""
+    fit_error = {}
+    for quadratic in QUADRATIC:
+        errs = [fit[d]["mean_rel_err"] for rows in samples_by_layout.values()
+                for fit in fit_costs(rows, quadratic).values() for d in ("F", "B")]
+        fit_error[quadratic] = sum(errs) / len(errs)
+    return min(fit_error, key=fit_error.get), fit_error
+
+
+def fit_p2p(rows: list[list[float]]) -> dict:
+    """One-way message time ``alpha + beta*bytes`` from [[bytes, seconds], ...]."""
+    coef = nonneg_lstsq([[1.0, r[0]] for r in rows], [r[1] for r in rows])
+    return {"alpha": coef[0], "beta": coef[1], "samples": rows}
+
+
+def message_latency(p2p_fit: dict, lengths: Sequence[int], micro_batch_size: int,
+                    config) -> float:
+    """Mean one-way time of one schedule's messages (all segments occur equally often)."""
+    import torch
+
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    element = torch.empty((), dtype=config.pipeline_dtype).element_size()
+    sizes = [n // tp * micro_batch_size * config.hidden_size * element for n in lengths]
+    return sum(p2p_fit["alpha"] + p2p_fit["beta"] * b for b in sizes) / len(sizes)
+
+
+def virtual_fits(fits: dict, p: int, v: int) -> list[dict]:
+    """Fits in pipeline order (virtual stage = chunk * p + rank)."""
+    return [fits[(vs % p, vs // p)] for vs in range(p * v)]
+
+
+def extrapolated_fits(ordered: list[dict], stages: int) -> list[dict]:
+    """Weak scaling: the first and last virtual stage keep their fit, the rest a middle one."""
+    if stages == len(ordered):
+        return ordered
+    middle = ordered[1] if len(ordered) > 2 else ordered[0]
+    return [ordered[0]] + [middle] * (stages - 2) + [ordered[-1]] if stages > 1 else [ordered[0]]
+
+
+def fitted_cost(ordered_fits: list[dict], lengths: list[int], p: int, quadratic: str,
+                recompute: bool = False) -> CostFn:
+    """cost(action, rank) from the fits; with full recompute a backward re-runs the forward."""
+    quad = QUADRATIC[quadratic]
+    ends = list(itertools.accumulate(lengths))
+
+    def one(fit, length, end):
+        return fit["a"] * length + fit["c"] * quad(length, end) + fit["d"]
+
+    def cost(action: Action, rank: int) -> float:
+        fits = ordered_fits[action.chunk * p + rank]
+        length, end = lengths[action.segment], ends[action.segment]
+        if action.is_forward:
+            return one(fits["F"], length, end)
+        return one(fits["B"], length, end) + (one(fits["F"], length, end) if recompute else 0.0)
+
+    return cost

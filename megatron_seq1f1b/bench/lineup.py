@@ -1,0 +1,103 @@
+"""The schedules compared (keys, labels, forward-backward functions) and what each one measured."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from megatron_seq1f1b.bench.layouts import Layout
+
+ALL_SCHEDULES = ("1f1b", "seq1f1b-k1", "seq1f1b-uniform", "seq1f1b-balanced",
+                 "1f1b-interleaved", "seq1f1b-interleaved", "1f1b-interleaved-recompute")
+INTERLEAVED = ("1f1b-interleaved", "seq1f1b-interleaved", "1f1b-interleaved-recompute")
+OPT_IN = ("1f1b-interleaved-recompute",)
+
+
+@dataclass
+class BenchSchedule:
+    """One contender: how to run it, and the measurements of its runs (filled in by phases)."""
+
+    key: str
+    label: str
+    layout: Layout
+    megatron: bool
+    k: int
+    partition: str | None
+    lengths: list[int]
+    fb: Callable | None = None
+    times: list[float] = field(default_factory=list)
+    peaks: list[list[int]] = field(default_factory=list)  # per run, per stage (bytes)
+    cpu: list[list[float]] = field(default_factory=list)  # per run, per stage (CPU seconds)
+    first_loss: float | None = None
+    timeline: dict | None = None
+    prediction: dict | None = None
+    recompute: bool = False  # full activation recompute (Megatron's, one layer at a time)
+
+    @contextlib.contextmanager
+    def options(self) -> Iterator[None]:
+        """Per-schedule model options (set on the shared config only while this one runs)."""
+        if not self.recompute:
+            yield
+            return
+        config = self.layout.config
+        saved = (config.recompute_granularity, config.recompute_method,
+                 config.recompute_num_layers)
+        config.recompute_granularity, config.recompute_method = "full", "uniform"
+        config.recompute_num_layers = 1
+        try:
+            yield
+        finally:
+            (config.recompute_granularity, config.recompute_method,
+             config.recompute_num_layers) = saved
+
+    def record(self, result: dict) -> None:
+        """Keep one measured run's time, per-stage peak memory and per-stage CPU time."""
+        self.times.append(result["time"])
+        self.peaks.append(result["peaks"])
+        self.cpu.append(result["cpu"])
+
+
+def segment_lengths(args: argparse.Namespace, k: int, partition: str, layout: Layout,
+                    vocab_size: int) -> list[int]:
+    """The lengths the executor itself would choose for this model (passed explicitly)."""
+    from megatron_seq1f1b.executor import resolve_lengths
+
+    return resolve_lengths(k, partition, None, args.seq_length, layout.model, layout.config,
+                           vocab_size)
+
+
+def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout],
+                   vocab_size: int) -> list[BenchSchedule]:
+    """The schedules named by --schedules, in that order, each with its forward-backward."""
+    from megatron.core.pipeline_parallel import schedules as msched
+
+    import megatron_seq1f1b as s1
+
+    made = []
+    for key in args.schedules:
+        interleaved = key in INTERLEAVED
+        layout = layouts["interleaved" if interleaved else "plain"]
+        v = f", v={args.vpp}" if interleaved else ""
+        if key.startswith("1f1b"):
+            label = ("Megatron interleaved 1F1B" if interleaved else "Megatron 1F1B") + v
+            recompute = key.endswith("-recompute")
+            label += " + full recompute" if recompute else ""
+            sched = BenchSchedule(key, label, layout, True, 1, None, [args.seq_length],
+                                  recompute=recompute)
+            sched.fb = msched.get_forward_backward_func(args.pp, args.vpp if interleaved else None)
+        else:
+            if key == "seq1f1b-k1":
+                k, partition = 1, "uniform"
+            elif key == "seq1f1b-interleaved":
+                k, partition = args.splits, args.interleaved_partition
+            else:
+                k, partition = args.splits, key.split("-")[1]
+            lengths = segment_lengths(args, k, partition, layout, vocab_size)
+            name = "interleaved Seq1F1B" if interleaved else "Seq1F1B"
+            label = f"{name} k={k}" + (f" {partition}" if k > 1 else "") + v
+            sched = BenchSchedule(key, label, layout, False, k, partition, lengths)
+            sched.fb = s1.get_forward_backward_func(k, partition, split_lengths=lengths)
+        made.append(sched)
+    return made

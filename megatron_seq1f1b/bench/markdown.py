@@ -1,0 +1,160 @@
+"""results.md: the result rows, measured timelines, calibration and predictions as tables."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_seq1f1b.bench.units import fmt_mib
+from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT
+
+
+def _num(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _header(args: argparse.Namespace, meta: dict) -> list[str]:
+    lines = [f"# Benchmark: p={args.pp}, m={args.microbatches}, k={args.splits}"
+             + (f", v={args.vpp}" if args.vpp else ""), ""]
+    lines.append(
+        f"Model: {args.num_layers} layers, hidden {args.hidden_size}, "
+        f"{args.num_attention_heads} heads, vocabulary {args.vocab_size}, "
+        f"{args.position_embedding_type}; sequence {args.seq_length}, micro-batch size "
+        f"{args.micro_batch_size}, tp {args.tp}, dp {meta['dp']}. {meta['device']}, "
+        f"{meta['world_size']} ranks, {meta['cpu_count']} CPU cores, "
+        f"{meta['threads_per_rank']} thread(s) per rank. {args.iters} measured runs per "
+        f"schedule after {args.warmup} warm-up runs, alternating; forward-backward only "
+        "(no optimizer step).")
+    if not meta["memory_valid"]:
+        lines += ["", f"**Peak memory is not valid in this run**: CPU without "
+                  f"{MMAP_THRESHOLD_HINT} (freed tensors stay resident)."]
+    return lines
+
+
+def _schedule_table(rows: list[dict], meta: dict) -> list[str]:
+    lines = [""]
+    lines.append("| schedule | segments | median ms (min–max) | tokens/s | × 1F1B | paired × 1F1B "
+                 "(min–max) | CPU s per stage | CPU × 1F1B | peak MiB per stage | stage-0 mem × "
+                 "1F1B | predicted ms | pred. error |")
+    lines.append("|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        ref = "vs_1f1b_interleaved" if r["vpp"] and "speedup_vs_1f1b_interleaved" in r \
+            else "vs_1f1b"
+        mem = (r.get(f"peak_ratio_{ref}") or [None])[0]
+        pred = r.get("prediction") or {}
+        segs = "-" if r["megatron"] else "/".join(str(n) for n in r["lengths"])
+        paired = "-"
+        if r.get(f"paired_speedup_{ref}") is not None:
+            low, high = r[f"paired_speedup_{ref}_range"]
+            paired = f"{r[f'paired_speedup_{ref}']:.3f} ({low:.2f}–{high:.2f})"
+        lines.append(
+            f"| {r['label']} | {segs} | {r['median_s'] * 1e3:.0f} ({r['min_s'] * 1e3:.0f}–"
+            f"{r['max_s'] * 1e3:.0f}) | {r['tokens_per_s']:.0f} | "
+            f"{_num(r.get(f'speedup_{ref}'), '.3f')} | {paired} | "
+            f"{' / '.join(f'{x:.2f}' for x in r['cpu_s_per_stage'])} | "
+            f"{_num(r.get(f'cpu_ratio_{ref}'), '.3f')} | "
+            f"{' / '.join(fmt_mib(x) for x in r['peak_bytes_per_stage'])} | {_num(mem, '.2f')} | "
+            f"{_num(pred.get('makespan_s') and pred['makespan_s'] * 1e3, '.0f')} | "
+            f"{_num(pred.get('rel_error'), '+.1%')} |")
+    lines.append("")
+    lines.append("Ratios of interleaved schedules are against Megatron interleaved 1F1B when it "
+                 "ran, of the others against Megatron 1F1B. Paired: median over rounds of the "
+                 "ratio of the two schedules' times in the same round. CPU s: process CPU time "
+                 "of the forward-backward per stage (insensitive to other processes' load; "
+                 "includes p2p threads). Peak memory: real allocations above the resident set at "
+                 "the start of the run (median over runs). Load average before/after: "
+                 f"{meta['loadavg_start']:.1f} / {meta['loadavg_end']:.1f}.")
+    return lines
+
+
+def _timeline_table(rows: list[dict], timeline_runs: int) -> list[str]:
+    timed = [r for r in rows if r.get("timeline")]
+    if not timed:
+        return []
+    lines = ["", f"## Measured timelines (median of {timeline_runs} recorded "
+             "iteration(s))", "",
+             "Busy: time inside compute actions; bubble: idle share of ranks × makespan; "
+             "busy ÷ simulated busy > 1 means the actions ran slower in the pipeline than "
+             "the calibration predicts.", "",
+             "| schedule | makespan ms | bubble (idle share) | busy ms per rank | p2p wait ms "
+             "per rank | simulated bubble | busy ÷ simulated busy |",
+             "|---|---:|---:|---|---|---:|---:|"]
+    for r in timed:
+        t = r["timeline"]
+        sim = (r.get("prediction") or {}).get("bubble_fraction")
+        sim_busy = (r.get("prediction") or {}).get("busy_s")
+        inflation = f"{sum(t['busy_s']) / sum(sim_busy):.2f}" if sim_busy else "-"
+        lines.append(
+            f"| {r['label']} | {t['makespan_s'] * 1e3:.0f} | {t['bubble_fraction']:.1%} | "
+            f"{' / '.join(f'{x * 1e3:.0f}' for x in t['busy_s'])} | "
+            f"{' / '.join(f'{x * 1e3:.0f}' for x in t['p2p_wait_s']) or '-'} | "
+            f"{'-' if sim is None else f'{sim:.1%}'} | {inflation} |")
+    return lines
+
+
+def _calibration_section(rows: list[dict], calibration: dict) -> list[str]:
+    lines = ["", "## Cost calibration", ""]
+    lines.append(f"Predictions: {calibration['prediction_variant']}; quadratic term: "
+                 f"{calibration['quadratic']} (mean relative fit error of both: "
+                 + ", ".join(f"{q} {e:.1%}" for q, e in calibration["fit_error"].items())
+                 + "). time = a·len + c·quad + d per stage, forward / backward:")
+    if calibration.get("p2p"):
+        p2p = calibration["p2p"]
+        lines += ["", f"Pipeline message (ping-pong between neighbouring stages): "
+                  f"{p2p['alpha'] * 1e3:.3f} ms + {p2p['beta'] * 1e9:.3f} ns/byte one "
+                  "way; used as the per-step latency of the replay."]
+    lines += ["",
+              "| layout | stage.chunk | F a (µs/token) | F c (ns/quad) | F d (ms) | "
+              "B a (µs/token) | B c (ns/quad) | B d (ms) | fit error F / B |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for layout, fits in calibration["fits"].items():
+        for key, fit in fits.items():
+            f_, b_ = fit["F"], fit["B"]
+            lines.append(
+                f"| {layout} | {key} | {f_['a'] * 1e6:.2f} | {f_['c'] * 1e9:.2f} | "
+                f"{f_['d'] * 1e3:.2f} | {b_['a'] * 1e6:.2f} | {b_['c'] * 1e9:.2f} | "
+                f"{b_['d'] * 1e3:.2f} | {f_['mean_rel_err']:.1%} / {b_['mean_rel_err']:.1%} |")
+    if calibration.get("other_variants"):
+        lines += ["", "Predictions of the measured configuration (primary: "
+                  f"{calibration['prediction_variant']}) and with the other variants:", "",
+                  "| schedule | measured ms | " + " | ".join(
+                      [calibration["prediction_variant"]]
+                      + [o["variant"] for o in calibration["other_variants"]]) + " |",
+                  "|---|---:|" + "---:|" * (1 + len(calibration["other_variants"]))]
+        for r in rows:
+            cells = [r["prediction"]] + [o["predictions"][r["key"]]
+                                         for o in calibration["other_variants"]]
+            lines.append(f"| {r['label']} | {r['median_s'] * 1e3:.0f} | " + " | ".join(
+                f"{c['makespan_s'] * 1e3:.0f} ({c['rel_error']:+.1%})" for c in cells)
+                + " |")
+    return lines
+
+
+def _larger_pipelines(predictions: list[dict], calibration: dict) -> list[str]:
+    lines = ["", "## Calibrated predictions for larger pipelines", "",
+             "simulate() with the fitted costs; weak scaling (every stage holds the measured "
+             "per-stage layers, first/last stage as measured); one device per stage; "
+             f"{calibration['mode_used']} calibration; no p2p latency.", ""]
+    keys = [k for k in predictions[0]["schedules"]]
+    lines.append("| p | m | " + " | ".join(f"{k} bubble" for k in keys) + " | "
+                 + " | ".join(f"{k} × 1F1B" for k in keys if k != "1f1b") + " |")
+    lines.append("|---:|---:|" + "---:|" * (2 * len(keys) - ("1f1b" in keys)))
+    for row in predictions:
+        sch = row["schedules"]
+        base = sch.get("1f1b", {}).get("makespan_s")
+        cells = [f"{sch[k]['bubble_fraction']:.1%}" for k in keys]
+        cells += [f"{base / sch[k]['makespan_s']:.3f}" if base else "-"
+                  for k in keys if k != "1f1b"]
+        lines.append(f"| {row['p']} | {row['m']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(rows: list[dict], args: argparse.Namespace, meta: dict, calibration: dict | None,
+             predictions: list[dict]) -> str:
+    """The whole results.md."""
+    lines = _header(args, meta) + _schedule_table(rows, meta)
+    lines += _timeline_table(rows, args.timeline_runs)
+    if calibration:
+        lines += _calibration_section(rows, calibration)
+    if predictions:
+        lines += _larger_pipelines(predictions, calibration)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,52 @@
+"""Measurements -> result rows: medians, tokens/s and ratios against Megatron's schedules.
+
+The rows are the ``schedules`` list of results.json; the markdown tables and
+the bar chart are drawn from them.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from megatron_seq1f1b.bench.lineup import BenchSchedule
+
+
+def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict]:
+    """One row per schedule, with ratios against Megatron 1F1B (and interleaved 1F1B)."""
+    base = next((s for s in schedules if s.key == "1f1b"), None)
+    base_i = next((s for s in schedules if s.key == "1f1b-interleaved"), None)
+    rows = []
+    for s in schedules:
+        median = statistics.median(s.times)
+        stages = len(s.peaks[0])
+        peak_median = [statistics.median(run[i] for run in s.peaks) for i in range(stages)]
+        peak_max = [max(run[i] for run in s.peaks) for i in range(stages)]
+        cpu_median = [statistics.median(run[i] for run in s.cpu) for i in range(stages)]
+        rows.append({
+            "key": s.key, "label": s.label, "megatron": s.megatron, "k": s.k,
+            "partition": s.partition, "lengths": s.lengths,
+            "vpp": s.layout.vpp, "times_s": s.times, "median_s": median,
+            "min_s": min(s.times), "max_s": max(s.times),
+            "tokens_per_s": tokens_per_iter / median,
+            "peak_bytes_per_stage": peak_median, "peak_bytes_per_stage_max": peak_max,
+            "cpu_s_per_stage": cpu_median, "cpu_s_total": sum(cpu_median),
+            "first_iteration_loss": s.first_loss,
+            "timeline": s.timeline, "prediction": s.prediction,
+        })
+    by_key = {r["key"]: r for r in rows}
+    for r in rows:
+        for name, ref in (("vs_1f1b", base), ("vs_1f1b_interleaved", base_i)):
+            if ref is None:
+                continue
+            b = by_key[ref.key]
+            r[f"speedup_{name}"] = r["tokens_per_s"] / b["tokens_per_s"]
+            # Runs alternate, so run i of every schedule saw the same machine state: the
+            # median of per-round ratios is less sensitive to drift than a ratio of medians.
+            paired = [bt / t for bt, t in zip(b["times_s"], r["times_s"])]
+            r[f"paired_speedup_{name}"] = statistics.median(paired)
+            r[f"paired_speedup_{name}_range"] = [min(paired), max(paired)]
+            r[f"cpu_ratio_{name}"] = r["cpu_s_total"] / b["cpu_s_total"]
+            r[f"peak_ratio_{name}"] = [
+                (x / y if y else None) for x, y in zip(r["peak_bytes_per_stage"],
+                                                      b["peak_bytes_per_stage"])]
+    return rows

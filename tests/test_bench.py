@@ -1,0 +1,169 @@
+"""The pure parts of megatron_seq1f1b.bench: fits, cost functions, replay with shared cores."""
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_seq1f1b.bench.fit import (
+    QUADRATIC, best_quadratic, extrapolated_fits, fit_costs, fit_p2p, fitted_cost,
+    message_latency, nonneg_lstsq, virtual_fits,
+)
+from megatron_seq1f1b.bench.predict import matching_mode, predict, shared_cores_per_pipeline
+from megatron_seq1f1b.bench.sharing import pipeline_replay
+from megatron_seq1f1b.bench.summary import summarize
+from megatron_seq1f1b.schedule import B, F, build_schedule
+from megatron_seq1f1b.simulate import simulate, uniform_cost
+
+
+def test_nonneg_lstsq_recovers_exact_coefficients():
+    xs = [1.0, 2.0, 3.0, 5.0]
+    coef = nonneg_lstsq([[x, 1.0] for x in xs], [2 * x + 3 for x in xs])
+    assert coef == pytest.approx([2.0, 3.0])
+
+
+def test_nonneg_lstsq_drops_a_negative_coefficient():
+    # y = 10 - x: the unconstrained slope is negative; the best non-negative fit is the mean.
+    xs = [0.0, 1.0, 2.0, 3.0, 4.0]
+    coef = nonneg_lstsq([[x, 1.0] for x in xs], [10 - x for x in xs])
+    assert coef == pytest.approx([0.0, 8.0])
+    assert all(c >= 0 for c in coef)
+
+
+def _samples(quadratic, a, c, d, cases):
+    """Calibration rows [length, end, forward_s, backward_s] from a known cost law."""
+    rows = []
+    for lengths in cases:
+        end = 0
+        for length in lengths:
+            end += length
+            t = a * length + c * QUADRATIC[quadratic](length, end) + d
+            rows.append([length, end, t, 2 * t])
+    return rows
+
+
+CASES = [[1024], [512, 512], [256, 256, 256, 256], [384, 256, 224, 160]]
+
+
+@pytest.mark.parametrize("quadratic", sorted(QUADRATIC))
+def test_fit_costs_recovers_the_law_and_best_quadratic_picks_it(quadratic):
+    rows = _samples(quadratic, a=2e-6, c=3e-9, d=1e-3, cases=CASES)
+    fits = fit_costs({(0, 0): rows, (1, 0): rows}, quadratic)
+    forward, backward = fits[(0, 0)]["F"], fits[(0, 0)]["B"]
+    assert (forward["a"], forward["c"], forward["d"]) == pytest.approx((2e-6, 3e-9, 1e-3))
+    assert (backward["a"], backward["c"], backward["d"]) == pytest.approx((4e-6, 6e-9, 2e-3))
+    assert forward["mean_rel_err"] < 1e-9 and forward["max_rel_err"] < 1e-9
+    chosen, errors = best_quadratic({"plain": {(0, 0): rows}})
+    assert chosen == quadratic and set(errors) == set(QUADRATIC)
+
+
+def test_fit_p2p_and_message_latency():
+    fit = fit_p2p([[1000.0, 1e-3 + 1000 * 1e-9], [3000.0, 1e-3 + 3000 * 1e-9]])
+    assert (fit["alpha"], fit["beta"]) == pytest.approx((1e-3, 1e-9))
+    config = SimpleNamespace(tensor_model_parallel_size=2, sequence_parallel=True,
+                             pipeline_dtype=torch.float32, hidden_size=8)
+    # segments of 4 and 2 tokens, halved by sequence parallelism: 2*8*4 and 1*8*4 bytes
+    latency = message_latency(fit, [4, 2], 1, config)
+    assert latency == pytest.approx(1e-3 + 1e-9 * (64 + 32) / 2)
+
+
+def _fit(a, d):
+    return {"a": a, "c": 0.0, "d": d}
+
+
+def test_fitted_cost_virtual_stages_and_recompute():
+    # p=2, v=2: virtual stage = chunk * p + rank
+    per_stage = {(rank, chunk): {"F": _fit(1.0 + rank + 10 * chunk, 0.0), "B": _fit(2.0, 0.5)}
+                 for rank in range(2) for chunk in range(2)}
+    ordered = virtual_fits(per_stage, 2, 2)
+    assert [f["F"]["a"] for f in ordered] == [1.0, 2.0, 11.0, 12.0]
+    cost = fitted_cost(ordered, [3, 1], 2, "rectangle")
+    assert cost(F(0, 0, 1), 1) == 12.0 * 3
+    assert cost(B(0, 1, 0), 0) == 2.0 * 1 + 0.5
+    with_recompute = fitted_cost(ordered, [3, 1], 2, "rectangle", recompute=True)
+    assert with_recompute(B(0, 1, 0), 0) == 2.0 * 1 + 0.5 + 1.0 * 1
+
+
+def test_extrapolated_fits_keep_first_and_last():
+    ordered = ["first", "middle", "last"]
+    assert extrapolated_fits(ordered, 3) == ordered
+    assert extrapolated_fits(ordered, 5) == ["first", "middle", "middle", "middle", "last"]
+    assert extrapolated_fits(["first", "last"], 4) == ["first", "first", "first", "last"]
+    assert extrapolated_fits(ordered, 1) == ["first"]
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 1, 1), (3, 4, 2, 1), (2, 4, 2, 2)])
+def test_pipeline_replay_without_effects_is_simulate(shape):
+    schedule = build_schedule(*shape)
+    plain, shared = simulate(schedule), pipeline_replay(schedule, uniform_cost())
+    assert shared.makespan == pytest.approx(plain.makespan)
+    assert shared.bubble_fraction == pytest.approx(plain.bubble_fraction)
+    assert shared.busy == pytest.approx(plain.busy)
+    assert shared.peak_inflight == plain.peak_inflight
+    starts = [[(iv.action, iv.start) for iv in rank] for rank in shared.timeline.compute]
+    assert starts == [[(iv.action, pytest.approx(iv.start)) for iv in rank]
+                      for rank in plain.timeline.compute]
+
+
+def test_pipeline_replay_latency_on_a_tiny_schedule():
+    # p=2, m=1, k=1: F on rank 0, message, F then B on rank 1, message, B on rank 0.
+    result = pipeline_replay(build_schedule(2, 1, 1), uniform_cost(), latency=0.25)
+    assert result.makespan == pytest.approx(1 + 0.25 + 1 + 2 + 0.25 + 2)
+
+
+def test_pipeline_replay_one_shared_core_does_all_work_in_turn():
+    schedule = build_schedule(2, 4, 2)
+    result = pipeline_replay(schedule, uniform_cost(), cores=1.0)
+    work = sum(1.0 if a.is_forward else 2.0 for rank in schedule for a in rank)
+    assert result.makespan == pytest.approx(work)
+    # overlapping actions run at half speed, so they last longer than in isolation
+    isolated = simulate(schedule)
+    assert all(shared >= alone for shared, alone in zip(result.busy, isolated.busy))
+    assert result.bubble_fraction < isolated.bubble_fraction
+
+
+def test_predict_uses_simulate_when_every_rank_has_a_core():
+    fits = [{"F": _fit(1.0, 0.0), "B": _fit(2.0, 0.0)}] * 2
+    result = predict(fits, 2, 4, [1, 1], 1, "rectangle", cores=2.0)
+    expected = simulate(build_schedule(2, 4, 2))
+    assert result.makespan == pytest.approx(expected.makespan)
+    shared = predict(fits, 2, 4, [1, 1], 1, "rectangle", cores=1.0)
+    assert shared.makespan > result.makespan
+
+
+def test_matching_calibration_mode_and_shared_cores():
+    assert shared_cores_per_pipeline(4, False, 4, 1, 2) == pytest.approx(2.0)
+    assert shared_cores_per_pipeline(2, False, 2, 1, 2) is None
+    assert shared_cores_per_pipeline(4, True, 4, 1, 2) is None
+    both = ("isolated", "concurrent")
+    assert matching_mode(both, 2.0) == "isolated"
+    assert matching_mode(both, None) == "concurrent"
+    assert matching_mode(("isolated",), None) == "isolated"
+
+
+def _measured(key, times, peaks, vpp=None):
+    return SimpleNamespace(key=key, label=key, megatron=key.startswith("1f1b"), k=1,
+                           partition=None, lengths=[8], layout=SimpleNamespace(vpp=vpp),
+                           times=times, peaks=[peaks] * len(times), cpu=[[1.0, 1.0]] * len(times),
+                           first_loss=1.0, timeline=None, prediction=None)
+
+
+def test_summarize_ratios_against_megatron():
+    rows = summarize([_measured("1f1b", [2.0, 4.0], [100, 50]),
+                      _measured("seq1f1b-uniform", [1.0, 4.0], [50, 50])], tokens_per_iter=6)
+    base, ours = rows
+    assert base["speedup_vs_1f1b"] == 1.0 and base["tokens_per_s"] == 2.0
+    assert ours["speedup_vs_1f1b"] == pytest.approx(3.0 / 2.5)
+    assert ours["paired_speedup_vs_1f1b"] == pytest.approx(1.5)  # median of 2.0 and 1.0
+    assert ours["paired_speedup_vs_1f1b_range"] == [1.0, 2.0]
+    assert ours["peak_ratio_vs_1f1b"] == [0.5, 1.0]
+
+
+def test_bench_imports_no_megatron():
+    code = ("import sys, pkgutil, importlib, megatron_seq1f1b.bench as b\n"
+            "for m in pkgutil.iter_modules(b.__path__):\n"
+            "    importlib.import_module('megatron_seq1f1b.bench.' + m.name)\n"
+            "assert not [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
