@@ -36,7 +36,8 @@ _LAZY = {
 _SUBMODULES = {
     "cpu", "schedule", "simulate", "validate", "partition", "plan", "replay", "draw",
     "interleaved", "segments", "model", "api", "executor", "checks", "p2p", "kv_cache",
-    "attention", "trace", "megatron_lm", "memory", "trainer", "actions", "bench",
+    "attention", "trace", "megatron_lm", "memory", "trainer", "actions", "bench", "compat",
+    "zero_bubble", "wgrad",
 }
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)

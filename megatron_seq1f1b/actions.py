@@ -14,6 +14,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 FORWARD = "F"
 BACKWARD = "B"
+WEIGHT = "W"  # zero-bubble schedules: the weight-gradient half of a backward
 
 
 class ScheduleError(ValueError):
@@ -25,7 +26,11 @@ class DeadlockError(ScheduleError):
 
 
 class Action(NamedTuple):
-    """Forward or backward of one (micro-batch, segment, model chunk) unit.
+    """Forward, backward or weight-gradient work of one (micro-batch, segment, chunk) unit.
+
+    In schedules without ``W`` a ``B`` is the whole backward; with ``W`` (zero
+    bubble) ``B`` computes only the gradients the previous stage waits for and
+    ``W`` the weight gradients.
 
     A named tuple: hashing and comparison run in C, which the validator and
     simulator lean on (millions of lookups for large schedules).
@@ -41,6 +46,14 @@ class Action(NamedTuple):
         return self.kind == FORWARD
 
     @property
+    def is_backward(self) -> bool:
+        return self.kind == BACKWARD
+
+    @property
+    def is_weight(self) -> bool:
+        return self.kind == WEIGHT
+
+    @property
     def unit(self) -> tuple[int, int, int]:
         return (self.microbatch, self.segment, self.chunk)
 
@@ -53,9 +66,9 @@ class Action(NamedTuple):
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        """Inverse of ``str``: ``"F3.1"`` or ``"B0.2c1"``."""
+        """Inverse of ``str``: ``"F3.1"``, ``"B0.2c1"`` or ``"W0.2c1"``."""
         kind, rest = text[0], text[1:]
-        if kind not in (FORWARD, BACKWARD):
+        if kind not in (FORWARD, BACKWARD, WEIGHT):
             raise ValueError(f"not an action: {text!r}")
         chunk = 0
         if "c" in rest:
@@ -74,6 +87,15 @@ def F(microbatch: int, segment: int = 0, chunk: int = 0) -> Action:
 
 def B(microbatch: int, segment: int = 0, chunk: int = 0) -> Action:
     return Action(BACKWARD, microbatch, segment, chunk)
+
+
+def W(microbatch: int, segment: int = 0, chunk: int = 0) -> Action:
+    return Action(WEIGHT, microbatch, segment, chunk)
+
+
+def splits_backward(schedule: Sequence[Sequence[Action]]) -> bool:
+    """True if the schedule runs weight gradients as separate ``W`` actions."""
+    return any(a.kind == WEIGHT for rank in schedule for a in rank)
 
 
 def one_forward_one_backward(

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 from megatron_seq1f1b.checks import raise_if
 from megatron_seq1f1b.partition import METHODS
+from megatron_seq1f1b.schedule import SCHEDULES
 
 # Modules that hold a reference to Megatron's getter under this name.
 _GETTER_HOLDERS = (
@@ -26,12 +27,16 @@ def get_forward_backward_func(
     *,
     split_lengths: Sequence[int] | None = None,
     recorder=None,
+    schedule: str = "1f1b",
 ) -> Callable:
     """A function with Megatron-Core's forward-backward signature that runs Seq1F1B.
 
     ``num_splits`` segments per micro-batch, cut by ``partition`` ("uniform"
     or "balanced", from the model's config) unless ``split_lengths`` is
-    given. Several model chunks select the interleaved schedule. ``recorder``
+    given. Several model chunks select the interleaved schedule. ``schedule``:
+    ``"1f1b"`` (Seq1F1B), or ``"zb-h1"`` / ``"zb-h2"`` to run weight gradients
+    as separate ``W`` actions in the bubbles (:mod:`megatron_seq1f1b.zero_bubble`).
+    ``recorder``
     (a :class:`~megatron_seq1f1b.trace.TimelineRecorder`) collects per-action
     timings.
     """
@@ -40,6 +45,8 @@ def get_forward_backward_func(
         problems.append(f"num_splits must be a positive integer, got {num_splits!r}")
     if partition not in METHODS:
         problems.append(f"unknown partition {partition!r}; choose one of {METHODS}")
+    if schedule not in SCHEDULES:
+        problems.append(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     if split_lengths is not None and isinstance(num_splits, int) and len(split_lengths) != num_splits:
         problems.append(f"split_lengths has {len(split_lengths)} entries, num_splits is {num_splits}")
     raise_if(problems)
@@ -72,12 +79,14 @@ def get_forward_backward_func(
             first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
             p2p_communicator=p2p_communicator, pg_collection=pg_collection,
             force_all_reduce=force_all_reduce, num_splits=num_splits, partition=partition,
-            split_lengths=lengths, recorder=recorder,
+            split_lengths=lengths, recorder=recorder, schedule=schedule,
         )
 
     forward_backward_func.num_splits = num_splits
     forward_backward_func.partition = partition
-    forward_backward_func.__qualname__ = f"seq1f1b_forward_backward[k={num_splits},{partition}]"
+    forward_backward_func.schedule = schedule
+    forward_backward_func.__qualname__ = (
+        f"seq1f1b_forward_backward[k={num_splits},{partition},{schedule}]")
     return forward_backward_func
 
 

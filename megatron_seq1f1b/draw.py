@@ -3,7 +3,8 @@
 Both take a :class:`~megatron_seq1f1b.replay.Timeline`, whether simulated or
 measured in a real run, so simulated and measured schedules look alike.
 One row per rank; colour per micro-batch; forwards light with a dark label,
-backwards dark with a white label; the label is ``micro-batch.segment``
+backwards dark with a white label, weight-gradient work (``W``, zero-bubble
+schedules) dark and hatched; the label is ``micro-batch.segment``
 (``c<chunk>`` appended for model chunks > 0).
 """
 
@@ -13,6 +14,9 @@ import json
 from pathlib import Path
 
 from megatron_seq1f1b.replay import Timeline
+
+
+_CATEGORY = {"F": "forward", "B": "backward", "W": "weight-gradient"}
 
 
 def _label(action) -> str:
@@ -57,7 +61,7 @@ def draw_png(
             ax.barh(
                 y, iv.end - iv.start, left=iv.start, height=0.8,
                 color=colour, alpha=0.45 if forward else 1.0,
-                edgecolor="black", linewidth=0.5, hatch=None if forward else "",
+                edgecolor="black", linewidth=0.5, hatch="////" if action.is_weight else None,
             )
             span = iv.end - iv.start
             if span / makespan * width * 72 > 14:  # enough room (points) for a label
@@ -72,13 +76,18 @@ def draw_png(
     ax.set_yticklabels([f"rank {r}" for r in reversed(range(ranks))])
     ax.set_xlim(0, makespan)
     ax.set_xlabel(time_label)
+    handles = [
+        Patch(facecolor="0.6", alpha=0.45, edgecolor="black", label="forward (mb.seg)"),
+        Patch(facecolor="0.3", edgecolor="black", label="backward (mb.seg)"),
+    ]
+    if any(iv.action.is_weight for intervals in timeline.compute for iv in intervals):
+        handles[1] = Patch(facecolor="0.3", edgecolor="black", label="input gradients B")
+        handles.append(Patch(facecolor="0.3", edgecolor="black", hatch="////",
+                             label="weight gradients W"))
     ax.legend(
-        handles=[
-            Patch(facecolor="0.6", alpha=0.45, edgecolor="black", label="forward (mb.seg)"),
-            Patch(facecolor="0.3", edgecolor="black", label="backward (mb.seg)"),
-        ],
+        handles=handles,
         loc="upper center", bbox_to_anchor=(0.5, -0.18 if ranks > 2 else -0.3),
-        ncol=2, fontsize=8, frameon=False,
+        ncol=len(handles), fontsize=8, frameon=False,
     )
     if title:
         ax.set_title(title, fontsize=10)
@@ -97,7 +106,7 @@ def chrome_trace(timeline: Timeline, time_unit_us: float = 1.0) -> dict:
         for iv in intervals:
             a = iv.action
             events.append({
-                "name": str(a), "cat": "forward" if a.is_forward else "backward", "ph": "X",
+                "name": str(a), "cat": _CATEGORY[a.kind], "ph": "X",
                 "pid": 0, "tid": rank, "ts": iv.start * time_unit_us,
                 "dur": (iv.end - iv.start) * time_unit_us,
                 "args": {"microbatch": a.microbatch, "segment": a.segment, "chunk": a.chunk},

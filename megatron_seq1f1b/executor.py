@@ -13,8 +13,14 @@ wgrad helpers and ``finalize_model_grads``. Loss normalization is in
 the checks in :mod:`megatron_seq1f1b.checks`.
 
 Data parallelism follows Megatron: gradient sync is off (``no_sync_func``)
-until the last backward unit of a model chunk on this rank, which is segment
-0 of the last micro-batch.
+except for the last gradient-producing action of a model chunk on this rank
+(the backward of segment 0 of the last micro-batch). Zero-bubble schedules
+(``W`` actions, :mod:`megatron_seq1f1b.wgrad`) produce a chunk's gradients in
+two places, so sync is on for both final ones, the last ``B`` (biases, norms,
+embeddings) and the last ``W`` (linear weights), and off for the ``W`` of
+earlier units in between: Megatron DDP starts a bucket's reduction once every
+parameter in it has reported while sync is on, so an earlier report would
+start it before the last contribution.
 """
 
 from __future__ import annotations
@@ -25,29 +31,32 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron_seq1f1b import compat
+from megatron_seq1f1b import compat, wgrad
 from megatron_seq1f1b import plan as plan_mod
 from megatron_seq1f1b.checks import executor_problems, raise_if, segment_multiple
 from megatron_seq1f1b.loss import SegmentLosses
 from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled
 from megatron_seq1f1b.p2p import Peers, exchange
 from megatron_seq1f1b.partition import METHODS, split_sequence
-from megatron_seq1f1b.schedule import Action, build_schedule
+from megatron_seq1f1b.schedule import SCHEDULES, Action, build_schedule, splits_backward
 from megatron_seq1f1b.segments import SegmentData, SegmentRun
 
 
 @functools.lru_cache(maxsize=64)
 def pipeline_steps(
     num_stages: int, num_microbatches: int, num_splits: int, num_chunks: int, forward_only: bool,
+    schedule: str = "1f1b",
 ) -> tuple:
     """Every rank's steps (a pure function of the sizes; cached across iterations)."""
-    schedule = build_schedule(num_stages, num_microbatches, num_splits, num_chunks,
-                              forward_only=forward_only)
-    return tuple(tuple(rank) for rank in plan_mod.plan_steps(schedule, num_chunks))
+    actions = build_schedule(num_stages, num_microbatches, num_splits, num_chunks,
+                             forward_only=forward_only, schedule=schedule)
+    return tuple(tuple(rank) for rank in plan_mod.plan_steps(actions, num_chunks))
 
 
-def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only, rank) -> tuple:
-    return pipeline_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only)[rank]
+def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only, rank,
+               schedule: str = "1f1b") -> tuple:
+    return pipeline_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only,
+                          schedule)[rank]
 
 
 def resolve_lengths(num_splits: int, partition: str, split_lengths, seq_length: int, chunks,
@@ -145,7 +154,9 @@ class _Pipeline:
         self.forwards_done = 0
         tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
         self.shapes = [(n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths]
-        self.last_backward = self._last_backward_units()
+        actions = [a for step in steps for a in step.actions]
+        self.weight_grads = wgrad.WeightGradStore() if splits_backward([actions]) else None
+        self.final_grad_actions, self.last_grad_action = self._final_grad_actions(actions)
         self.checkpoint_window = self._checkpoint_window()
 
     # ---------------------------------------------------------------- helpers
@@ -153,19 +164,21 @@ class _Pipeline:
     def is_last_stage(self, chunk: int) -> bool:
         return self.topology.virtual_stage(self.peers.pp_rank, chunk) == self.topology.last_virtual_stage
 
-    def _last_backward_units(self) -> set:
-        last = {}
-        for step in self.steps:
-            for action in step.actions:
-                if not action.is_forward:
-                    last[action.chunk] = action
-        return set(last.values())
+    @staticmethod
+    def _final_grad_actions(actions) -> tuple[set, dict]:
+        """Per chunk the last B and the last W (grad sync on), and the very last of them."""
+        last_of_kind, last = {}, {}
+        for action in actions:
+            if not action.is_forward:
+                last_of_kind[(action.chunk, action.kind)] = action
+                last[action.chunk] = action
+        return set(last_of_kind.values()), last
 
     def _checkpoint_window(self) -> int | None:
         if self.config.num_microbatches_with_partial_activation_checkpoints is None:
             return None
         actions = [a for step in self.steps for a in step.actions]
-        warmup = next((i for i, a in enumerate(actions) if not a.is_forward), len(actions))
+        warmup = next((i for i, a in enumerate(actions) if a.is_backward), len(actions))
         return warmup + 1 if not self.forward_only else None
 
     def make_buffer(self, message: plan_mod.Message) -> torch.Tensor:
@@ -243,22 +256,40 @@ class _Pipeline:
         return loss
 
     def backward(self, action: Action, input_tensor, output_tensor, output_grad):
-        """Megatron's backward step, with its gradient-sync rules per model chunk."""
-        last_unit = action in self.last_backward
-        funcs = self.grad_sync_funcs()
-        interleaved = len(self.chunks) > 1
-        if last_unit and (funcs is None or (not interleaved and self.peers.pp_rank == 0)):
-            self.enable_grad_sync()
+        """Megatron's backward step (input gradients only when the schedule splits off W)."""
+        self._grad_sync_before(action)
         if self.is_last_stage(action.chunk):
             output_tensor = self.losses.scaled(action)
-        with self.run.backward(action.microbatch, action.segment, action.chunk):
+        deferred = (self.weight_grads.input_grads_only(action.unit) if self.weight_grads
+                    else contextlib.nullcontext())
+        with self.run.backward(action.microbatch, action.segment, action.chunk), deferred:
             grad = compat.backward_step(input_tensor, output_tensor, output_grad, self.config)
-        if interleaved:
-            if last_unit and funcs is not None:
-                self.enable_grad_sync()
-                funcs[action.chunk](self.chunks[action.chunk].parameters())
-            self.disable_grad_sync()
+        self._grad_sync_after(action)
         return grad
+
+    def weight(self, action: Action) -> None:
+        """Zero-bubble W: the weight gradients the unit's B left (wgrad.WeightGradStore)."""
+        self._grad_sync_before(action)
+        self.weight_grads.run(action.unit)
+        self._grad_sync_after(action)
+
+    def _grad_sync_before(self, action: Action) -> None:
+        """Sync on only for a chunk's final B and W (module docstring), as Megatron allows."""
+        funcs = self.grad_sync_funcs()
+        own_launch = funcs is None or (len(self.chunks) == 1 and self.peers.pp_rank == 0)
+        if action in self.final_grad_actions and own_launch:
+            self.enable_grad_sync()
+        else:
+            self.disable_grad_sync()
+
+    def _grad_sync_after(self, action: Action) -> None:
+        """Interleaved with grad_sync_func: launch a chunk's reductions after its last action."""
+        funcs = self.grad_sync_funcs()
+        if len(self.chunks) > 1 and funcs is not None \
+                and action == self.last_grad_action[action.chunk]:
+            self.enable_grad_sync()
+            funcs[action.chunk](self.chunks[action.chunk].parameters())
+            self.disable_grad_sync()
 
     # ---------------------------------------------------------------- the loop
 
@@ -289,11 +320,13 @@ class _Pipeline:
                         self.outgoing[out_msg] = output
                         if not self.forward_only:
                             sent_outputs.append(output)
-                else:
+                elif action.is_backward:
                     input_tensor, output = self.stash.pop(action.unit)
                     grad = self.backward(action, input_tensor, output, incoming)
                     if out_msg is not None:
                         self.outgoing[out_msg] = grad
+                else:
+                    self.weight(action)
                 if record is not None:
                     self.recorder.compute(start, action, index, len(self.stash))
 
@@ -301,6 +334,8 @@ class _Pipeline:
         self.run.close()
         if not self.forward_only:
             self.losses.close()
+        if self.weight_grads is not None:
+            self.weight_grads.close()
         if self.stash or self.outgoing or self.inbox:
             raise RuntimeError("Seq1F1B: units left over at the end of the schedule")
 
@@ -325,6 +360,7 @@ def forward_backward(
     partition: str = "uniform",
     split_lengths=None,
     recorder=None,
+    schedule: str = "1f1b",
 ) -> list:
     """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options)."""
     from megatron.core.pipeline_parallel.schedules import (
@@ -344,6 +380,8 @@ def forward_backward(
         raise_if([f"num_splits must be a positive integer, got {num_splits!r}"])
     if partition not in METHODS:
         raise_if([f"unknown partition {partition!r}; choose one of {METHODS}"])
+    if schedule not in SCHEDULES:
+        raise_if([f"unknown schedule {schedule!r}; choose one of {SCHEDULES}"])
     try:
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
@@ -361,12 +399,17 @@ def forward_backward(
     if len(chunks) > 1:
         from megatron_seq1f1b.interleaved import interleaved_problems
 
-        raise_if(interleaved_problems(pp_size, num_microbatches, num_splits, len(chunks)))
+        raise_if(interleaved_problems(pp_size, num_microbatches, num_splits, len(chunks),
+                                      schedule, forward_only))
+    if schedule != "1f1b" and not forward_only:
+        raise_if(wgrad.deferral_problems(chunks))
+        wgrad.install()
 
     if pp_size > 1:
         _agree_across_stages(pg_collection.pp, num_microbatches, lengths, len(chunks),
                              forward_only)
-    steps = rank_steps(pp_size, num_microbatches, num_splits, len(chunks), forward_only, pp_rank)
+    steps = rank_steps(pp_size, num_microbatches, num_splits, len(chunks), forward_only, pp_rank,
+                       schedule)
     peers = Peers.build(p2p_communicator, config)
     pipeline = _Pipeline(
         forward_step_func=forward_step_func, chunks=chunks, iterators=iterators, config=config,
@@ -390,7 +433,8 @@ def forward_backward(
             fn(chunk.parameters())
     if not forward_only:
         pipeline.disable_grad_sync()
-    pipeline.execute()
+    with wgrad.deferring() if pipeline.weight_grads is not None else contextlib.nullcontext():
+        pipeline.execute()
     if not forward_only and pipeline.no_sync_context is not None:
         # Launch any remaining grad reductions (as Megatron does).
         pipeline.enable_grad_sync()

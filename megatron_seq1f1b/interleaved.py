@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_seq1f1b.actions import B, F, Schedule, one_forward_one_backward
+from megatron_seq1f1b.actions import Action, B, F
 
 
 def microbatch_groups(num_stages: int, num_microbatches: int, num_splits: int) -> list[list[int]]:
@@ -60,18 +60,27 @@ def warmup_forwards(num_stages: int, num_microbatches: int, num_splits: int,
     return min(warmup, num_microbatches * num_splits * num_model_chunks)
 
 
+ZB_H2_PROBLEM = (
+    "zb-h2 has no interleaved form: its longer warm-up makes the first rank forward chunk c+1 "
+    "of a micro-batch whose chunk-c backward it must first pass on (a cycle through the "
+    "pipeline's wrap-around link); use zb-h1, which interleaves"
+)
+
+
 def interleaved_problems(num_stages: int, num_microbatches: int, num_splits: int,
-                         num_model_chunks: int) -> list[str]:
+                         num_model_chunks: int, schedule: str = "1f1b",
+                         forward_only: bool = False) -> list[str]:
     problems = []
     if num_stages < 2:
         problems.append("interleaving (several model chunks) needs pipeline size >= 2")
+    if schedule == "zb-h2" and not forward_only:
+        problems.append(ZB_H2_PROBLEM)
     return problems
 
 
-def build_interleaved_schedule(
-    num_stages: int, num_microbatches: int, num_splits: int, num_model_chunks: int, *,
-    forward_only: bool = False,
-) -> Schedule:
+def interleaved_orders(num_stages: int, num_microbatches: int, num_splits: int,
+                       num_model_chunks: int) -> tuple[list[Action], list[Action]]:
+    """The forward and the backward order of units, the same on every rank."""
     p, m, k, v = num_stages, num_microbatches, num_splits, num_model_chunks
     if p < 2:
         raise ValueError("interleaving (several model chunks) needs pipeline size >= 2")
@@ -83,9 +92,4 @@ def build_interleaved_schedule(
             forwards += [F(mb, s, chunk) for mb, s in forward_units]
         for chunk in reversed(range(v)):
             backwards += [B(mb, s, chunk) for mb, s in backward_units]
-    if forward_only:
-        return [list(forwards) for _ in range(p)]
-    return [
-        one_forward_one_backward(forwards, backwards, warmup_forwards(p, m, k, v, rank))
-        for rank in range(p)
-    ]
+    return forwards, backwards

@@ -26,7 +26,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
-from megatron_seq1f1b.schedule import Action, DeadlockError, schedule_shape
+from megatron_seq1f1b.schedule import Action, DeadlockError, schedule_shape, splits_backward
 
 ACTIVATION = "act"
 GRADIENT = "grad"
@@ -79,7 +79,9 @@ class Topology:
 
 
 def input_message(action: Action, rank: int, topo: Topology) -> Message | None:
-    """What `action` must receive before it runs (None on the pipeline's ends)."""
+    """What `action` must receive before it runs (None on the pipeline's ends, and for W)."""
+    if action.is_weight:
+        return None
     stage = topo.virtual_stage(rank, action.chunk)
     if action.is_forward:
         if stage == 0:
@@ -93,7 +95,9 @@ def input_message(action: Action, rank: int, topo: Topology) -> Message | None:
 
 
 def output_message(action: Action, rank: int, topo: Topology) -> Message | None:
-    """What `action` sends after it ran (None on the pipeline's ends)."""
+    """What `action` sends after it ran (None on the pipeline's ends, and for W)."""
+    if action.is_weight:
+        return None
     stage = topo.virtual_stage(rank, action.chunk)
     if action.is_forward:
         if stage == topo.last_virtual_stage:
@@ -122,7 +126,7 @@ def slots_of(actions: Sequence[Action], warmup: int | None = None) -> list[Slot]
     while i < len(actions):
         action = actions[i]
         if (action.is_forward and forwards >= warmup and i + 1 < len(actions)
-                and not actions[i + 1].is_forward):
+                and actions[i + 1].is_backward):
             slots.append((action, actions[i + 1]))
             i += 2
         else:
@@ -133,7 +137,13 @@ def slots_of(actions: Sequence[Action], warmup: int | None = None) -> list[Slot]
 
 
 def _unit_cost(action: Action) -> float:
+    """Forward 1, whole backward 2."""
     return 1.0 if action.is_forward else 2.0
+
+
+def _split_unit_cost(action: Action) -> float:
+    """Zero-bubble schedules: forward, input-gradient and weight-gradient work 1 each."""
+    return 1.0
 
 
 def _slot_messages(slots, topo):
@@ -196,9 +206,10 @@ def _stuck_report(slots, position, produced, topo) -> str:
     return "\n".join(lines)
 
 
-def plan_slots(slots: Sequence[Sequence[Slot]], topo: Topology) -> list[list[Step]]:
+def plan_slots(slots: Sequence[Sequence[Slot]], topo: Topology,
+               cost: Callable[[Action], float] = _unit_cost) -> list[list[Step]]:
     """Steps of every rank for the given slots (see the module docstring)."""
-    starts, produced = dataflow_timing(slots, topo)
+    starts, produced = dataflow_timing(slots, topo, cost)
     consumer: dict[Message, int] = {}
     for rank, rank_slots in enumerate(slots):
         for t, slot in enumerate(rank_slots):
@@ -240,16 +251,17 @@ def plan_steps(
     """
     num_stages, m, k, chunks = schedule_shape(schedule)
     topo = Topology(num_stages, num_model_chunks or max(chunks, 1))
-    if warmups is None and topo.num_model_chunks > 1:
+    split = splits_backward(schedule)
+    if warmups is None and topo.num_model_chunks > 1 and not split:
         from megatron_seq1f1b.interleaved import warmup_forwards
 
-        has_backward = any(not a.is_forward for rank in schedule for a in rank)
+        has_backward = any(a.is_backward for rank in schedule for a in rank)
         if has_backward:
             warmups = [warmup_forwards(num_stages, m, k, topo.num_model_chunks, r)
                        for r in range(num_stages)]
     slots = [slots_of(actions, None if warmups is None else warmups[rank])
              for rank, actions in enumerate(schedule)]
-    return plan_slots(slots, topo)
+    return plan_slots(slots, topo, _split_unit_cost if split else _unit_cost)
 
 
 __all__ = [

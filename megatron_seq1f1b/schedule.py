@@ -26,25 +26,31 @@ from __future__ import annotations
 from megatron_seq1f1b.actions import (
     BACKWARD,
     FORWARD,
+    WEIGHT,
     Action,
     B,
     DeadlockError,
     F,
     Schedule,
     ScheduleError,
+    W,
     format_actions,
     format_schedule,
     one_forward_one_backward,
     parse_schedule,
     schedule_shape,
+    splits_backward,
 )
-from megatron_seq1f1b.interleaved import build_interleaved_schedule
+from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM, interleaved_orders
+from megatron_seq1f1b.interleaved import warmup_forwards as interleaved_warmup
+from megatron_seq1f1b.zero_bubble import VARIANTS, build_zero_bubble, plan_variant
 
 __all__ = [
-    "FORWARD", "BACKWARD", "Action", "F", "B", "Schedule", "ScheduleError", "DeadlockError",
-    "format_actions", "format_schedule", "parse_schedule", "schedule_shape",
+    "FORWARD", "BACKWARD", "WEIGHT", "Action", "F", "B", "W", "Schedule", "ScheduleError",
+    "DeadlockError", "format_actions", "format_schedule", "parse_schedule", "schedule_shape",
+    "splits_backward",
     "one_forward_one_backward", "forward_units", "backward_units", "warmup_forwards",
-    "build_schedule",
+    "build_schedule", "SCHEDULES",
 ]
 
 
@@ -74,6 +80,9 @@ def _check_sizes(num_stages: int, num_microbatches: int, num_splits: int, num_mo
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+SCHEDULES = ("1f1b",) + VARIANTS  # "1f1b": Seq1F1B itself; the others split B and W
+
+
 def build_schedule(
     num_stages: int,
     num_microbatches: int,
@@ -81,21 +90,30 @@ def build_schedule(
     num_model_chunks: int = 1,
     *,
     forward_only: bool = False,
+    schedule: str = "1f1b",
 ) -> Schedule:
-    """Per-rank action lists of Seq1F1B (interleaved when ``num_model_chunks > 1``)."""
-    _check_sizes(num_stages, num_microbatches, num_splits, num_model_chunks)
-    if num_model_chunks > 1:
-        return build_interleaved_schedule(
-            num_stages, num_microbatches, num_splits, num_model_chunks, forward_only=forward_only
-        )
-    forwards = [F(mb, s) for mb, s in forward_units(num_microbatches, num_splits)]
-    if forward_only:
-        return [list(forwards) for _ in range(num_stages)]
-    backwards = [B(mb, s) for mb, s in backward_units(num_microbatches, num_splits)]
-    return [
-        one_forward_one_backward(
-            forwards, backwards, warmup_forwards(num_stages, rank, num_microbatches, num_splits)
-        )
-        for rank in range(num_stages)
-    ]
+    """Per-rank action lists of Seq1F1B (interleaved when ``num_model_chunks > 1``).
 
+    ``schedule``: ``"1f1b"`` (Seq1F1B), or a zero-bubble variant (``"zb-h1"``,
+    ``"zb-h2"``: see :mod:`megatron_seq1f1b.zero_bubble`) that keeps Seq1F1B's
+    orders and adds ``W`` actions. Forward-only schedules are the same for all.
+    """
+    _check_sizes(num_stages, num_microbatches, num_splits, num_model_chunks)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    if schedule == "zb-h2" and num_model_chunks > 1 and not forward_only:
+        raise ValueError(ZB_H2_PROBLEM)
+    p, m, k, v = num_stages, num_microbatches, num_splits, num_model_chunks
+    if v > 1:
+        forwards, backwards = interleaved_orders(p, m, k, v)
+        warmups = [interleaved_warmup(p, m, k, v, rank) for rank in range(p)]
+    else:
+        forwards = [F(mb, s) for mb, s in forward_units(m, k)]
+        backwards = [B(mb, s) for mb, s in backward_units(m, k)]
+        warmups = [warmup_forwards(p, rank, m, k) for rank in range(p)]
+    if forward_only:
+        return [list(forwards) for _ in range(p)]
+    if schedule == "1f1b":
+        return [one_forward_one_backward(forwards, backwards, w) for w in warmups]
+    zb_warmups, caps = plan_variant(schedule, warmups, len(forwards))
+    return build_zero_bubble(forwards, backwards, zb_warmups, caps, v)

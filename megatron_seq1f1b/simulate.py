@@ -22,7 +22,13 @@ from typing import Callable, Sequence
 from megatron_seq1f1b.partition import CostModel, split_sequence
 from megatron_seq1f1b.plan import plan_steps
 from megatron_seq1f1b.replay import Timeline, replay
-from megatron_seq1f1b.schedule import Action, build_schedule, schedule_shape
+from megatron_seq1f1b.schedule import (
+    SCHEDULES,
+    Action,
+    build_schedule,
+    schedule_shape,
+    splits_backward,
+)
 
 CostFn = Callable[[Action, int], float]
 
@@ -32,7 +38,7 @@ class SimResult:
     makespan: float
     busy: list[float]  # compute time per rank
     bubble_fraction: float  # idle share of all ranks' time
-    peak_inflight: list[int]  # per rank: max units forwarded but not yet backwarded
+    peak_inflight: list[int]  # per rank: max units forwarded and not yet (weight-)backwarded
     timeline: Timeline
 
     def summary(self) -> str:
@@ -42,9 +48,14 @@ class SimResult:
         )
 
 
-def uniform_cost(forward: float = 1.0, backward: float = 2.0) -> CostFn:
-    """Every unit costs the same; backward twice forward."""
-    return lambda action, rank: forward if action.is_forward else backward
+def uniform_cost(forward: float = 1.0, backward: float = 2.0, weight: float = 1.0) -> CostFn:
+    """Every unit costs the same: F `forward`, B `backward`, W `weight`.
+
+    ``backward`` is the whole backward in schedules without W; for zero-bubble
+    schedules :func:`simulate` defaults to ``uniform_cost(1, 1, 1)``.
+    """
+    costs = {"F": forward, "B": backward, "W": weight}
+    return lambda action, rank: costs[action.kind]
 
 
 def segment_cost(
@@ -52,29 +63,45 @@ def segment_cost(
     model: CostModel,
     backward_ratio: float = 2.0,
     num_model_chunks: int = 1,
+    split_backward: bool = False,
 ) -> CostFn:
     """Cost proportional to a segment's FLOPs (linear part + causal attention).
 
-    Normalized so that the mean forward of a segment costs 1.
+    Normalized so that the mean forward of a segment costs 1. With
+    ``split_backward`` (zero-bubble schedules) B and W each cost half of the
+    backward.
     """
     flops = model.split_costs(list(lengths))
     mean = sum(flops) / len(flops)
     forward = [f / mean / num_model_chunks for f in flops]
-    return lambda a, rank: forward[a.segment] * (1.0 if a.is_forward else backward_ratio)
+    backward = backward_ratio / 2 if split_backward else backward_ratio
+    ratio = {"F": 1.0, "B": backward, "W": backward_ratio / 2}
+    return lambda a, rank: forward[a.segment] * ratio[a.kind]
 
 
 def peak_inflight(actions: Sequence[Action]) -> int:
+    """Most units alive at once: from F until B, or until W where W is split off.
+
+    A pending W keeps the inputs and output gradients of its layers, so a
+    zero-bubble unit counts as in flight until its W.
+    """
+    release = "W" if any(a.is_weight for a in actions) else "B"
     live = peak = 0
     for action in actions:
-        live += 1 if action.is_forward else -1
+        live += action.is_forward - (action.kind == release)
         peak = max(peak, live)
     return peak
 
 
 def simulate(schedule: Sequence[Sequence[Action]], cost: CostFn | None = None) -> SimResult:
-    """Replay the schedule with `cost(action, rank)` per action (default: F=1, B=2)."""
+    """Replay the schedule with `cost(action, rank)` per action.
+
+    Default: F=1, B=2; with W split off (zero bubble) F=B=W=1.
+    """
     _, _, _, chunks = schedule_shape(schedule)
-    timeline = replay(plan_steps(schedule, chunks), cost or uniform_cost())
+    if cost is None:
+        cost = uniform_cost(1.0, 1.0, 1.0) if splits_backward(schedule) else uniform_cost()
+    timeline = replay(plan_steps(schedule, chunks), cost)
     makespan = timeline.makespan
     busy = [sum(iv.end - iv.start for iv in rank) for rank in timeline.compute]
     total = makespan * len(schedule)

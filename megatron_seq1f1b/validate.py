@@ -8,6 +8,10 @@ Rules, each reported with the rank and the action that breaks it:
   reads the keys/values of segments < j) and backwarded in reverse order
   (segment j's backward produces gradient for the keys/values of < j);
   a unit's forward precedes its backward;
+* zero-bubble schedules: either no unit or every unit has a weight-gradient
+  action ``W``, once per rank, after its ``B``, and a rank runs its ``W`` in
+  the order of its ``B`` (the runtime and Transformer Engine's delayed
+  weight gradients are first-in-first-out);
 * on every link the receiver posts its receives in the order the sender
   posts the sends (transports match messages in order, not by name);
 * replaying all ranks with rendezvous semantics finishes (no deadlock).
@@ -20,7 +24,7 @@ from typing import Callable, Sequence
 
 from megatron_seq1f1b.plan import Message, Step, plan_steps
 from megatron_seq1f1b.replay import ScheduleError, replay
-from megatron_seq1f1b.schedule import Action, schedule_shape
+from megatron_seq1f1b.schedule import Action, schedule_shape, splits_backward
 
 __all__ = ["ScheduleError", "validate", "check_units", "check_link_order"]
 
@@ -38,11 +42,14 @@ def check_units(
         for s in range(num_splits)
         for c in range(num_model_chunks)
     }
+    split = splits_backward(schedule)
     for rank, actions in enumerate(schedule):
         forwarded: set = set()
         backwarded: set = set()
         last_forward_seg: dict = defaultdict(lambda: -1)
         last_backward_seg: dict = {}
+        backward_order: list = []
+        weighted: list = []
         for position, action in enumerate(actions):
             where = f"rank {rank}, action {position} ({action})"
             unit = action.unit
@@ -60,7 +67,7 @@ def check_units(
                     )
                 last_forward_seg[key] = action.segment
                 forwarded.add(unit)
-            else:
+            elif action.is_backward:
                 if forward_only:
                     raise ScheduleError(f"{where}: backward in a forward-only schedule")
                 if unit not in forwarded:
@@ -75,12 +82,27 @@ def check_units(
                     )
                 last_backward_seg[key] = action.segment
                 backwarded.add(unit)
+                backward_order.append(unit)
+            else:
+                if forward_only:
+                    raise ScheduleError(f"{where}: weight gradients in a forward-only schedule")
+                if unit not in backwarded:
+                    raise ScheduleError(f"{where}: weight gradients before the unit's backward")
+                if len(weighted) == len(backward_order) or backward_order[len(weighted)] != unit:
+                    raise ScheduleError(
+                        f"{where}: weight gradients must follow the order of the backwards "
+                        f"(next: {backward_order[len(weighted)] if len(weighted) < len(backward_order) else 'none pending'})"
+                    )
+                weighted.append(unit)
         if forwarded != expected:
             missing = sorted(expected - forwarded)[:3]
             raise ScheduleError(f"rank {rank}: forwards missing for units {missing} ...")
         if not forward_only and backwarded != expected:
             missing = sorted(expected - backwarded)[:3]
             raise ScheduleError(f"rank {rank}: backwards missing for units {missing} ...")
+        if split and len(weighted) != len(expected):
+            missing = sorted(expected - set(weighted))[:3]
+            raise ScheduleError(f"rank {rank}: weight gradients (W) missing for units {missing} ...")
 
 
 def check_link_order(

@@ -76,7 +76,8 @@ def bit_identical_k1(pp: int, model: ModelSpec, data: DataSpec, vpp=None) -> lis
     return problems
 
 
-def optimizer_step(pp: int, k: int, distributed: bool, model: ModelSpec, data: DataSpec) -> list[str]:
+def optimizer_step(pp: int, k: int, distributed: bool, model: ModelSpec, data: DataSpec,
+                   schedule: str = "1f1b") -> list[str]:
     """One Adam step after Seq1F1B equals one step on the reference gradients.
 
     eps = 1 makes the first Adam step ``lr * g / (|g| + 1)``: nearly linear in
@@ -91,8 +92,8 @@ def optimizer_step(pp: int, k: int, distributed: bool, model: ModelSpec, data: D
         models, use_gloo_process_groups=False,
     )
     optimizer.zero_grad()
-    _run(s1.get_forward_backward_func(k, "balanced"), models, batches, model, data,
-         slicer=s1.slice_batch)
+    _run(s1.get_forward_backward_func(k, "balanced", schedule=schedule), models, batches, model,
+         data, slicer=s1.slice_batch)
     success, _, _ = optimizer.step()
     problems = [] if success else ["optimizer step reported failure"]
     gpt = unwrap(models[0])
@@ -263,3 +264,29 @@ def p2p_lost_message(model: ModelSpec, timeout_s: float) -> dict:
     finally:
         executor.rank_steps = original
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+def zero_bubble_defers(pp: int, k: int, drop_weight_grads: bool, model: ModelSpec,
+                       data: DataSpec) -> dict:
+    """How many weight GEMMs each W ran; with `drop_weight_grads`, W does nothing (must fail)."""
+    from megatron_seq1f1b import wgrad
+    from gpt import run_layout
+
+    original = wgrad.WeightGradStore.run
+    counts = []
+
+    def run(self, unit):
+        if drop_weight_grads:
+            self._pending.pop(unit)
+            counts.append(0)
+            return 0
+        counts.append(original(self, unit))
+        return counts[-1]
+
+    wgrad.WeightGradStore.run = run
+    try:
+        result = run_layout(model=model, data=data, pp=pp,
+                            seq1f1b=dict(num_splits=k, partition="uniform", schedule="zb-h1"))
+    finally:
+        wgrad.WeightGradStore.run = original
+    return dict(result, weight_gemms=counts)

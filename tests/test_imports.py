@@ -83,12 +83,14 @@ def test_package_import_graph_is_acyclic():
 def test_schedule_builders_depend_one_way():
     assert GRAPH["megatron_seq1f1b.actions"] == set()
     assert GRAPH["megatron_seq1f1b.interleaved"] == {"megatron_seq1f1b.actions"}
+    assert GRAPH["megatron_seq1f1b.zero_bubble"] == {"megatron_seq1f1b.actions"}
     assert GRAPH["megatron_seq1f1b.schedule"] == {"megatron_seq1f1b.actions",
-                                                  "megatron_seq1f1b.interleaved"}
+                                                  "megatron_seq1f1b.interleaved",
+                                                  "megatron_seq1f1b.zero_bubble"}
 
 
-PURE = ["actions", "interleaved", "schedule", "plan", "replay", "validate", "simulate",
-        "partition"]
+PURE = ["actions", "interleaved", "zero_bubble", "schedule", "plan", "replay", "validate",
+        "simulate", "partition"]
 
 
 @pytest.mark.parametrize("module", PURE)
