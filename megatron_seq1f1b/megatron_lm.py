@@ -35,10 +35,14 @@ from typing import Any, Callable, Optional
 
 from megatron_seq1f1b.checks import SUPPORTED_POSITIONS, raise_if, segment_multiple
 from megatron_seq1f1b.partition import METHODS, split_sequence
+from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
+from megatron_seq1f1b.schedule import SCHEDULES
+from megatron_seq1f1b.zero_bubble import VARIANTS
 
 GROUP_TITLE = "seq1f1b"
 DEFAULT_SPLITS = 4
 DEFAULT_PARTITION = "balanced"
+DEFAULT_SCHEDULE = "1f1b"
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -56,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--seq1f1b-splits", type=int, default=DEFAULT_SPLITS, metavar="N",
         help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}).",
+    )
+    group.add_argument(
+        "--seq1f1b-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+        help="'1f1b': Seq1F1B; 'zb-h1' / 'zb-h2': zero-bubble Seq1F1B, weight gradients as "
+             "separate steps in the bubbles (zb-h1 keeps the first stage's memory, zb-h2 "
+             f"holds more for slack). Default {DEFAULT_SCHEDULE}.",
     )
     group.add_argument(
         "--seq1f1b-partition", choices=METHODS, default=DEFAULT_PARTITION,
@@ -103,6 +113,21 @@ def args_problems(args: Any) -> list[str]:
     if partition not in METHODS:
         problems.append(
             f"--seq1f1b-partition {partition!r} is unknown; choose one of {', '.join(METHODS)}"
+        )
+    schedule = _flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE)
+    if schedule not in SCHEDULES:
+        problems.append(
+            f"--seq1f1b-schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}"
+        )
+    interleaved = _flag(args, "virtual_pipeline_model_parallel_size") is not None
+    if schedule == "zb-h2" and interleaved:
+        problems.append(f"--seq1f1b-schedule zb-h2 with virtual pipelining: {ZB_H2_PROBLEM}")
+    if schedule in VARIANTS and _flag(args, "transformer_impl", "local") == "transformer_engine" \
+            and not _flag(args, "delay_wgrad_compute", False):
+        problems.append(
+            f"--seq1f1b-schedule {schedule} with --transformer-impl transformer_engine needs "
+            "Transformer Engine's delayed weight gradients (--delay-wgrad-compute); otherwise "
+            "use --transformer-impl local or --seq1f1b-schedule 1f1b"
         )
 
     # Parallelism that cuts or reorders the sequence itself.
@@ -291,7 +316,8 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     from megatron_seq1f1b.model import enable
 
     enable(model)
-    install(args.seq1f1b_splits, args.seq1f1b_partition)
+    install(args.seq1f1b_splits, args.seq1f1b_partition,
+            schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE))
     return model
 
 

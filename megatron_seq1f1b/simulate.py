@@ -121,6 +121,18 @@ def bubble_formula(num_stages: int, num_microbatches: int, num_splits: int,
     return (num_stages - 1) / (units + num_stages - 1)
 
 
+def zero_bubble_formula(num_stages: int, num_microbatches: int, num_splits: int,
+                        num_model_chunks: int = 1) -> float:
+    """Idle share of zb-h1 with F = B = W: ``(p-1) / (3*v*k*m + p-1)``.
+
+    The least any schedule can have: the last stage starts ``p-1`` units late
+    and has ``3*v*k*m`` units of work. zb-h1 reaches it once the first stage
+    has a steady state (``k*m >= p + k - 1``).
+    """
+    units = 3 * num_model_chunks * num_splits * num_microbatches
+    return (num_stages - 1) / (units + num_stages - 1)
+
+
 # ------------------------------------------------------------------ command line
 
 
@@ -134,6 +146,9 @@ def _parse_args(argv=None):
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 4],
                         help="segments per micro-batch; 1 is Megatron's 1F1B")
     parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (vpp)")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["1f1b"],
+                        help="1f1b (Seq1F1B) and/or the zero-bubble variants zb-h1, zb-h2 "
+                             "(weight gradients W split off: F = B = W = 1)")
     parser.add_argument("--cost", choices=["uniform", "attention"], default="uniform",
                         help="uniform unit costs, or FLOPs of causal segments")
     parser.add_argument("--partition", choices=["uniform", "balanced"], default="balanced")
@@ -142,7 +157,8 @@ def _parse_args(argv=None):
     parser.add_argument("--num-layers", type=int, default=32)
     parser.add_argument("--num-attention-heads", type=int, default=32)
     parser.add_argument("--vocab-size", type=int, default=50257)
-    parser.add_argument("--png", help="draw the timeline(s) here (suffix _k<splits> if several)")
+    parser.add_argument("--png", help="draw the timeline(s) here (suffix _k<splits>[_<schedule>] "
+                                      "if several)")
     parser.add_argument("--trace", help="write a Chrome trace (Perfetto) here, same suffix rule")
     return parser.parse_args(argv)
 
@@ -158,9 +174,21 @@ def _config_from_args(args):
     )
 
 
-def _output_path(path: str, splits: int, many: bool) -> Path:
+def _output_path(path: str, splits: int, schedule: str, many_splits: bool,
+                 many_schedules: bool) -> Path:
     out = Path(path)
-    return out.with_name(f"{out.stem}_k{splits}{out.suffix}") if many else out
+    suffix = (f"_k{splits}" if many_splits else "") + (f"_{schedule}" if many_schedules else "")
+    return out.with_name(f"{out.stem}{suffix}{out.suffix}")
+
+
+def schedule_name(splits: int, schedule: str, chunks: int = 1) -> str:
+    """'1F1B', 'Seq1F1B k=4', 'ZB-H1', 'Seq1F1B ZB-H1 k=4' (+ ' (v=2)')."""
+    zero_bubble = schedule.upper() if schedule != "1f1b" else ""
+    if splits == 1:
+        name = zero_bubble or "1F1B"
+    else:
+        name = f"Seq1F1B {zero_bubble} k={splits}" if zero_bubble else f"Seq1F1B k={splits}"
+    return name + (f" (v={chunks})" if chunks > 1 else "")
 
 
 def main(argv=None) -> int:
@@ -168,38 +196,40 @@ def main(argv=None) -> int:
 
     args = _parse_args(argv)
     p, m, v = args.pp, args.microbatches, args.chunks
-    many = len(args.splits) > 1
+    many_splits, many_schedules = len(args.splits) > 1, len(args.schedules) > 1
     print(f"pipeline stages p={p}, micro-batches m={m}, model chunks v={v}, cost={args.cost}")
-    header = f"{'schedule':<22}{'bubble':>8}{'formula':>9}{'peak units':>12}{'peak (mb)':>11}"
+    header = f"{'schedule':<26}{'bubble':>8}{'formula':>9}{'peak units':>12}{'peak (mb)':>11}"
     print(header)
     print("-" * len(header))
-    baseline_peak = None
     for k in args.splits:
-        schedule = build_schedule(p, m, k, v)
-        cost = None
-        if args.cost == "attention":
-            config = _config_from_args(args)
-            lengths = split_sequence(
-                args.seq_length, k, args.partition, config=config, vocab_size=args.vocab_size
-            )
-            model = CostModel.from_config(config, args.vocab_size)
-            cost = segment_cost(lengths, model, num_model_chunks=v)
-        result = simulate(schedule, cost)
-        name = ("1F1B" if k == 1 else f"Seq1F1B k={k}") + (f" (v={v})" if v > 1 else "")
-        peak_mb = result.peak_inflight[0] / (k * v)
-        baseline_peak = baseline_peak or peak_mb
-        formula = f"{bubble_formula(p, m, k, v):.1%}" if args.cost == "uniform" else "-"
-        print(f"{name:<22}{result.bubble_fraction:>8.1%}{formula:>9}"
-              f"{result.peak_inflight[0]:>12}{peak_mb:>11.2f}")
-        title = f"{name}: p={p}, m={m}, bubble {result.bubble_fraction:.1%}"
-        if args.png:
-            out = _output_path(args.png, k, many)
-            draw.draw_png(result.timeline, out, title=title)
-            print(f"  timeline picture: {out}")
-        if args.trace:
-            out = _output_path(args.trace, k, many)
-            draw.write_chrome_trace(result.timeline, out, time_unit_us=1000.0)
-            print(f"  Chrome trace: {out}")
+        for kind in args.schedules:
+            schedule = build_schedule(p, m, k, v, schedule=kind)
+            split = kind != "1f1b"
+            cost = None
+            if args.cost == "attention":
+                config = _config_from_args(args)
+                lengths = split_sequence(
+                    args.seq_length, k, args.partition, config=config, vocab_size=args.vocab_size
+                )
+                model = CostModel.from_config(config, args.vocab_size)
+                cost = segment_cost(lengths, model, num_model_chunks=v, split_backward=split)
+            result = simulate(schedule, cost)
+            name = schedule_name(k, kind, v)
+            peak_mb = result.peak_inflight[0] / (k * v)
+            formula = "-"
+            if args.cost == "uniform":
+                formula = f"{(zero_bubble_formula if split else bubble_formula)(p, m, k, v):.1%}"
+            print(f"{name:<26}{result.bubble_fraction:>8.1%}{formula:>9}"
+                  f"{result.peak_inflight[0]:>12}{peak_mb:>11.2f}")
+            title = f"{name}: p={p}, m={m}, bubble {result.bubble_fraction:.1%}"
+            if args.png:
+                out = _output_path(args.png, k, kind, many_splits, many_schedules)
+                draw.draw_png(result.timeline, out, title=title)
+                print(f"  timeline picture: {out}")
+            if args.trace:
+                out = _output_path(args.trace, k, kind, many_splits, many_schedules)
+                draw.write_chrome_trace(result.timeline, out, time_unit_us=1000.0)
+                print(f"  Chrome trace: {out}")
     print("peak (mb): rank-0 in-flight activations in micro-batches of a stage "
           "(units / (splits * chunks))")
     return 0

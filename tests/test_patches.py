@@ -669,6 +669,9 @@ def megatron_args(**overrides) -> SimpleNamespace:
     {"reset_attention_mask": True, "reset_position_ids": True},  # dense [b,1,s,s] masks: fine
     {"decoder_seq_length": 4096},
     {"seq_length": 8, "tensor_model_parallel_size": 2, "seq1f1b_splits": 4},
+    {"seq1f1b_schedule": "zb-h1", "virtual_pipeline_model_parallel_size": 2,
+     "overlap_p2p_comm": True},
+    {"seq1f1b_schedule": "zb-h2"},
 ])
 def test_validate_accepts(overrides):
     megatron_lm.validate_args(megatron_args(**overrides))
@@ -691,6 +694,11 @@ def test_validate_does_nothing_without_the_flag():
     ({"seq1f1b_splits": 0}, ["--seq1f1b-splits"]),
     ({"seq1f1b_splits": "4"}, ["--seq1f1b-splits"]),
     ({"seq1f1b_partition": "random"}, ["--seq1f1b-partition"]),
+    ({"seq1f1b_schedule": "zb-h3"}, ["--seq1f1b-schedule"]),
+    ({"seq1f1b_schedule": "zb-h2", "virtual_pipeline_model_parallel_size": 2,
+      "overlap_p2p_comm": True}, ["--seq1f1b-schedule zb-h2", "zb-h1"]),
+    ({"seq1f1b_schedule": "zb-h1", "transformer_impl": "transformer_engine"},
+     ["--seq1f1b-schedule zb-h1", "--delay-wgrad-compute"]),
     ({"context_parallel_size": 2}, ["--context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel"]),
     ({"num_experts": 8}, ["--num-experts"]),

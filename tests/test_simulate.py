@@ -75,3 +75,17 @@ def test_command_line_prints_comparison(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "1F1B" in out and "42.9%" in out and "Seq1F1B k=4" in out and "15.8%" in out
     assert (tmp_path / "s_k1.png").exists() and (tmp_path / "s_k4.json").exists()
+
+
+def test_cli_compares_zero_bubble_schedules(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from megatron_seq1f1b import simulate as sim
+
+    assert sim.main(["--pp", "8", "--microbatches", "16", "--splits", "1", "4",
+                     "--schedules", "1f1b", "zb-h1", "--png", str(tmp_path / "s.png")]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()
+            if line.startswith(("1F1B", "ZB-H1", "Seq1F1B"))}
+    assert rows["Seq1F1B k=4"][-4] == "9.9%" and rows["Seq1F1B ZB-H1 k=4"][-4] == "3.5%"
+    assert rows["ZB-H1"][-4] == "12.7%"
+    assert (tmp_path / "s_k4_zb-h1.png").stat().st_size > 0

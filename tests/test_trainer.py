@@ -60,6 +60,15 @@ def test_tensor_parallel_sequence_parallel_and_eval(tmp_path):
     assert "validation loss at iteration 3" in stdout
 
 
+def test_zero_bubble_schedule_trains_like_1f1b(tmp_path):
+    common = ["--pipeline-model-parallel-size", "2", "--train-iters", "3"]
+    ours, stdout = train(tmp_path, "zb", 2, *common, "--seq1f1b", "--seq1f1b-splits", "2",
+                         "--seq1f1b-schedule", "zb-h1")
+    theirs, _ = train(tmp_path, "1f1b", 2, *common)
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+    assert "zb-h1" in stdout
+
+
 def test_virtual_pipeline(tmp_path):
     common = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
               "1", "--train-iters", "3", "--global-batch-size", "4"]

@@ -10,6 +10,7 @@ import argparse
 import math
 
 from megatron_seq1f1b.megatron_lm import add_arguments
+from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.partition import split_sequence
 
 
@@ -144,6 +145,9 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                         "trainer (its per-rank files hold the full optimizer state)")
     if args.seq1f1b and args.seq1f1b_splits < 1:
         problems.append("--seq1f1b-splits must be >= 1")
+    if args.seq1f1b and args.seq1f1b_schedule == "zb-h2" \
+            and args.virtual_pipeline_model_parallel_size is not None:
+        problems.append(f"--seq1f1b-schedule zb-h2 with virtual pipelining: {ZB_H2_PROBLEM}")
     if args.seq1f1b and args.seq1f1b_splits >= 1:
         multiple = tp if args.sequence_parallel else 1
         try:

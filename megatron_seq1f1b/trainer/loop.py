@@ -18,7 +18,8 @@ def _forward_backward_func(args) -> Callable:
     if args.seq1f1b:
         import megatron_seq1f1b as s1
 
-        return s1.get_forward_backward_func(args.seq1f1b_splits, args.seq1f1b_partition)
+        return s1.get_forward_backward_func(args.seq1f1b_splits, args.seq1f1b_partition,
+                                            schedule=args.seq1f1b_schedule)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()
@@ -91,8 +92,8 @@ def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -
     forward_backward = _forward_backward_func(args)
     memory = PeakMemory(device)
     tokens_per_iter = args.global_batch_size * args.seq_length
-    schedule = (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition})"
-                if args.seq1f1b else "Megatron-Core")
+    schedule = (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition}, "
+                f"{args.seq1f1b_schedule})" if args.seq1f1b else "Megatron-Core")
     _print(f"> training with {schedule} schedule: world {world_size}, tp "
            f"{args.tensor_model_parallel_size}, pp {args.pipeline_model_parallel_size}, vpp "
            f"{args.virtual_pipeline_model_parallel_size}, dp {args.data_parallel_size}, "
