@@ -61,3 +61,34 @@ def test_benchmark_reports_every_schedule(tmp_path):
     assert (out / "timeline_seq1f1b-uniform_simulated.png").exists()
     trace = json.loads((out / "timeline_seq1f1b-uniform_measured.json").read_text())
     assert trace["traceEvents"]
+
+
+def test_benchmark_zero_bubble_rows(tmp_path):
+    """Opt-in zero-bubble rows run beside Megatron 1F1B and Seq1F1B, compared with Seq1F1B."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "zb"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               SEQ1F1B_TIMEOUT_MINUTES="2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           f"--master-port={_port()}", str(SCRIPT),
+           "--pp", "2", "--microbatches", "2", "--splits", "2", "--seq-length", "32",
+           "--hidden-size", "16", "--num-layers", "2", "--num-attention-heads", "2",
+           "--vocab-size", "64", "--iters", "2", "--warmup", "1", "--timeline-runs", "1",
+           "--calib-reps", "1", "--calib-mode", "isolated", "--predict-pp", "4",
+           "--predict-microbatches", "4", "--schedules", "1f1b", "seq1f1b-balanced",
+           "seq1f1b-zb-h1", "seq1f1b-zb-h2", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    rows = {row["key"]: row for row in result["schedules"]}
+    for key in ("seq1f1b-zb-h1", "seq1f1b-zb-h2"):
+        versus = rows[key]["vs_seq1f1b"]
+        assert versus["key"] == "seq1f1b-balanced" and versus["speedup"] > 0
+        assert versus["bubble_ratio"] is not None and "stage0_peak_ratio" in versus  # tiny: 0 B
+        assert rows[key]["prediction"]["makespan_s"] > 0
+    predicted = result["predictions"][0]["schedules"]
+    assert predicted["seq1f1b-zb-h1"]["bubble_fraction"] < predicted["seq1f1b-balanced"][
+        "bubble_fraction"]
+    assert "Zero bubble against Seq1F1B" in (out / "results.md").read_text()
+    trace = json.loads((out / "timeline_seq1f1b-zb-h1_measured.json").read_text())
+    assert any(e.get("cat") == "weight-gradient" for e in trace["traceEvents"])

@@ -107,8 +107,14 @@ def extrapolated_fits(ordered: list[dict], stages: int) -> list[dict]:
 
 
 def fitted_cost(ordered_fits: list[dict], lengths: list[int], p: int, quadratic: str,
-                recompute: bool = False) -> CostFn:
-    """cost(action, rank) from the fits; with full recompute a backward re-runs the forward."""
+                recompute: bool = False, split_backward: bool = False) -> CostFn:
+    """cost(action, rank) from the fits; with full recompute a backward re-runs the forward.
+
+    ``split_backward`` (zero-bubble schedules): B and W each take half of the fitted
+    backward, an assumption (the calibration times whole backwards): W is the linear
+    layers' weight GEMMs, about half of their backward, while attention's backward is
+    all in B.
+    """
     quad = QUADRATIC[quadratic]
     ends = list(itertools.accumulate(lengths))
 
@@ -120,6 +126,10 @@ def fitted_cost(ordered_fits: list[dict], lengths: list[int], p: int, quadratic:
         length, end = lengths[action.segment], ends[action.segment]
         if action.is_forward:
             return one(fits["F"], length, end)
-        return one(fits["B"], length, end) + (one(fits["F"], length, end) if recompute else 0.0)
+        backward = one(fits["B"], length, end)
+        if split_backward:
+            recomputed = one(fits["F"], length, end) if recompute and action.is_backward else 0.0
+            return backward / 2 + recomputed
+        return backward + (one(fits["F"], length, end) if recompute else 0.0)
 
     return cost

@@ -10,9 +10,14 @@ from typing import Callable, Iterator
 from megatron_seq1f1b.bench.layouts import Layout
 
 ALL_SCHEDULES = ("1f1b", "seq1f1b-k1", "seq1f1b-uniform", "seq1f1b-balanced",
-                 "1f1b-interleaved", "seq1f1b-interleaved", "1f1b-interleaved-recompute")
-INTERLEAVED = ("1f1b-interleaved", "seq1f1b-interleaved", "1f1b-interleaved-recompute")
-OPT_IN = ("1f1b-interleaved-recompute",)
+                 "seq1f1b-zb-h1", "seq1f1b-zb-h2", "1f1b-interleaved", "seq1f1b-interleaved",
+                 "seq1f1b-interleaved-zb-h1", "1f1b-interleaved-recompute")
+INTERLEAVED = ("1f1b-interleaved", "seq1f1b-interleaved", "seq1f1b-interleaved-zb-h1",
+               "1f1b-interleaved-recompute")
+# Zero-bubble rows (balanced partition) and the memory-matched baseline run when named.
+OPT_IN = ("seq1f1b-zb-h1", "seq1f1b-zb-h2", "seq1f1b-interleaved-zb-h1",
+          "1f1b-interleaved-recompute")
+ZERO_BUBBLE = ("zb-h1", "zb-h2")
 
 
 @dataclass
@@ -34,6 +39,7 @@ class BenchSchedule:
     timeline: dict | None = None
     prediction: dict | None = None
     recompute: bool = False  # full activation recompute (Megatron's, one layer at a time)
+    schedule: str = "1f1b"  # Seq1F1B's variant: "1f1b", or zero bubble "zb-h1" / "zb-h2"
 
     @contextlib.contextmanager
     def options(self) -> Iterator[None]:
@@ -88,16 +94,22 @@ def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout],
                                   recompute=recompute)
             sched.fb = msched.get_forward_backward_func(args.pp, args.vpp if interleaved else None)
         else:
+            variant = next((z for z in ZERO_BUBBLE if key.endswith(z)), "1f1b")
             if key == "seq1f1b-k1":
                 k, partition = 1, "uniform"
-            elif key == "seq1f1b-interleaved":
+            elif key.startswith("seq1f1b-interleaved"):
                 k, partition = args.splits, args.interleaved_partition
+            elif variant != "1f1b":
+                k, partition = args.splits, "balanced"
             else:
                 k, partition = args.splits, key.split("-")[1]
             lengths = segment_lengths(args, k, partition, layout, vocab_size)
             name = "interleaved Seq1F1B" if interleaved else "Seq1F1B"
             label = f"{name} k={k}" + (f" {partition}" if k > 1 else "") + v
-            sched = BenchSchedule(key, label, layout, False, k, partition, lengths)
-            sched.fb = s1.get_forward_backward_func(k, partition, split_lengths=lengths)
+            label += f" {variant.upper()}" if variant != "1f1b" else ""
+            sched = BenchSchedule(key, label, layout, False, k, partition, lengths,
+                                  schedule=variant)
+            sched.fb = s1.get_forward_backward_func(k, partition, split_lengths=lengths,
+                                                    schedule=variant)
         made.append(sched)
     return made

@@ -148,10 +148,27 @@ def _larger_pipelines(predictions: list[dict], calibration: dict) -> list[str]:
     return lines
 
 
+def _zero_bubble_table(rows: list[dict]) -> list[str]:
+    compared = [r for r in rows if r.get("vs_seq1f1b")]
+    if not compared:
+        return []
+    lines = ["", "## Zero bubble against Seq1F1B", "",
+             "| schedule | against | tokens/s × | paired × (min–max) | measured bubble × | "
+             "stage-0 peak memory × |", "|---|---|---:|---:|---:|---:|"]
+    for r in compared:
+        v = r["vs_seq1f1b"]
+        low, high = v["paired_range"]
+        lines.append(f"| {r['label']} | {v['key']} | {v['speedup']:.3f} | "
+                     f"{v['paired_speedup']:.3f} ({low:.2f}–{high:.2f}) | "
+                     f"{_num(v['bubble_ratio'], '.2f')} | {_num(v['stage0_peak_ratio'], '.2f')} |")
+    return lines
+
+
 def markdown(rows: list[dict], args: argparse.Namespace, meta: dict, calibration: dict | None,
              predictions: list[dict]) -> str:
     """The whole results.md."""
     lines = _header(args, meta) + _schedule_table(rows, meta)
+    lines += _zero_bubble_table(rows)
     lines += _timeline_table(rows, args.timeline_runs)
     if calibration:
         lines += _calibration_section(rows, calibration)

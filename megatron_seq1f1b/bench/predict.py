@@ -32,11 +32,13 @@ Variant = tuple[str, Optional[float], bool]
 
 def predict(ordered_fits: list[dict], p: int, m: int, lengths: list[int], v: int,
             quadratic: str, recompute: bool = False, cores: float | None = None,
-            latency: float = 0.0) -> SimResult:
+            latency: float = 0.0, variant: str = "1f1b") -> SimResult:
     """Simulated iteration with fitted costs: simulate(), or pipeline_replay() when p2p
-    latency or shared cores (fewer than p) are modelled."""
-    schedule = build_schedule(p, m, len(lengths), v)
-    cost = fitted_cost(ordered_fits, lengths, p, quadratic, recompute)
+    latency or shared cores (fewer than p) are modelled. ``variant``: Seq1F1B's schedule
+    ("1f1b", "zb-h1", "zb-h2")."""
+    schedule = build_schedule(p, m, len(lengths), v, schedule=variant)
+    cost = fitted_cost(ordered_fits, lengths, p, quadratic, recompute,
+                       split_backward=variant != "1f1b")
     if cores is not None and cores >= p:
         cores = None
     if cores is None and not latency:
@@ -82,7 +84,8 @@ def predict_measured(schedules: list[BenchSchedule], ordered_for: Callable[[str,
         latency = message_latency(p2p_fit, s.lengths, args.micro_batch_size, layout.config) \
             if with_latency and p2p_fit else 0.0
         result = predict(ordered_for(mode, layout.name), args.pp, args.microbatches,
-                         s.lengths, layout.chunks, quadratic, s.recompute, cores, latency)
+                         s.lengths, layout.chunks, quadratic, s.recompute, cores, latency,
+                         s.schedule)
         median = statistics.median(s.times)
         entries[s.key] = {
             "makespan_s": result.makespan, "bubble_fraction": result.bubble_fraction,
@@ -97,26 +100,26 @@ def predict_larger(schedules: list[BenchSchedule], args: argparse.Namespace,
                    plain_order: list[dict], inter_order: list[dict] | None,
                    quadratic: str) -> list[dict]:
     """Weak scaling to --predict-pp x --predict-microbatches with one device per stage."""
-    seq_lengths = {s.key: s.lengths for s in schedules}
-    candidates = [("1f1b", [args.seq_length], 1)]
-    for key in ("seq1f1b-uniform", "seq1f1b-balanced"):
-        if key in seq_lengths:
-            candidates.append((key, seq_lengths[key], 1))
+    seq = {s.key: s for s in schedules}
+    candidates = [("1f1b", [args.seq_length], 1, "1f1b")]
+    for key in ("seq1f1b-uniform", "seq1f1b-balanced", "seq1f1b-zb-h1", "seq1f1b-zb-h2"):
+        if key in seq:
+            candidates.append((key, seq[key].lengths, 1, seq[key].schedule))
     if inter_order is not None:
-        candidates.append(("1f1b-interleaved", [args.seq_length], args.vpp))
-        if "seq1f1b-interleaved" in seq_lengths:
-            candidates.append(("seq1f1b-interleaved", seq_lengths["seq1f1b-interleaved"],
-                               args.vpp))
+        candidates.append(("1f1b-interleaved", [args.seq_length], args.vpp, "1f1b"))
+        for key in ("seq1f1b-interleaved", "seq1f1b-interleaved-zb-h1"):
+            if key in seq:
+                candidates.append((key, seq[key].lengths, args.vpp, seq[key].schedule))
     predictions = []
     for p_ in args.predict_pp:
         for m_ in args.predict_microbatches:
             row = {"p": p_, "m": m_, "schedules": {}}
-            for key, lengths, v in candidates:
+            for key, lengths, v, variant in candidates:
                 if v > 1 and p_ < 2:
                     continue
                 order = plain_order if v == 1 else inter_order
                 stage_fits = extrapolated_fits(order, p_ * v)
-                result = predict(stage_fits, p_, m_, lengths, v, quadratic)
+                result = predict(stage_fits, p_, m_, lengths, v, quadratic, variant=variant)
                 row["schedules"][key] = {"makespan_s": result.makespan,
                                          "bubble_fraction": result.bubble_fraction,
                                          "peak_inflight_rank0_units": result.peak_inflight[0]}

@@ -49,4 +49,23 @@ def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict
             r[f"peak_ratio_{name}"] = [
                 (x / y if y else None) for x, y in zip(r["peak_bytes_per_stage"],
                                                       b["peak_bytes_per_stage"])]
+    for r in rows:  # zero-bubble rows against the Seq1F1B schedule they refine
+        ref = by_key.get(SEQ1F1B_OF.get(r["key"], ""))
+        if ref is None:
+            continue
+        paired = [bt / t for bt, t in zip(ref["times_s"], r["times_s"])]
+        r["vs_seq1f1b"] = {
+            "key": ref["key"], "speedup": r["tokens_per_s"] / ref["tokens_per_s"],
+            "paired_speedup": statistics.median(paired), "paired_range": [min(paired), max(paired)],
+            "stage0_peak_ratio": (r["peak_bytes_per_stage"][0] / ref["peak_bytes_per_stage"][0]
+                                  if ref["peak_bytes_per_stage"][0] else None),
+            "bubble_ratio": (r["timeline"]["bubble_fraction"] / ref["timeline"]["bubble_fraction"]
+                             if r.get("timeline") and ref.get("timeline")
+                             and ref["timeline"]["bubble_fraction"] else None),
+        }
     return rows
+
+
+# Zero-bubble rows and the Seq1F1B row each is compared with.
+SEQ1F1B_OF = {"seq1f1b-zb-h1": "seq1f1b-balanced", "seq1f1b-zb-h2": "seq1f1b-balanced",
+              "seq1f1b-interleaved-zb-h1": "seq1f1b-interleaved"}

@@ -101,7 +101,7 @@ def record_timeline(sched: BenchSchedule, batches: list, args: argparse.Namespac
                      on_start=lambda: recorder.begin(dist.get_rank()))
     else:
         fb = s1.get_forward_backward_func(sched.k, sched.partition, split_lengths=sched.lengths,
-                                          recorder=recorder)
+                                          recorder=recorder, schedule=sched.schedule)
         run_once(sched, batches, args, forward_step, memory, fb=fb)
     return recorder.gather(-1, group=group)
 
