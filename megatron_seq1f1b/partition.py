@@ -69,6 +69,16 @@ class CostModel:
         """Forward FLOPs of ``length`` tokens ending at position ``end``."""
         return self.per_token * length + self.per_pair * self.pairs(length, end)
 
+    def backward_parts(self, length: float, end: float) -> tuple[float, float]:
+        """(input-gradient, weight-gradient) FLOPs of the segment's backward.
+
+        Weight gradients are the linear layers' GEMMs (as many FLOPs as their
+        forward); input gradients repeat those GEMMs and attention twice
+        (scores and values, each differentiated both ways).
+        """
+        linear = self.per_token * length
+        return linear + 2 * self.per_pair * self.pairs(length, end), linear
+
     def split_costs(self, lengths: list[int]) -> list[float]:
         costs, end = [], 0
         for length in lengths:

@@ -243,11 +243,15 @@ def plan_steps(
     schedule: Sequence[Sequence[Action]],
     num_model_chunks: int | None = None,
     warmups: Sequence[int] | None = None,
+    cost: Callable[[Action, int], float] | None = None,
 ) -> list[list[Step]]:
     """Steps of every rank. Interleaved schedules pair steady-state (F, B) slots.
 
     ``warmups`` (forwards before the steady state, per rank) default to the
-    interleaved builder's when there are several model chunks.
+    interleaved builder's when there are several model chunks. ``cost``
+    (action, rank) -> time places the receives; default F 1 and B 2, or
+    F = B = W = 1 when W is split off. The plan is deadlock-free for any
+    positive costs only as far as the validator's replay says: validate it.
     """
     num_stages, m, k, chunks = schedule_shape(schedule)
     topo = Topology(num_stages, num_model_chunks or max(chunks, 1))
@@ -261,7 +265,11 @@ def plan_steps(
                        for r in range(num_stages)]
     slots = [slots_of(actions, None if warmups is None else warmups[rank])
              for rank, actions in enumerate(schedule)]
-    return plan_slots(slots, topo, _split_unit_cost if split else _unit_cost)
+    if cost is None:
+        slot_cost = _split_unit_cost if split else _unit_cost
+    else:
+        slot_cost = lambda action: cost(action, 0)  # noqa: E731 - the same on every rank
+    return plan_slots(slots, topo, slot_cost)
 
 
 __all__ = [

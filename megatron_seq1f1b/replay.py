@@ -82,8 +82,15 @@ def replay(
     steps: Sequence[Sequence[Step]],
     cost: CostFn | None = None,
     comm_latency: float = 0.0,
+    send_slack: int = 0,
 ) -> Timeline:
-    """Run all ranks' steps under rendezvous semantics; raise DeadlockError if stuck."""
+    """Run all ranks' steps under rendezvous semantics; raise DeadlockError if stuck.
+
+    ``send_slack=1`` times a runtime whose compute waits only for a step's
+    receives and finishes the step's sends at the next step (where the
+    transport lets it, see :mod:`megatron_seq1f1b.p2p`); a plan that replays
+    without deadlock with ``send_slack=0`` also does with 1.
+    """
     cost = cost or (lambda action, rank: 1.0)
     sent, received = index_messages(steps)
     num_ranks = len(steps)
@@ -94,13 +101,23 @@ def replay(
     def counterpart(msg: Message, sending: bool) -> tuple[int, int]:
         return received[msg] if sending else sent[msg]
 
+    def waited_for(rank: int, i: int):
+        """(message, sending) pairs step i of `rank` waits for before its compute."""
+        step = steps[rank][i]
+        pairs = [(msg, False) for msg in step.recvs]
+        owed = i if send_slack == 0 else i - send_slack
+        if 0 <= owed:
+            pairs += [(msg, True) for msg in steps[rank][owed].sends]
+        if send_slack and i == len(steps[rank]) - 1:  # nothing left behind at the end
+            pairs += [(msg, True) for j in range(max(owed + 1, 0), i + 1)
+                      for msg in steps[rank][j].sends]
+        return pairs
+
     def ready(rank: int) -> bool:
-        step = steps[rank][position[rank]]
-        for sending, messages in ((True, step.sends), (False, step.recvs)):
-            for msg in messages:
-                peer, peer_step = counterpart(msg, sending)
-                if position[peer] < peer_step:
-                    return False
+        for msg, sending in waited_for(rank, position[rank]):
+            peer, peer_step = counterpart(msg, sending)
+            if position[peer] < peer_step:
+                return False
         return True
 
     remaining = sum(len(s) for s in steps)
@@ -112,10 +129,9 @@ def replay(
                 step = steps[rank][i]
                 now = arrival[rank][i]
                 done = now
-                for sending, messages in ((True, step.sends), (False, step.recvs)):
-                    for msg in messages:
-                        peer, peer_step = counterpart(msg, sending)
-                        done = max(done, arrival[peer][peer_step])
+                for msg, sending in waited_for(rank, i):
+                    peer, peer_step = counterpart(msg, sending)
+                    done = max(done, arrival[peer][peer_step])
                 if step.sends or step.recvs:
                     done += comm_latency
                 if done > now:

@@ -43,7 +43,13 @@ from megatron_seq1f1b.actions import (
 )
 from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM, interleaved_orders
 from megatron_seq1f1b.interleaved import warmup_forwards as interleaved_warmup
-from megatron_seq1f1b.zero_bubble import VARIANTS, build_zero_bubble, plan_variant
+from megatron_seq1f1b.zero_bubble import (
+    VARIANTS,
+    SegmentCosts,
+    build_zero_bubble,
+    plan_variant,
+    segment_cost_fn,
+)
 
 __all__ = [
     "FORWARD", "BACKWARD", "WEIGHT", "Action", "F", "B", "W", "Schedule", "ScheduleError",
@@ -91,12 +97,14 @@ def build_schedule(
     *,
     forward_only: bool = False,
     schedule: str = "1f1b",
+    costs: SegmentCosts | None = None,
 ) -> Schedule:
     """Per-rank action lists of Seq1F1B (interleaved when ``num_model_chunks > 1``).
 
     ``schedule``: ``"1f1b"`` (Seq1F1B), or a zero-bubble variant (``"zb-h1"``,
     ``"zb-h2"``: see :mod:`megatron_seq1f1b.zero_bubble`) that keeps Seq1F1B's
-    orders and adds ``W`` actions. Forward-only schedules are the same for all.
+    orders and adds ``W`` actions, placed for per-segment ``costs`` (F, B, W;
+    default all equal). Forward-only schedules are the same for all.
     """
     _check_sizes(num_stages, num_microbatches, num_splits, num_model_chunks)
     if schedule not in SCHEDULES:
@@ -116,4 +124,5 @@ def build_schedule(
     if schedule == "1f1b":
         return [one_forward_one_backward(forwards, backwards, w) for w in warmups]
     zb_warmups, caps = plan_variant(schedule, warmups, len(forwards))
-    return build_zero_bubble(forwards, backwards, zb_warmups, caps, v)
+    cost = segment_cost_fn(costs) if costs is not None else None
+    return build_zero_bubble(forwards, backwards, zb_warmups, caps, v, cost)

@@ -68,15 +68,22 @@ def segment_cost(
     """Cost proportional to a segment's FLOPs (linear part + causal attention).
 
     Normalized so that the mean forward of a segment costs 1. With
-    ``split_backward`` (zero-bubble schedules) B and W each cost half of the
-    backward.
+    ``split_backward`` (zero-bubble schedules) B and W get the input- and
+    weight-gradient FLOPs (:meth:`CostModel.backward_parts`), scaled so that
+    B + W = ``backward_ratio`` x forward.
     """
     flops = model.split_costs(list(lengths))
-    mean = sum(flops) / len(flops)
-    forward = [f / mean / num_model_chunks for f in flops]
-    backward = backward_ratio / 2 if split_backward else backward_ratio
-    ratio = {"F": 1.0, "B": backward, "W": backward_ratio / 2}
-    return lambda a, rank: forward[a.segment] * ratio[a.kind]
+    mean = sum(flops) / len(flops) * num_model_chunks
+    table = {}
+    end = 0
+    for segment, (length, forward) in enumerate(zip(lengths, flops)):
+        end += length
+        input_grads, weight_grads = model.backward_parts(length, end)
+        scale = backward_ratio * forward / (input_grads + weight_grads)
+        backward = (input_grads * scale, weight_grads * scale) if split_backward \
+            else (backward_ratio * forward, 0.0)
+        table[segment] = {"F": forward / mean, "B": backward[0] / mean, "W": backward[1] / mean}
+    return lambda a, rank: table[a.segment][a.kind]
 
 
 def peak_inflight(actions: Sequence[Action]) -> int:

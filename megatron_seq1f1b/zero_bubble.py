@@ -14,7 +14,9 @@ simulated clock inserts the ``W`` of each backward, in backward order:
   ``F`` and ``cap`` units are already in flight on the rank (forwarded,
   weight gradient not yet computed: a pending ``W`` still holds the inputs
   and output gradients of its layers);
-* otherwise the oldest pending ``W`` runs; otherwise the rank waits.
+* otherwise the oldest pending ``W`` runs if the cap demands it, or if it
+  ends before that input can arrive (a ``W`` that overlaps the arrival would
+  delay the critical path); otherwise the rank waits.
 
 The variants differ in warm-up and cap:
 
@@ -58,6 +60,15 @@ CostFn = Callable[[Action, int], float]
 def unit_cost(action: Action, rank: int) -> float:
     """``F = B = W = 1``: the zero-bubble paper's reference point."""
     return 1.0
+
+
+SegmentCosts = Sequence[tuple[float, float, float]]  # per segment: (F, B, W)
+
+
+def segment_cost_fn(costs: SegmentCosts) -> CostFn:
+    """cost(action, rank) from per-segment (F, B, W) costs, the same on every rank."""
+    index = {FORWARD: 0, "B": 1, WEIGHT: 2}
+    return lambda action, rank: costs[action.segment][index[action.kind]]
 
 
 def plan_variant(variant: str, seq1f1b_warmups: Sequence[int],
@@ -128,34 +139,46 @@ def build_zero_bubble(
              for w, cap in zip(warmups, caps)]
     done: dict[tuple[Action, int], float] = {}  # (action, rank) -> end time
 
-    def input_ready(action: Action, rank: int) -> float | None:
-        """When `action`'s input exists (None: its producer is not scheduled yet)."""
+    def producer(action: Action, rank: int) -> tuple[Action, int] | None:
+        """The action whose result `action` needs (None: the pipeline's first input)."""
         stage = action.chunk * p + rank
         if action.kind == FORWARD:
             if stage == 0:
-                return 0.0
+                return None
             src = stage - 1
-            return done.get((action._replace(chunk=src // p), src % p))
+            return action._replace(chunk=src // p), src % p
         if stage == last_stage:  # the loss needs the micro-batch's last segment forwarded
-            forward = Action(FORWARD, action.microbatch, last_segment, action.chunk)
-            return done.get((forward, rank))
+            return Action(FORWARD, action.microbatch, last_segment, action.chunk), rank
         dst = stage + 1
-        return done.get((action._replace(chunk=dst // p), dst % p))
+        return action._replace(chunk=dst // p), dst % p
+
+    def arrival(action: Action, rank: int) -> tuple[float | None, float]:
+        """(when `action`'s input exists or None if not scheduled yet, earliest it can)."""
+        source = producer(action, rank)
+        if source is None:
+            return 0.0, 0.0
+        if source in done:
+            return done[source], done[source]
+        src_action, src_rank = source
+        return None, ranks[src_rank].free_at + cost(src_action, src_rank)
 
     def next_event(state: _Rank, rank: int) -> tuple[float, Action] | None:
         now = state.free_at
-        if state.position < len(state.order):
-            action = state.order[state.position]
-            ready = input_ready(action, rank)
-            full = action.kind == FORWARD and state.forwarded - state.weighted >= state.cap
-            if ready is not None and ready <= now and not full:
-                return now, action
-            if state.pending:
-                return now, state.pending[0]
-            if ready is None or full:
-                return None
-            return ready, action
-        return (now, state.pending[0]) if state.pending else None
+        weight = state.pending[0] if state.pending else None
+        if state.position == len(state.order):
+            return (now, weight) if weight else None
+        action = state.order[state.position]
+        ready, earliest = arrival(action, rank)
+        full = action.kind == FORWARD and state.forwarded - state.weighted >= state.cap
+        if ready is not None and ready <= now and not full:
+            return now, action
+        # A W runs when memory demands it or when it surely ends before the input arrives:
+        # a W that overlaps the arrival would delay the critical path.
+        if weight and (full or earliest >= now + cost(weight, rank)):
+            return now, weight
+        if ready is None or full:
+            return None
+        return ready, action
 
     while not all(state.finished for state in ranks):
         events = [(event, r) for r, state in enumerate(ranks) if not state.finished
