@@ -155,7 +155,7 @@ class _Pipeline:
         tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
         self.shapes = [(n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths]
         actions = [a for step in steps for a in step.actions]
-        self.weight_grads = wgrad.WeightGradStore() if splits_backward([actions]) else None
+        self.weight_grads = wgrad.WeightGradStore(chunks) if splits_backward([actions]) else None
         self.final_grad_actions, self.last_grad_action = self._final_grad_actions(actions)
         self.checkpoint_window = self._checkpoint_window()
 
@@ -402,8 +402,10 @@ def forward_backward(
         raise_if(interleaved_problems(pp_size, num_microbatches, num_splits, len(chunks),
                                       schedule, forward_only))
     if schedule != "1f1b" and not forward_only:
-        raise_if(wgrad.deferral_problems(chunks))
+        raise_if(wgrad.deferral_problems(chunks, num_splits))
         wgrad.install()
+    elif not forward_only:
+        raise_if(wgrad.without_w_problems(chunks))
 
     if pp_size > 1:
         _agree_across_stages(pg_collection.pp, num_microbatches, lengths, len(chunks),

@@ -32,6 +32,10 @@ the weight, fires none of them. With
 Megatron's own backward does. Outside :func:`deferring` the layers run
 Megatron's forward and backward unchanged.
 
+Transformer Engine layers defer their own weight GEMMs when built with
+``delay_wgrad_compute=True``; the store learns each chunk's such layers and a
+unit's W calls their ``backward_dw()`` (:mod:`megatron_seq1f1b.te_wgrad`).
+
 :func:`install` swaps Megatron's linear ``autograd.Function`` for a subclass
 (same forward, same saved tensors); it is idempotent and changes nothing
 until a store collects.
@@ -41,10 +45,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_seq1f1b import te_wgrad
 
 _collecting: "deque | None" = None  # the open unit's queue, only inside input_grads_only()
 _deferring = False  # only inside deferring(): a zero-bubble iteration
@@ -53,8 +59,9 @@ _deferring = False  # only inside deferring(): a zero-bubble iteration
 class WeightGradStore:
     """Weight-gradient work of one iteration, queued per unit in backward order."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunks: Sequence[torch.nn.Module] = ()) -> None:
         self._pending: dict[tuple, deque] = {}
+        self._te = te_wgrad.DelayedLayers(chunks)  # the chunks' delayed TE layers, if any
 
     @contextlib.contextmanager
     def input_grads_only(self, unit: tuple) -> Iterator[None]:
@@ -63,11 +70,13 @@ class WeightGradStore:
         if unit in self._pending:
             raise RuntimeError(f"Seq1F1B: weight gradients of unit {unit} collected twice")
         outer = _collecting
-        _collecting = self._pending[unit] = deque()
+        _collecting = work = self._pending[unit] = deque()
+        te_before = self._te.snapshot(unit)
         try:
             yield
         finally:
             _collecting = outer
+        work.extend(self._te.queued_by(unit, te_before))
 
     def run(self, unit: tuple) -> int:
         """The unit's W: compute and deliver its weight gradients; returns how many."""
@@ -84,11 +93,18 @@ class WeightGradStore:
         return list(self._pending)
 
     def close(self) -> None:
-        """End of iteration: every collected unit must have run its W."""
-        left = self.pending_units()
+        """End of iteration: every collected unit must have run its W, every TE queue drained."""
+        left, te_left = self.pending_units(), self._te.leftovers()
         self._pending.clear()
+        self._te.clear()
         if left:
             raise RuntimeError(f"Seq1F1B: weight gradients of units {left} were never computed")
+        if te_left:
+            raise RuntimeError(
+                "Seq1F1B: Transformer Engine layers kept delayed weight gradients that no W "
+                f"computed ({'; '.join(te_left)}): a layer ran backward more than once in a unit, "
+                "or outside the schedule's B"
+            )
 
 
 def collecting() -> bool:
@@ -222,23 +238,14 @@ def deferring() -> Iterator[None]:
         _deferring = outer
 
 
-def deferral_problems(chunks) -> list[str]:
-    """Layers whose weight gradients a zero-bubble schedule cannot defer (yet)."""
-    from megatron_seq1f1b.model import unwrap
+def deferral_problems(chunks, num_splits: int | None = None) -> list[str]:
+    """Layers whose weight gradients a zero-bubble schedule cannot defer correctly."""
+    return te_wgrad.problems(chunks, num_splits)
 
-    te_layers = sorted({
-        type(module).__name__
-        for chunk in chunks for module in unwrap(chunk).modules()
-        if type(module).__name__.startswith("TE") and "Linear" in type(module).__name__
-    })
-    if not te_layers:
-        return []
-    return [
-        f"zero-bubble schedules defer the weight gradients of Megatron-Core's own linear "
-        f"layers; this model has Transformer Engine linear layers ({', '.join(te_layers)}), "
-        "whose weight gradients would stay in B: build it with the local layer spec, or use "
-        "schedule='1f1b'"
-    ]
+
+def without_w_problems(chunks) -> list[str]:
+    """Layers that defer their weight gradients although the schedule has no W."""
+    return te_wgrad.without_w_problems(chunks)
 
 
 def install() -> None:
@@ -254,4 +261,4 @@ def install() -> None:
 
 
 __all__ = ["WeightGradStore", "collecting", "deferral_problems", "deferring", "deliver",
-           "install"]
+           "install", "without_w_problems"]
