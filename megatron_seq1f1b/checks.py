@@ -157,7 +157,10 @@ def executor_problems(chunks, iterators, config, num_microbatches, num_splits, l
     if getattr(config, "fine_grained_activation_offloading", False):
         problems.append("fine-grained activation offloading is not supported")
     if num_splits > 1:
+        from megatron_seq1f1b.te_wgrad import first_microbatch_problems
+
         problems += model_config_problems(config)
+        problems += first_microbatch_problems(chunks, num_splits)
         if not model_enabled:
             problems.append(
                 "the model is not prepared for segments: call megatron_seq1f1b.enable(model) "

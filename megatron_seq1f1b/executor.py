@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import itertools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -36,8 +38,11 @@ from megatron_seq1f1b import plan as plan_mod
 from megatron_seq1f1b.checks import executor_problems, raise_if, segment_multiple
 from megatron_seq1f1b.loss import SegmentLosses
 from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled
-from megatron_seq1f1b.p2p import Peers, exchange
-from megatron_seq1f1b.partition import METHODS, split_sequence
+from megatron_seq1f1b.p2p import InFlight, Peers, exchange
+from megatron_seq1f1b.partition import METHODS, CostModel, split_sequence
+from megatron_seq1f1b.replay import replay
+from megatron_seq1f1b.validate import check_link_order
+from megatron_seq1f1b.zero_bubble import segment_cost_fn
 from megatron_seq1f1b.schedule import SCHEDULES, Action, build_schedule, splits_backward
 from megatron_seq1f1b.segments import SegmentData, SegmentRun
 
@@ -45,18 +50,44 @@ from megatron_seq1f1b.segments import SegmentData, SegmentRun
 @functools.lru_cache(maxsize=64)
 def pipeline_steps(
     num_stages: int, num_microbatches: int, num_splits: int, num_chunks: int, forward_only: bool,
-    schedule: str = "1f1b",
+    schedule: str = "1f1b", costs: tuple | None = None,
 ) -> tuple:
-    """Every rank's steps (a pure function of the sizes; cached across iterations)."""
+    """Every rank's steps (a pure function of the sizes; cached across iterations).
+
+    ``costs``: per-segment (F, B, W) estimates that place zero-bubble W actions and
+    the receives; a plan built from them is replayed (validated) before use.
+    """
     actions = build_schedule(num_stages, num_microbatches, num_splits, num_chunks,
-                             forward_only=forward_only, schedule=schedule)
-    return tuple(tuple(rank) for rank in plan_mod.plan_steps(actions, num_chunks))
+                             forward_only=forward_only, schedule=schedule, costs=costs)
+    cost = segment_cost_fn(costs) if costs is not None and not forward_only else None
+    steps = plan_mod.plan_steps(actions, num_chunks, cost=cost)
+    if cost is not None:
+        check_link_order(steps)
+        replay(steps)
+    return tuple(tuple(rank) for rank in steps)
 
 
 def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only, rank,
-               schedule: str = "1f1b") -> tuple:
+               schedule: str = "1f1b", costs: tuple | None = None) -> tuple:
     return pipeline_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only,
-                          schedule)[rank]
+                          schedule, costs)[rank]
+
+
+def zero_bubble_costs(lengths, chunks, config, vocab_size) -> tuple:
+    """Per-segment (F, B, W) of this model from its FLOPs (:class:`CostModel`), mean F = 1.
+
+    W is the linear layers' weight GEMMs; B repeats those GEMMs for the input
+    gradients and differentiates attention. Rounded so every rank derives the
+    same numbers (and the same schedule) from the same configuration.
+    """
+    model = CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks))
+    forwards = model.split_costs(list(lengths))
+    mean = sum(forwards) / len(forwards)
+    ends = itertools.accumulate(lengths)
+    return tuple(
+        (round(f / mean, 4),) + tuple(round(x / mean, 4) for x in model.backward_parts(n, end))
+        for f, n, end in zip(forwards, lengths, ends)
+    )
 
 
 def resolve_lengths(num_splits: int, partition: str, split_lengths, seq_length: int, chunks,
@@ -95,7 +126,8 @@ def _process_groups(config, p2p_communicator, pg_collection):
     return p2p_communicator, pg_collection
 
 
-def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forward_only):
+def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forward_only,
+                         schedule="1f1b", costs=None):
     """All pipeline ranks run the same schedule; otherwise fail before any p2p message.
 
     One tiny all-gather per iteration: mismatched segment shapes would
@@ -105,8 +137,9 @@ def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forwar
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
+    plan = repr((tuple(lengths), schedule, costs)).encode()
     mine = [num_microbatches, len(lengths), num_chunks, int(forward_only), sum(lengths),
-            hash(tuple(lengths)) % (2**61)]
+            int.from_bytes(hashlib.sha256(plan).digest()[:7], "big")]
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = torch.empty(pp_group.size() * len(mine), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(gathered, local, group=pp_group)
@@ -115,9 +148,9 @@ def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forwar
     if differ:
         raise_if([
             f"pipeline stages {differ} run a different schedule than stage 0 (micro-batches, "
-            f"segments, lengths, chunks or forward_only differ: {rows[0]} vs "
+            f"segments, lengths, schedule, chunks or forward_only differ: {rows[0]} vs "
             f"{[rows[d] for d in differ]}); this stage has m={num_microbatches}, "
-            f"lengths={list(lengths)}"
+            f"lengths={list(lengths)}, schedule={schedule}"
         ])
 
 
@@ -298,14 +331,15 @@ class _Pipeline:
 
         deallocate = self.config.deallocate_pipeline_outputs
         record = self.recorder.begin(self.peers.global_rank) if self.recorder else None
+        in_flight = InFlight(
+            lambda output: deallocate_output_tensor(output, deallocate))
         sent_outputs = []
         for index, step in enumerate(self.steps):
             start = self.recorder.now() if record is not None else 0.0
-            self.inbox.update(exchange(step, index, self.peers, self.outgoing, self.make_buffer))
+            self.inbox.update(exchange(step, index, self.peers, self.outgoing, self.make_buffer,
+                                       in_flight, sent_outputs))
             if record is not None and (step.sends or step.recvs):
                 self.recorder.wait(start, index)
-            for output in sent_outputs:
-                deallocate_output_tensor(output, deallocate)
             sent_outputs = []
             for action in step.actions:
                 start = self.recorder.now() if record is not None else 0.0
@@ -322,6 +356,8 @@ class _Pipeline:
                             sent_outputs.append(output)
                 elif action.is_backward:
                     input_tensor, output = self.stash.pop(action.unit)
+                    if in_flight.holds(output):  # its send must finish before it is freed
+                        in_flight.finish(self.peers)
                     grad = self.backward(action, input_tensor, output, incoming)
                     if out_msg is not None:
                         self.outgoing[out_msg] = grad
@@ -329,6 +365,10 @@ class _Pipeline:
                     self.weight(action)
                 if record is not None:
                     self.recorder.compute(start, action, index, len(self.stash))
+        start = self.recorder.now() if record is not None else 0.0
+        in_flight.finish(self.peers)
+        if record is not None:
+            self.recorder.wait(start, len(self.steps))
 
     def close(self) -> None:
         self.run.close()
@@ -407,11 +447,14 @@ def forward_backward(
     elif not forward_only:
         raise_if(wgrad.without_w_problems(chunks))
 
+    costs = None
+    if schedule != "1f1b" and not forward_only:
+        costs = zero_bubble_costs(lengths, chunks, config, vocab_size)
     if pp_size > 1:
         _agree_across_stages(pg_collection.pp, num_microbatches, lengths, len(chunks),
-                             forward_only)
+                             forward_only, schedule, costs)
     steps = rank_steps(pp_size, num_microbatches, num_splits, len(chunks), forward_only, pp_rank,
-                       schedule)
+                       schedule, costs)
     peers = Peers.build(p2p_communicator, config)
     pipeline = _Pipeline(
         forward_step_func=forward_step_func, chunks=chunks, iterators=iterators, config=config,

@@ -151,16 +151,7 @@ def _chunk_problems(chunk: torch.nn.Module, num_splits: int | None) -> list[str]
             "Engine or schedule='1f1b'"
         )
     found += _ddp_problems(chunk, delayed)
-    overwriting = [(n, m) for n, m in delayed if getattr(m, "fuse_wgrad_accumulation", False)
-                   and getattr(m, "disable_parameter_transpose_cache", True) is False]
-    if overwriting and num_splits != 1:
-        found.append(
-            f"gradient_accumulation_fusion on {_names(overwriting)}: Megatron marks the first "
-            "forward of an iteration (segment 0 of micro-batch 0) is_first_microbatch, and TE's "
-            "weight GEMM for it overwrites main_grad instead of adding; its W runs after those "
-            "of the micro-batch's later segments, whose gradients it would erase; set "
-            "disable_parameter_transpose_cache=True or gradient_accumulation_fusion=False"
-        )
+    found += _overwrite_problems(delayed, num_splits)
     biased = [(n, m) for n, m in delayed if getattr(m, "use_bias", False)]
     if biased:
         found.append(
@@ -177,6 +168,25 @@ def _chunk_problems(chunk: torch.nn.Module, num_splits: int | None) -> list[str]
             "would never fire; disable use_te_op_fuser for zero-bubble schedules"
         )
     return found
+
+
+def _overwrite_problems(layers: Sequence[Named], num_splits: int | None) -> list[str]:
+    overwriting = [(n, m) for n, m in layers if getattr(m, "fuse_wgrad_accumulation", False)
+                   and getattr(m, "disable_parameter_transpose_cache", True) is False]
+    if not overwriting or num_splits == 1:
+        return []
+    return [
+        f"gradient_accumulation_fusion on {_names(overwriting)}: Megatron marks the first "
+        "forward of an iteration (segment 0 of micro-batch 0) is_first_microbatch, and TE's "
+        "weight GEMM for it overwrites main_grad instead of adding; its backward runs after "
+        "those of the micro-batch's later segments, whose gradients it would erase; set "
+        "disable_parameter_transpose_cache=True or gradient_accumulation_fusion=False"
+    ]
+
+
+def first_microbatch_problems(chunks: Iterable[torch.nn.Module], num_splits: int) -> list[str]:
+    """Every schedule with segments: TE layers whose first-micro-batch GEMM overwrites."""
+    return [p for chunk in chunks for p in _overwrite_problems(te_linears(chunk), num_splits)][:1]
 
 
 def _ddp_problems(chunk: torch.nn.Module, delayed: list[Named]) -> list[str]:

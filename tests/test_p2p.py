@@ -68,3 +68,52 @@ def test_failure_names_rank_step_and_messages(monkeypatch):
     text = str(error.value)
     assert "rank 11 (pipeline stage 1)" in text and "step 7" in text
     assert "send act 1.0 1->2" in text and "receive grad 0.1 2->1" in text
+
+
+class _Pending:
+    """A send that completes only when waited for; records the order of events."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait(self):
+        self.log.append(f"wait {self.name}")
+
+
+def test_sends_finish_at_the_next_step_where_each_operation_has_a_work(monkeypatch):
+    """gloo: the step waits for its receive only; the send (and freeing the sent output)
+    completes at the next exchange. A coalesced batch (one work) is waited whole."""
+    from megatron_seq1f1b.p2p import InFlight
+
+    log = []
+    monkeypatch.setattr(dist, "P2POp", _Op)
+    monkeypatch.setattr(dist, "batch_isend_irecv",
+                        lambda ops: [_Pending(log, f"{op.op.__name__}") for op in ops])
+    freed = []
+    in_flight = InFlight(lambda tensor: freed.append(tensor))
+    step = _step()
+    sent = torch.ones(2, 1, 4)
+    exchange(step, 7, _peers(), {step.sends[0]: sent}, lambda m: torch.zeros(2, 1, 4),
+             in_flight, [sent])
+    assert log == ["wait irecv"] and freed == [] and in_flight.holds(sent)
+    exchange(Step((), (), (F(3, 0),)), 8, _peers(), {}, lambda m: None, in_flight)
+    assert log == ["wait irecv", "wait isend"] and freed == [sent]
+
+    log.clear()
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [_Pending(log, "batch")])
+    exchange(step, 9, _peers(), {step.sends[0]: sent}, lambda m: torch.zeros(2, 1, 4),
+             in_flight, [sent])
+    assert log == ["wait batch"] and freed == [sent, sent] and not in_flight.holds(sent)
+
+
+def test_a_held_send_that_fails_names_its_step(monkeypatch):
+    from megatron_seq1f1b.p2p import InFlight
+
+    monkeypatch.setattr(dist, "P2POp", _Op)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [_Failed(), _Done()])
+    in_flight = InFlight()
+    step = _step()
+    exchange(step, 7, _peers(), {step.sends[0]: torch.ones(1)}, lambda m: torch.zeros(1),
+             in_flight)
+    with pytest.raises(PipelineCommError, match="rank 11 .*the sends of step 7 .*act 1.0 1->2"):
+        in_flight.finish(_peers())

@@ -502,3 +502,18 @@ def real_ddp_case(overlap: bool) -> list[str]:
 def test_megatron_ddp_takes_each_delayed_gradient_once(ranks, overlap):
     problems = [p for r in ranks.run(2, real_ddp_case, overlap=overlap) for p in r]
     assert not problems, "\n".join(problems)
+
+
+def test_every_segmented_schedule_refuses_the_first_microbatch_overwrite():
+    """Not only zero bubble: with segments, TE's is_first_microbatch GEMM (segment 0's
+    backward, which runs after the later segments') would overwrite their gradients."""
+    from megatron_seq1f1b.te_wgrad import first_microbatch_problems
+
+    eager = TELinear(4, 4, "x", config(delay=False), fuse_wgrad_accumulation=True,
+                     disable_parameter_transpose_cache=False)
+    chunk = torch.nn.Sequential(eager)
+    problems = first_microbatch_problems([chunk], num_splits=2)
+    assert len(problems) == 1 and "disable_parameter_transpose_cache=True" in problems[0]
+    assert first_microbatch_problems([chunk], num_splits=1) == []
+    eager.disable_parameter_transpose_cache = True
+    assert first_microbatch_problems([chunk], num_splits=2) == []
