@@ -122,12 +122,13 @@ def args_problems(args: Any) -> list[str]:
     interleaved = _flag(args, "virtual_pipeline_model_parallel_size") is not None
     if schedule == "zb-h2" and interleaved:
         problems.append(f"--seq1f1b-schedule zb-h2 with virtual pipelining: {ZB_H2_PROBLEM}")
-    if schedule in VARIANTS and _flag(args, "transformer_impl", "local") == "transformer_engine" \
-            and not _flag(args, "delay_wgrad_compute", False):
+    if schedule in VARIANTS and _flag(args, "transformer_impl", "local") == "transformer_engine":
         problems.append(
             f"--seq1f1b-schedule {schedule} with --transformer-impl transformer_engine needs "
-            "Transformer Engine's delayed weight gradients (--delay-wgrad-compute); otherwise "
-            "use --transformer-impl local or --seq1f1b-schedule 1f1b"
+            "Transformer Engine layers built with delayed weight gradients, which Megatron-LM "
+            "allows only together with --overlap-moe-expert-parallel-comm (not supported with "
+            "--seq1f1b); use --transformer-impl local, or --seq1f1b-schedule 1f1b (Megatron-Core "
+            "users: see docs/design.md, 'Transformer Engine layers')"
         )
 
     # Parallelism that cuts or reorders the sequence itself.

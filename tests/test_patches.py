@@ -698,7 +698,7 @@ def test_validate_does_nothing_without_the_flag():
     ({"seq1f1b_schedule": "zb-h2", "virtual_pipeline_model_parallel_size": 2,
       "overlap_p2p_comm": True}, ["--seq1f1b-schedule zb-h2", "zb-h1"]),
     ({"seq1f1b_schedule": "zb-h1", "transformer_impl": "transformer_engine"},
-     ["--seq1f1b-schedule zb-h1", "--delay-wgrad-compute"]),
+     ["--seq1f1b-schedule zb-h1", "--transformer-impl local"]),
     ({"context_parallel_size": 2}, ["--context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel"]),
     ({"num_experts": 8}, ["--num-experts"]),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_seq1f1b.bench.calibration import calibrate
 from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
+from megatron_seq1f1b.compat import megatron_core_version
 from megatron_seq1f1b.bench.lineup import ALL_SCHEDULES, INTERLEAVED, OPT_IN, make_schedules
 from megatron_seq1f1b.bench.markdown import markdown
 from megatron_seq1f1b.bench.pictures import (
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "memory_valid": on_gpu or "MALLOC_MMAP_THRESHOLD_" in os.environ,
         "tokens_per_iteration": tokens_per_iter, "torch": torch.__version__,
-        "command": " ".join(sys.argv),
+        "megatron_core": megatron_core_version(), "command": " ".join(sys.argv),
     }
     if rank0():
         _write_outputs(out, args, meta, rows, calibration, predictions)

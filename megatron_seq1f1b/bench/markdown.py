@@ -21,7 +21,8 @@ def _header(args: argparse.Namespace, meta: dict) -> list[str]:
         f"{args.position_embedding_type}; sequence {args.seq_length}, micro-batch size "
         f"{args.micro_batch_size}, tp {args.tp}, dp {meta['dp']}. {meta['device']}, "
         f"{meta['world_size']} ranks, {meta['cpu_count']} CPU cores, "
-        f"{meta['threads_per_rank']} thread(s) per rank. {args.iters} measured runs per "
+        f"{meta['threads_per_rank']} thread(s) per rank; torch {meta['torch']}, Megatron-Core "
+        f"{meta.get('megatron_core', '?')}. {args.iters} measured runs per "
         f"schedule after {args.warmup} warm-up runs, alternating; forward-backward only "
         "(no optimizer step).")
     if not meta["memory_valid"]:
