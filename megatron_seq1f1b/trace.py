@@ -1,7 +1,8 @@
 """Optional per-action timing of a real run, drawable like a simulated timeline.
 
 Pass a :class:`TimelineRecorder` to ``get_forward_backward_func(...,
-recorder=...)``. Every iteration appends, for this rank, the start and end of
+recorder=...)``, or time Megatron-Core's own schedules with
+:func:`megatron_step_timer`. Every iteration appends, for this rank, the start and end of
 each compute action and each point-to-point wait, plus the number of units
 whose activations are alive after each action. ``gather()`` collects all
 pipeline ranks' records into a :class:`~megatron_seq1f1b.replay.Timeline`.
@@ -9,13 +10,16 @@ pipeline ranks' records into a :class:`~megatron_seq1f1b.replay.Timeline`.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from megatron_seq1f1b.replay import Interval, Timeline
-from megatron_seq1f1b.schedule import Action
+from megatron_seq1f1b.schedule import Action, B, F
 
 
 @dataclass
@@ -84,3 +88,69 @@ class TimelineRecorder:
                 Interval(rank, iv.start - origin, iv.end - origin, None, iv.step) for iv in r.waits
             ]
         return timeline
+
+
+@contextlib.contextmanager
+def megatron_step_timer(recorder, chunks: list) -> Iterator[None]:
+    """Time Megatron's forward_step/backward_step calls into a TimelineRecorder.
+
+    Patches the module globals of megatron.core.pipeline_parallel.schedules for
+    the duration; micro-batch numbers come from ``current_microbatch`` (or a
+    per-chunk counter), backward steps are matched to their forward by the
+    identity of the output tensor.
+    """
+    from megatron.core.pipeline_parallel import schedules as msched
+
+    original_forward, original_backward = msched.forward_step, msched.backward_step
+    counters = [0] * len(chunks)
+    owner: dict[int, Action] = {}
+    step = itertools.count()
+
+    def chunk_index(model) -> int:
+        for i, chunk in enumerate(chunks):
+            if chunk is model:
+                return i
+        return 0
+
+    def forward_step(*a, **kw):
+        model = a[2] if len(a) > 2 else kw["model"]
+        c = chunk_index(model)
+        mb = kw.get("current_microbatch")
+        if mb is None:
+            mb = counters[c]
+        counters[c] += 1
+        start = recorder.now()
+        result = original_forward(*a, **kw)
+        action = F(mb, 0, c)
+        owner[id(result[0])] = action
+        recorder.compute(start, action, next(step), 0)
+        return result
+
+    def backward_step(input_tensor, output_tensor, output_tensor_grad, *rest):
+        # rest: (config,), or (model_type, config) on Megatron-Core 0.16
+        start = recorder.now()
+        result = original_backward(input_tensor, output_tensor, output_tensor_grad, *rest)
+        fwd = owner.pop(id(output_tensor), F(0, 0, 0))
+        recorder.compute(start, B(fwd.microbatch, 0, fwd.chunk), next(step), 0)
+        return result
+
+    msched.forward_step, msched.backward_step = forward_step, backward_step
+    try:
+        yield
+    finally:
+        msched.forward_step, msched.backward_step = original_forward, original_backward
+
+
+def timeline_stats(timeline: Timeline) -> dict:
+    """Makespan, busy and p2p-wait time per rank, and the idle share of a (measured) timeline."""
+    makespan = timeline.makespan
+    busy = [sum(iv.end - iv.start for iv in rank) for rank in timeline.compute]
+    waits = [sum(iv.end - iv.start for iv in rank) for rank in timeline.waits] \
+        if timeline.waits else []
+    total = makespan * len(timeline.compute)
+    return {
+        "makespan_s": makespan,
+        "busy_s": busy,
+        "p2p_wait_s": waits,
+        "bubble_fraction": 1.0 - sum(busy) / total if total else 0.0,
+    }

@@ -60,6 +60,28 @@ def test_tensor_parallel_sequence_parallel_and_eval(tmp_path):
     assert "validation loss at iteration 3" in stdout
 
 
+def test_timelines_and_the_side_by_side_summary(tmp_path):
+    """--timeline-dir draws the last iteration; compare_runs prints the demo's summary."""
+    common = ["--pipeline-model-parallel-size", "2", "--train-iters", "2"]
+    ours, _ = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "2",
+                    "--timeline-dir", str(tmp_path / "seq"))
+    theirs, _ = train(tmp_path, "1f1b", 2, *common, "--timeline-dir", str(tmp_path / "1f1b"))
+    for run, name in ((ours, "seq"), (theirs, "1f1b")):
+        timeline = run["summary"]["timeline"]
+        assert 0 <= timeline["bubble_fraction"] < 1 and len(timeline["busy_s"]) == 2
+        trace = json.loads((tmp_path / name / "timeline.json").read_text())
+        assert {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"forward",
+                                                                                  "backward"}
+        if timeline["png"]:
+            assert (tmp_path / name / "timeline.png").stat().st_size > 0
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"),
+                           str(tmp_path / "1f1b.json"), str(tmp_path / "seq.json")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "equal within 1e-5" in done.stdout and "measured bubble" in done.stdout
+    assert "vs Megatron-Core 1F1B: tokens/s" in done.stdout
+
+
 def test_zero_bubble_schedule_trains_like_1f1b(tmp_path):
     common = ["--pipeline-model-parallel-size", "2", "--train-iters", "3"]
     ours, stdout = train(tmp_path, "zb", 2, *common, "--seq1f1b", "--seq1f1b-splits", "2",

@@ -8,9 +8,7 @@ Megatron's schedules are timed by wrapping its ``forward_step`` and
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -19,73 +17,7 @@ from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.bench.runner import run_once
 from megatron_seq1f1b.memory import PeakMemory
 from megatron_seq1f1b.replay import Timeline
-from megatron_seq1f1b.schedule import Action, B, F
-
-
-@contextlib.contextmanager
-def megatron_step_timer(recorder, chunks: list) -> Iterator[None]:
-    """Time Megatron's forward_step/backward_step calls into a TimelineRecorder.
-
-    Patches the module globals of megatron.core.pipeline_parallel.schedules for
-    the duration; micro-batch numbers come from ``current_microbatch`` (or a
-    per-chunk counter), backward steps are matched to their forward by the
-    identity of the output tensor.
-    """
-    from megatron.core.pipeline_parallel import schedules as msched
-
-    original_forward, original_backward = msched.forward_step, msched.backward_step
-    counters = [0] * len(chunks)
-    owner: dict[int, Action] = {}
-    step = itertools.count()
-
-    def chunk_index(model) -> int:
-        for i, chunk in enumerate(chunks):
-            if chunk is model:
-                return i
-        return 0
-
-    def forward_step(*a, **kw):
-        model = a[2] if len(a) > 2 else kw["model"]
-        c = chunk_index(model)
-        mb = kw.get("current_microbatch")
-        if mb is None:
-            mb = counters[c]
-        counters[c] += 1
-        start = recorder.now()
-        result = original_forward(*a, **kw)
-        action = F(mb, 0, c)
-        owner[id(result[0])] = action
-        recorder.compute(start, action, next(step), 0)
-        return result
-
-    def backward_step(input_tensor, output_tensor, output_tensor_grad, *rest):
-        # rest: (config,), or (model_type, config) on Megatron-Core 0.16
-        start = recorder.now()
-        result = original_backward(input_tensor, output_tensor, output_tensor_grad, *rest)
-        fwd = owner.pop(id(output_tensor), F(0, 0, 0))
-        recorder.compute(start, B(fwd.microbatch, 0, fwd.chunk), next(step), 0)
-        return result
-
-    msched.forward_step, msched.backward_step = forward_step, backward_step
-    try:
-        yield
-    finally:
-        msched.forward_step, msched.backward_step = original_forward, original_backward
-
-
-def timeline_stats(timeline: Timeline) -> dict:
-    """Makespan, busy and p2p-wait time per rank, and the idle share of a (measured) timeline."""
-    makespan = timeline.makespan
-    busy = [sum(iv.end - iv.start for iv in rank) for rank in timeline.compute]
-    waits = [sum(iv.end - iv.start for iv in rank) for rank in timeline.waits] \
-        if timeline.waits else []
-    total = makespan * len(timeline.compute)
-    return {
-        "makespan_s": makespan,
-        "busy_s": busy,
-        "p2p_wait_s": waits,
-        "bubble_fraction": 1.0 - sum(busy) / total if total else 0.0,
-    }
+from megatron_seq1f1b.trace import megatron_step_timer, timeline_stats
 
 
 def record_timeline(sched: BenchSchedule, batches: list, args: argparse.Namespace,

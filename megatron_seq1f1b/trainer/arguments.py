@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--load", default=None, help="checkpoint directory to resume from")
     run.add_argument("--save-interval", type=int, default=None)
     run.add_argument("--log-json", default=None, help="also write per-iteration records here")
+    run.add_argument("--timeline-dir", default=None,
+                     help="record the last training iteration's per-action timeline (every "
+                          "rank) and write timeline.png and timeline.json (Chrome trace) here")
 
     data = p.add_argument_group("data")
     data.add_argument("--mock-data", action="store_true")

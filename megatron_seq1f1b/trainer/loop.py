@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -14,15 +15,52 @@ from megatron_seq1f1b.memory import PeakMemory
 from megatron_seq1f1b.trainer import arguments, checkpoint, data, setup
 
 
-def _forward_backward_func(args) -> Callable:
+def _forward_backward_func(args, recorder=None) -> Callable:
     if args.seq1f1b:
         import megatron_seq1f1b as s1
 
         return s1.get_forward_backward_func(args.seq1f1b_splits, args.seq1f1b_partition,
-                                            schedule=args.seq1f1b_schedule)
+                                            schedule=args.seq1f1b_schedule, recorder=recorder)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()
+
+
+@contextlib.contextmanager
+def _timed(args, model, recorder) -> Iterator[Callable]:
+    """The forward-backward function of an iteration whose actions `recorder` times."""
+    from megatron_seq1f1b.trace import megatron_step_timer
+
+    if args.seq1f1b:
+        yield _forward_backward_func(args, recorder)
+        return
+    recorder.begin(dist.get_rank())
+    with megatron_step_timer(recorder, model):
+        yield _forward_backward_func(args)
+
+
+def _write_timeline(args, recorder, title: str) -> dict:
+    """Gather the recorded iteration over the pipeline; the last rank draws it. Its stats."""
+    from megatron.core import parallel_state
+
+    from megatron_seq1f1b import draw
+    from megatron_seq1f1b.trace import timeline_stats
+
+    timeline = recorder.gather(-1, group=parallel_state.get_pipeline_model_parallel_group())
+    stats = timeline_stats(timeline)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        os.makedirs(args.timeline_dir, exist_ok=True)
+        png = os.path.join(args.timeline_dir, "timeline.png")
+        trace = os.path.join(args.timeline_dir, "timeline.json")
+        draw.write_chrome_trace(timeline, trace, time_unit_us=1e6)
+        try:
+            draw.draw_png(timeline, png, title=f"{title}: bubble {stats['bubble_fraction']:.1%}",
+                          time_label="seconds (measured)", show_waits=True)
+        except ImportError as exc:  # matplotlib is optional
+            _print(f"> no timeline picture: {exc}")
+            png = None
+        stats.update(png=png, trace=trace)
+    return stats
 
 
 def _reduce_losses(store: list, device) -> tuple[float, float]:
@@ -92,8 +130,11 @@ def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -
     forward_backward = _forward_backward_func(args)
     memory = PeakMemory(device)
     tokens_per_iter = args.global_batch_size * args.seq_length
+    megatron = ("Megatron-Core interleaved 1F1B" if args.virtual_pipeline_model_parallel_size
+                else "Megatron-Core 1F1B" if args.pipeline_model_parallel_size > 1
+                else "Megatron-Core (no pipelining)")
     schedule = (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition}, "
-                f"{args.seq1f1b_schedule})" if args.seq1f1b else "Megatron-Core")
+                f"{args.seq1f1b_schedule})" if args.seq1f1b else megatron)
     _print(f"> training with {schedule} schedule: world {world_size}, tp "
            f"{args.tensor_model_parallel_size}, pp {args.pipeline_model_parallel_size}, vpp "
            f"{args.virtual_pipeline_model_parallel_size}, dp {args.data_parallel_size}, "
@@ -102,18 +143,26 @@ def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -
     if memory.warning:
         _print(f"> warning: {memory.warning}")
 
-    records, times = [], []
+    records, times, timeline = [], [], None
     while iteration < args.train_iters:
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         memory.reset()
+        recorder = None
+        if args.timeline_dir and iteration == args.train_iters - 1:
+            from megatron_seq1f1b.trace import TimelineRecorder
+
+            recorder = TimelineRecorder()
         start = time.perf_counter()
-        store = forward_backward(
-            forward_step_func=forward_step_func, data_iterator=train_iter, model=model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=False,
-        )
+        with (_timed(args, model, recorder) if recorder else contextlib.nullcontext(
+                forward_backward)) as run:
+            store = run(
+                forward_step_func=forward_step_func, data_iterator=train_iter, model=model,
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=None,
+                forward_only=False,
+            )
         success, grad_norm, _ = optimizer.step()
         if success:
             scheduler.step(increment=1)
@@ -131,6 +180,8 @@ def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -
             "peak_gib_per_stage": peaks,
         }
         records.append(record)
+        if recorder is not None:
+            timeline = _write_timeline(args, recorder, schedule)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             _print(
                 f" iteration {iteration:6d}/{args.train_iters:6d} | lm loss: {loss:.6E} | "
@@ -158,6 +209,8 @@ def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -
         if records else [],
         "losses": [r["lm_loss"] for r in records],
     }
+    if timeline is not None:
+        summary["timeline"] = timeline
     _print(f"> summary: {json.dumps({k: v for k, v in summary.items() if k != 'losses'})}")
     if args.log_json and dist.get_rank() == dist.get_world_size() - 1:
         with open(args.log_json, "w") as out:
