@@ -35,10 +35,10 @@ import torch
 
 from megatron_seq1f1b import compat, wgrad
 from megatron_seq1f1b import plan as plan_mod
-from megatron_seq1f1b.checks import executor_problems, raise_if, segment_multiple
+from megatron_seq1f1b.checks import ConfigError, executor_problems, raise_if, segment_multiple
 from megatron_seq1f1b.loss import SegmentLosses
 from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled
-from megatron_seq1f1b.p2p import InFlight, Peers, exchange
+from megatron_seq1f1b.p2p import InFlight, Peers, PipelineCommError, exchange
 from megatron_seq1f1b.partition import METHODS, CostModel, split_sequence
 from megatron_seq1f1b.replay import replay
 from megatron_seq1f1b.validate import check_link_order
@@ -152,6 +152,13 @@ def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forwar
             f"{[rows[d] for d in differ]}); this stage has m={num_microbatches}, "
             f"lengths={list(lengths)}, schedule={schedule}"
         ])
+
+
+class ActionError(RuntimeError):
+    """The forward, backward or weight-gradient work of one unit raised; says which."""
+
+
+_KINDS = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 class _Pipeline:
@@ -343,32 +350,55 @@ class _Pipeline:
             sent_outputs = []
             for action in step.actions:
                 start = self.recorder.now() if record is not None else 0.0
-                message = plan_mod.input_message(action, self.peers.pp_rank, self.topology)
-                incoming = self.inbox.pop(message) if message is not None else None
-                out_msg = plan_mod.output_message(action, self.peers.pp_rank, self.topology)
-                if action.is_forward:
-                    output = self.forward(action, incoming)
-                    if not self.forward_only:
-                        self.stash[action.unit] = (incoming, output)
-                    if out_msg is not None:
-                        self.outgoing[out_msg] = output
-                        if not self.forward_only:
-                            sent_outputs.append(output)
-                elif action.is_backward:
-                    input_tensor, output = self.stash.pop(action.unit)
-                    if in_flight.holds(output):  # its send must finish before it is freed
-                        in_flight.finish(self.peers)
-                    grad = self.backward(action, input_tensor, output, incoming)
-                    if out_msg is not None:
-                        self.outgoing[out_msg] = grad
-                else:
-                    self.weight(action)
+                with self._naming_failures(action, index):
+                    sent = self.compute(action, in_flight)
+                if sent is not None:
+                    sent_outputs.append(sent)
                 if record is not None:
                     self.recorder.compute(start, action, index, len(self.stash))
         start = self.recorder.now() if record is not None else 0.0
         in_flight.finish(self.peers)
         if record is not None:
             self.recorder.wait(start, len(self.steps))
+
+    def compute(self, action: Action, in_flight: InFlight):
+        """Run one action with its input; returns a forward output to free once it is sent."""
+        message = plan_mod.input_message(action, self.peers.pp_rank, self.topology)
+        incoming = self.inbox.pop(message) if message is not None else None
+        out_msg = plan_mod.output_message(action, self.peers.pp_rank, self.topology)
+        if action.is_forward:
+            output = self.forward(action, incoming)
+            if not self.forward_only:
+                self.stash[action.unit] = (incoming, output)
+            if out_msg is not None:
+                self.outgoing[out_msg] = output
+                return None if self.forward_only else output
+        elif action.is_backward:
+            input_tensor, output = self.stash.pop(action.unit)
+            if in_flight.holds(output):  # its send must finish before it is freed
+                in_flight.finish(self.peers)
+            grad = self.backward(action, input_tensor, output, incoming)
+            if out_msg is not None:
+                self.outgoing[out_msg] = grad
+        else:
+            self.weight(action)
+        return None
+
+    @contextlib.contextmanager
+    def _naming_failures(self, action: Action, index: int):
+        """An exception in the user's code or the model names this rank, unit and step."""
+        try:
+            yield
+        except (PipelineCommError, ConfigError, ActionError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with where and what
+            peers = self.peers
+            raise ActionError(
+                f"Seq1F1B: rank {peers.global_rank} (pipeline stage {peers.pp_rank}) failed in "
+                f"{action} ({_KINDS[action.kind]} of micro-batch {action.microbatch}, segment "
+                f"{action.segment}, model chunk {action.chunk}) at step {index}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def close(self) -> None:
         self.run.close()

@@ -134,6 +134,9 @@ def exchange(
             for msg, buffer in received.items()]
     what = ", ".join(f"send {m}" for m in step.sends)
     what += (", " if what and step.recvs else "") + ", ".join(f"receive {m}" for m in step.recvs)
+    stages = sorted({m.dst for m in step.sends} | {m.src for m in step.recvs})
+    what += " (peer " + ", ".join(
+        f"stage {s} = global rank {peers.stage_to_global[s]}" for s in stages) + ")"
     where = f"step {index} ({step.describe()}): {what}"
     try:
         works = dist.batch_isend_irecv(ops)

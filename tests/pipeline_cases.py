@@ -290,3 +290,53 @@ def zero_bubble_defers(pp: int, k: int, drop_weight_grads: bool, model: ModelSpe
     finally:
         wgrad.WeightGradStore.run = original
     return dict(result, weight_gemms=counts)
+
+
+def fault_in_user_code(stage: int, action: str, where: str, model: ModelSpec,
+                       timeout_s: float) -> dict:
+    """pp=4: the user's code raises on one stage in one action; every rank's error, timed.
+
+    `where`: "forward" (forward_step_func), "loss" (loss_func, last stage) or "backward" (a
+    hook the forward step registered, run by that unit's backward).
+    """
+    from megatron_seq1f1b.schedule import Action
+
+    data = DataSpec(num_microbatches=4)
+    _, _, models, batches = _layout(model, data, 4, enable=True, timeout_s=timeout_s)
+    target = Action.parse(action)
+    mine = parallel_state.get_pipeline_model_parallel_rank() == stage
+
+    def boom(*_):
+        raise ValueError(f"injected failure in {where}")
+
+    def failing_step(data_iterator, chunk):
+        info = s1.current_segment()
+        hit = mine and (info.microbatch, info.index) == (target.microbatch, target.segment)
+        if hit and where == "forward":
+            boom()
+        output, loss_func = forward_step(data_iterator, chunk, slicer=s1.slice_batch)
+        if hit and where == "backward":
+            output.register_hook(boom)
+        if hit and where == "loss":
+            return output, boom
+        return output, loss_func
+
+    fwd_bwd = s1.get_forward_backward_func(2, "uniform")
+    start = time.monotonic()
+    try:
+        fwd_bwd(forward_step_func=failing_step, data_iterator=iter(batches), model=models[0],
+                num_microbatches=len(batches), seq_length=model.seq_length,
+                micro_batch_size=data.micro_batch_size)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start,
+                "rank": torch.distributed.get_rank()}
+    # A rank that no longer needed the failed one finishes its schedule; its next collective
+    # over the pipeline (gradient norm, the next iteration's agreement check) cannot.
+    try:
+        torch.distributed.all_reduce(torch.zeros(1),
+                                     group=parallel_state.get_pipeline_model_parallel_group())
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"next collective: {type(exc).__name__}: {exc}", "finished": True,
+                "seconds": time.monotonic() - start, "rank": torch.distributed.get_rank()}
+    return {"error": None, "seconds": time.monotonic() - start,
+            "rank": torch.distributed.get_rank()}
