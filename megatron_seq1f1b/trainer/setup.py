@@ -45,6 +45,15 @@ def init_distributed(args) -> torch.device:
     return device
 
 
+def shutdown() -> None:
+    """Every rank done, then Megatron's groups and the default group destroyed (in order)."""
+    from megatron.core import parallel_state
+
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def transformer_config(args):
     from megatron.core.transformer import TransformerConfig
 
