@@ -20,8 +20,11 @@ setup(
         "megatron-core>=0.16.1,<0.20",
     ],
     extras_require={
-        # Tests run on CPU with gloo; numpy is needed by Megatron-Core's datasets.
-        "test": ["pytest>=7", "numpy"],
+        # The trainer (scripts/pretrain_gpt.py): numpy for Megatron-Core's datasets, psutil
+        # for Megatron-Core's distributed checkpoint writer (--use-distributed-optimizer --save).
+        "train": ["numpy", "psutil"],
+        # Tests run on CPU with gloo and use the trainer.
+        "test": ["pytest>=7", "numpy", "psutil"],
         # Pictures of schedules (PNG); the Chrome trace needs nothing extra.
         "plot": ["matplotlib"],
         # Optional on GPUs: Transformer Engine attention (causal_bottom_right masks).

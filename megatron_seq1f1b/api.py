@@ -103,8 +103,8 @@ def install(num_splits: int, partition: str = "uniform", **kwargs) -> Callable:
         # schedule_pg_collection: Megatron-Core 0.19 (Megatron-LM's train() and evaluate() pass it)
         if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
             raise_if([
-                "a multi-module (cross-grid) pg_collection selects Megatron's bridge schedule; "
-                "Seq1F1B runs one model on one pipeline grid"
+                "a multi-module (cross-grid) schedule_pg_collection selects Megatron's bridge "
+                "schedule; Seq1F1B runs one model on one pipeline grid"
             ])
         return ours
 

@@ -53,7 +53,8 @@ def model_config_problems(config) -> list[str]:
         problems.append("hybrid_context_parallel is not supported; disable it")
     if get("multi_latent_attention"):
         problems.append(
-            "multi-latent attention (MLA) has its own K/V path that has no segment cache; "
+            "multi-latent attention (multi_latent_attention) has its own K/V path that has no "
+            "segment cache; "
             "use standard self-attention"
         )
     if get("window_size") is not None:
@@ -73,8 +74,8 @@ def model_config_problems(config) -> list[str]:
         )
     if get("fine_grained_activation_offloading"):
         problems.append(
-            "fine-grained activation offloading frees attention inputs that the segment K/V "
-            "cache shares; disable it"
+            "fine-grained activation offloading (fine_grained_activation_offloading) frees "
+            "attention inputs that the segment K/V cache shares; disable it"
         )
     if get("cuda_graph_impl", "none") not in (None, "none"):
         problems.append(
@@ -102,12 +103,12 @@ def segment_length_problems(lengths, seq_length: int | None = None, config=None)
     lengths = list(lengths)
     problems = []
     if not lengths or any(int(n) < 1 for n in lengths):
-        problems.append(f"segment lengths must be positive integers, got {lengths}")
+        problems.append(f"segment lengths (split_lengths) must be positive integers, got {lengths}")
         return problems
     if seq_length is not None and sum(lengths) != seq_length:
         problems.append(
-            f"segment lengths {lengths} sum to {sum(lengths)}, not the sequence length "
-            f"{seq_length}"
+            f"segment lengths (split_lengths) {lengths} sum to {sum(lengths)}, not the sequence "
+            f"length {seq_length}"
         )
     if config is None:
         return problems
@@ -120,7 +121,8 @@ def segment_length_problems(lengths, seq_length: int | None = None, config=None)
         else:
             rule = ("with sequence parallelism every segment length must be divisible by the "
                     f"tensor-parallel size {multiple}")
-        problems.append(f"{rule}; {bad} are not (use split_sequence(..., multiple_of={multiple}))")
+        problems.append(f"{rule}; {bad} are not (pass split_lengths from "
+                        f"split_sequence(..., multiple_of={multiple}))")
     return problems
 
 
@@ -131,9 +133,10 @@ def executor_problems(chunks, iterators, config, num_microbatches, num_splits, l
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         problems.append(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
     if len(iterators) != len(chunks):
-        problems.append(f"{len(chunks)} model chunks but {len(iterators)} data iterators")
+        problems.append(f"{len(chunks)} model chunks but {len(iterators)} data iterators; pass "
+                        "data_iterator as a list with one iterator per chunk")
     if len(chunks) > 1 and pp_size < 2:
-        problems.append("model chunks (virtual pipeline) need pipeline size >= 2")
+        problems.append("model chunks (virtual pipeline) need pipeline_model_parallel_size >= 2")
     if getattr(config, "variable_seq_lengths", False):
         problems.append(
             "variable_seq_lengths=True: Seq1F1B knows every segment's shape in advance and "
@@ -151,11 +154,12 @@ def executor_problems(chunks, iterators, config, num_microbatches, num_splits, l
         problems.append("overlap_moe_expert_parallel_comm (combined 1F1B) is not supported")
     if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):
         problems.append(
-            "MoE and multi-token prediction scale auxiliary losses per forward; the Seq1F1B "
-            "executor does not support them"
+            "MoE (num_moe_experts) and multi-token prediction (mtp_num_layers) scale auxiliary "
+            "losses per forward; the Seq1F1B executor does not support them"
         )
     if getattr(config, "fine_grained_activation_offloading", False):
-        problems.append("fine-grained activation offloading is not supported")
+        problems.append("fine-grained activation offloading (fine_grained_activation_offloading) "
+                        "is not supported; disable it")
     if num_splits > 1:
         from megatron_seq1f1b.te_wgrad import first_microbatch_problems
 

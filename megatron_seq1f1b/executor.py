@@ -111,7 +111,7 @@ def _process_groups(config, p2p_communicator, pg_collection):
 
     if pg_collection is None:
         if p2p_communicator is not None:
-            raise ValueError("pass both p2p_communicator and pg_collection, or neither")
+            raise_if(["pass both p2p_communicator and pg_collection, or neither"])
         pg_collection = ProcessGroupCollection()
         pg_collection.tp = parallel_state.get_tensor_model_parallel_group()
         pg_collection.cp = parallel_state.get_context_parallel_group()
@@ -147,8 +147,9 @@ def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forwar
     differ = [stage for stage, row in enumerate(rows) if row != rows[0]]
     if differ:
         raise_if([
-            f"pipeline stages {differ} run a different schedule than stage 0 (micro-batches, "
-            f"segments, lengths, schedule, chunks or forward_only differ: {rows[0]} vs "
+            f"pipeline stages {differ} run a different schedule than stage 0 (num_microbatches, "
+            f"num_splits, split_lengths, schedule, model chunks or forward_only differ: "
+            f"{rows[0]} vs "
             f"{[rows[d] for d in differ]}); this stage has m={num_microbatches}, "
             f"lengths={list(lengths)}, schedule={schedule}"
         ])
@@ -460,7 +461,7 @@ def forward_backward(
         lengths = resolve_lengths(num_splits, partition, split_lengths, effective_seq, chunks,
                                   config, vocab_size)
     except ValueError as exc:
-        raise_if([str(exc)])
+        raise_if([f"num_splits={num_splits} with seq_length={effective_seq}: {exc}"])
     if len(lengths) != num_splits:
         raise_if([f"split_lengths has {len(lengths)} entries but num_splits is {num_splits}"])
     raise_if(executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,

@@ -74,7 +74,7 @@ def interleaved_problems(num_stages: int, num_microbatches: int, num_splits: int
     if num_stages < 2:
         problems.append("interleaving (several model chunks) needs pipeline size >= 2")
     if schedule == "zb-h2" and not forward_only:
-        problems.append(ZB_H2_PROBLEM)
+        problems.append(f"schedule='zb-h2' with model chunks: {ZB_H2_PROBLEM}")
     return problems
 
 

@@ -76,7 +76,8 @@ def _attention_modules(gpt):
         if not isinstance(module, Attention):
             continue
         if not isinstance(module, SelfAttention):
-            problems.append(f"{name}: {type(module).__name__} (only self-attention is supported)")
+            problems.append(f"{name}: {type(module).__name__} (only self-attention is supported; "
+                            "build with a self-attention transformer_layer_spec)")
             continue
         core = module.core_attention
         if isinstance(core, DotProductAttention):
@@ -86,7 +87,8 @@ def _attention_modules(gpt):
         else:
             problems.append(
                 f"{name}.core_attention: {type(core).__name__} is neither Megatron's "
-                "DotProductAttention nor Transformer Engine's TEDotProductAttention"
+                "DotProductAttention nor Transformer Engine's TEDotProductAttention; build with a "
+                "transformer_layer_spec that uses one of them"
             )
     return found, problems
 

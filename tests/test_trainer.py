@@ -115,6 +115,44 @@ def test_checkpoints_interchange_between_schedules(tmp_path):
     _same(resumed_seq["summary"]["losses"], straight["summary"]["losses"][2:])
 
 
+# (name, ranks, flags). CI resumes one run that has it all on two ranks: interleaved Seq1F1B
+# with the distributed optimizer (a Megatron-Core distributed checkpoint); SEQ1F1B_FULL=1 also
+# resumes plain Seq1F1B, interleaved without, and the distributed optimizer over dp2.
+INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--seq1f1b", "--seq1f1b-splits", "3",
+               "--num-layers-per-virtual-pipeline-stage", "1"]
+RESUME_CASES = [("interleaved-distopt", 2, [*INTERLEAVED, "--use-distributed-optimizer"])]
+if os.environ.get("SEQ1F1B_FULL") == "1":
+    RESUME_CASES += [
+        ("seq1f1b", 2, ["--pipeline-model-parallel-size", "2", "--seq1f1b", "--seq1f1b-splits",
+                        "4"]),
+        ("interleaved", 2, INTERLEAVED),
+        ("seq1f1b-distopt-dp2", 4, ["--pipeline-model-parallel-size", "2", "--seq1f1b",
+                                    "--seq1f1b-splits", "2", "--use-distributed-optimizer"]),
+    ]
+
+
+@pytest.mark.parametrize("name,nproc,flags", RESUME_CASES, ids=[c[0] for c in RESUME_CASES])
+def test_resume_is_bit_exact(tmp_path, name, nproc, flags):
+    """10 iterations straight == 5, save, new processes, load, 5 (losses and weights, bitwise).
+
+    Dropout and a warm-up + cosine LR schedule make it depend on restored RNG and schedule.
+    """
+    common = [*flags, "--train-iters", "10", "--lr-decay-style", "cosine", "--lr-warmup-iters",
+              "2", "--hidden-dropout", "0.1"]
+    straight, _ = train(tmp_path, "straight", nproc, *common)
+    saved = tmp_path / "ckpt"
+    first, stdout = train(tmp_path, "first", nproc, *common, "--exit-interval", "5",
+                          "--save", str(saved))
+    assert "exiting after iteration 5" in stdout and (saved / "iter_0000005").is_dir()
+    if "--use-distributed-optimizer" in flags:
+        assert (saved / "iter_0000005" / "sharded").is_dir()
+    resumed, _ = train(tmp_path, "resumed", nproc, *common, "--load", str(saved))
+    assert first["summary"]["losses"] + resumed["summary"]["losses"] == \
+        straight["summary"]["losses"]
+    assert resumed["summary"]["weights_sha256"] == straight["summary"]["weights_sha256"]
+    assert first["summary"]["weights_sha256"] != straight["summary"]["weights_sha256"]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),

@@ -7,6 +7,7 @@ contradictory combination, stops the run before any process group exists.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 
 from megatron_seq1f1b.megatron_lm import add_arguments
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--save", default=None, help="checkpoint directory to write")
     run.add_argument("--load", default=None, help="checkpoint directory to resume from")
     run.add_argument("--save-interval", type=int, default=None)
+    run.add_argument("--exit-interval", type=int, default=None,
+                     help="stop (and save, with --save) after an iteration divisible by this; "
+                          "the LR schedule still spans --train-iters, so a resumed run continues "
+                          "exactly")
     run.add_argument("--log-json", default=None, help="also write per-iteration records here")
     run.add_argument("--timeline-dir", default=None,
                      help="record the last training iteration's per-action timeline (every "
@@ -143,9 +148,13 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         args.recompute_num_layers = 1
     if args.save_interval is not None and not args.save:
         problems.append("--save-interval needs --save")
-    if args.use_distributed_optimizer and (args.save or args.load):
-        problems.append("--save/--load with --use-distributed-optimizer are not supported by this "
-                        "trainer (its per-rank files hold the full optimizer state)")
+    if args.use_distributed_optimizer and (args.save or args.load) \
+            and importlib.util.find_spec("psutil") is None:
+        problems.append("--save/--load with --use-distributed-optimizer write Megatron-Core "
+                        "distributed checkpoints, whose writer needs psutil: pip install psutil "
+                        "(or this package's [train] extra)")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        problems.append("--exit-interval must be >= 1")
     if args.seq1f1b and args.seq1f1b_splits < 1:
         problems.append("--seq1f1b-splits must be >= 1")
     if args.seq1f1b and args.seq1f1b_schedule == "zb-h2" \

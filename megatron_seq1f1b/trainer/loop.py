@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import time
@@ -91,6 +92,21 @@ def _stage_peaks(memory: PeakMemory, device) -> list[float]:
     for value in everyone:
         peaks[int(value[0])] = max(peaks[int(value[0])], value[1].item())
     return peaks
+
+
+def _weights_digests(model: list) -> list[str]:
+    """SHA-256 of every rank's parameters (bytes, in name order), by global rank.
+
+    Equal digests mean bit-identical weights (resume tests compare them).
+    """
+    digest = hashlib.sha256()
+    for i, chunk in enumerate(model):
+        for name, param in sorted(chunk.named_parameters()):
+            digest.update(f"{i}.{name}".encode())
+            digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digest.hexdigest())
+    return everyone
 
 
 def _print(message: str) -> None:
@@ -206,6 +222,9 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
             evaluate(args, forward_step_func, forward_backward, model, valid_ds, device, iteration)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpoint.save(args, iteration, model, optimizer, scheduler)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            _print(f"> exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
+            break
     if args.save:
         checkpoint.save(args, iteration, model, optimizer, scheduler)
     steady = times[1:] or times
@@ -223,7 +242,9 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
     }
     if timeline is not None:
         summary["timeline"] = timeline
-    _print(f"> summary: {json.dumps({k: v for k, v in summary.items() if k != 'losses'})}")
+    summary["weights_sha256"] = _weights_digests(model)
+    shown = {k: v for k, v in summary.items() if k not in ("losses", "weights_sha256")}
+    _print(f"> summary: {json.dumps(shown)}")
     if args.log_json and dist.get_rank() == dist.get_world_size() - 1:
         with open(args.log_json, "w") as out:
             json.dump({"summary": summary, "iterations": records}, out, indent=1)
