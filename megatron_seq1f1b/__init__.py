@@ -9,6 +9,7 @@ Public API (see README and docs/design.md)::
     s1.install(4, "balanced") / s1.uninstall()        # or patch Megatron-Core's getter
     s1.current_segment(), s1.slice_batch(batch)       # inside forward_step_func
     s1.split_sequence(seq_length, num_splits, ...)
+    s1.choose_plan(seq_length, pp, m, calibration=...)  # k, partition, schedule from costs
     s1.schedule.build_schedule(...), s1.simulate.simulate(...)
     s1.cpu.enable()                                   # Megatron-Core on CPU with gloo
 
@@ -32,12 +33,16 @@ _LAZY = {
     "install": ("megatron_seq1f1b.api", "install"),
     "uninstall": ("megatron_seq1f1b.api", "uninstall"),
     "ConfigError": ("megatron_seq1f1b.checks", "ConfigError"),
+    "choose_plan": ("megatron_seq1f1b.planner", "choose_plan"),
+    "Calibration": ("megatron_seq1f1b.planner", "Calibration"),
+    "load_calibration": ("megatron_seq1f1b.planner", "load_calibration"),
+    "save_calibration": ("megatron_seq1f1b.planner", "save_calibration"),
 }
 _SUBMODULES = {
     "cpu", "schedule", "simulate", "validate", "partition", "plan", "replay", "draw",
     "interleaved", "segments", "model", "api", "executor", "checks", "p2p", "kv_cache",
     "attention", "trace", "megatron_lm", "memory", "trainer", "actions", "bench", "compat",
-    "zero_bubble", "wgrad", "gpu_check",
+    "zero_bubble", "wgrad", "gpu_check", "planner",
 }
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)

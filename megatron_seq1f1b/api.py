@@ -47,6 +47,10 @@ def get_forward_backward_func(
         problems.append(f"unknown partition {partition!r}; choose one of {METHODS}")
     if schedule not in SCHEDULES:
         problems.append(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    if partition == "measured" and split_lengths is None:
+        problems.append("partition 'measured' balances calibrated costs the executor does not "
+                        "have: pass split_lengths=choose_plan(...).plan.lengths (or "
+                        "split_sequence(..., 'measured', cost=calibration))")
     if split_lengths is not None and isinstance(num_splits, int) and len(split_lengths) != num_splits:
         problems.append(f"split_lengths has {len(split_lengths)} entries, num_splits is {num_splits}")
     raise_if(problems)

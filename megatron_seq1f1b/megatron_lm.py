@@ -42,6 +42,8 @@ from megatron_seq1f1b.zero_bubble import VARIANTS
 GROUP_TITLE = "seq1f1b"
 DEFAULT_SPLITS = 4
 DEFAULT_PARTITION = "balanced"
+# Partitions a flag can choose: "measured" needs a calibration, which no flag passes yet.
+FLAG_PARTITIONS = tuple(m for m in METHODS if m != "measured")
 DEFAULT_SCHEDULE = "1f1b"
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -68,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              f"holds more for slack). Default {DEFAULT_SCHEDULE}.",
     )
     group.add_argument(
-        "--seq1f1b-partition", choices=METHODS, default=DEFAULT_PARTITION,
+        "--seq1f1b-partition", choices=FLAG_PARTITIONS, default=DEFAULT_PARTITION,
         help="How to cut the sequence: 'uniform' (equal tokens) or 'balanced' (equal "
              f"estimated FLOPs, longer early segments). Default {DEFAULT_PARTITION}.",
     )
@@ -110,9 +112,15 @@ def args_problems(args: Any) -> list[str]:
         problems.append(f"--seq1f1b-splits must be a positive integer, got {splits!r}")
         splits = None
     partition = _flag(args, "seq1f1b_partition", DEFAULT_PARTITION)
-    if partition not in METHODS:
+    if partition == "measured":
         problems.append(
-            f"--seq1f1b-partition {partition!r} is unknown; choose one of {', '.join(METHODS)}"
+            "--seq1f1b-partition measured needs calibrated costs, which flags cannot pass yet; "
+            "use balanced (or plan offline with python -m megatron_seq1f1b.planner)"
+        )
+    elif partition not in METHODS:
+        problems.append(
+            f"--seq1f1b-partition {partition!r} is unknown; choose one of "
+            f"{', '.join(FLAG_PARTITIONS)}"
         )
     schedule = _flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE)
     if schedule not in SCHEDULES:

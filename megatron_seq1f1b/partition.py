@@ -27,14 +27,23 @@ FLOPs also mean equal backward FLOPs.
 ``s x P`` score block and mask it afterwards (Megatron's local
 ``DotProductAttention``): the quadratic term becomes ``s * P``. Flash-style
 kernels (Transformer Engine) skip masked blocks: causal pairs.
+
+The ``"measured"`` split balances a *measured* cost instead of FLOPs: any
+``cost(length, end)`` that grows with the length, usually fitted time per
+segment (:class:`megatron_seq1f1b.planner.Calibration`). Kernels are not
+equally efficient on linear layers and attention, so equal FLOPs are not
+equal time. Both balanced splits share one solver (:func:`_equal_cost_ends`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
-METHODS = ("uniform", "balanced")
+METHODS = ("uniform", "balanced", "measured")
+
+SegmentCost = Callable[[float, float], float]  # cost(length, end), growing with length
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,15 @@ class CostModel:
         linear = self.per_token * length
         return linear + 2 * self.per_pair * self.pairs(length, end), linear
 
+    def length_for(self, share: float, end: float) -> float:
+        """Length of the segment ending at ``end`` that costs ``share`` (closed form)."""
+        a, c = self.per_token, self.per_pair
+        if self.dense_attention or c == 0:
+            return share / (a + c * end)  # a s + c s end = share
+        # a s + c (s end - s^2/2 + s/2) = share -> (c/2) s^2 - (a + c end + c/2) s + share = 0
+        b = a + c * end + c / 2
+        return (b - math.sqrt(max(b * b - 2 * c * share, 0.0))) / c
+
     def split_costs(self, lengths: list[int]) -> list[float]:
         costs, end = [], 0
         for length in lengths:
@@ -101,13 +119,18 @@ def split_sequence(
     vocab_size: int | None = None,
     multiple_of: int = 1,
     dense_attention: bool = False,
+    cost: CostModel | SegmentCost | None = None,
 ) -> list[int]:
     """Segment lengths for one micro-batch: sum ``seq_length``, each a multiple of ``multiple_of``.
 
     ``"uniform"`` lengths differ by at most ``multiple_of`` (longer ones
     first); ``"balanced"`` lengths give equal estimated forward FLOPs
     (:class:`CostModel` from ``config`` and ``vocab_size``; ``dense_attention``
-    for kernels that compute masked scores too) and never increase.
+    for kernels that compute masked scores too; or ``cost``, a
+    :class:`CostModel`, without a config) and never increase. ``"measured"``
+    lengths give equal calibrated cost: ``cost`` is a :class:`CostModel`, an
+    object with a ``cost_model()`` method (a fitted calibration), or any
+    ``cost(length, end)`` that grows with the length (solved numerically).
     """
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
@@ -130,51 +153,75 @@ def split_sequence(
     if method == "uniform":
         base, extra = divmod(units, num_splits)
         return [(base + (i < extra)) * multiple_of for i in range(num_splits)]
-    if config is None:
+    if method == "measured":
+        if cost is None:
+            raise ValueError("partition 'measured' needs calibrated costs (cost=...)")
+        if hasattr(cost, "cost_model"):
+            cost = cost.cost_model()
+    elif config is not None:
+        cost = CostModel.from_config(config, vocab_size, dense_attention)
+    elif not isinstance(cost, CostModel):
         raise ValueError(
             "the balanced partition needs the model's TransformerConfig (config=...) to "
             "estimate attention and linear FLOPs"
         )
-    cost = CostModel.from_config(config, vocab_size, dense_attention)
-    boundaries = _balanced_boundaries(seq_length, num_splits, cost)
+    boundaries = _equal_cost_ends(seq_length, num_splits, cost)
     return _round_boundaries(boundaries, units, multiple_of)
 
 
-def _balanced_boundaries(seq_length: int, num_splits: int, cost: CostModel) -> list[float]:
-    """Continuous segment end positions with equal cost.
+def _equal_cost_ends(seq_length: int, num_splits: int,
+                     cost: CostModel | SegmentCost) -> list[float]:
+    """Continuous segment end positions with equal cost (both balanced splits).
 
     For a guess of the per-segment cost, segments are solved from the back
-    (a quadratic, or linear for dense attention); bisection adjusts the guess
-    until the first segment costs the same as the others. (With causal
-    attention the costs add up to the whole sequence's, so the first guess,
-    total / k, is already right.)
+    (:meth:`CostModel.length_for`, or bisection on the length for a plain
+    callable); bisection adjusts the guess until the first segment costs the
+    same as the others. (With causal attention the FLOP costs add up to the
+    whole sequence's, so the first guess, total / k, is already right.)
     """
-    a, c = cost.per_token, cost.per_pair
+    if isinstance(cost, CostModel):
+        segment, length_for = cost.segment, cost.length_for
+        grows = cost.per_token > 0 or cost.per_pair > 0
+    else:
+        segment, length_for = cost, _length_by_bisection(cost)
+        grows = segment(seq_length, seq_length) > segment(0.0, seq_length)
+    if not grows:
+        raise ValueError("the partition's cost does not grow with the segment length; "
+                         "nothing to balance (use the uniform partition)")
 
     def ends_for(share: float) -> list[float]:
         ends, end = [float(seq_length)], float(seq_length)
         for _ in range(num_splits - 1):
-            if cost.dense_attention or c == 0:
-                length = share / (a + c * end)  # a s + c s end = share
-            else:
-                # a s + c (s end - s^2/2 + s/2) = share -> (c/2) s^2 - (a + c end + c/2) s + share = 0
-                b = a + c * end + c / 2
-                length = (b - math.sqrt(max(b * b - 2 * c * share, 0.0))) / c
-            end = max(end - length, 0.0)
+            end = max(end - length_for(share, end), 0.0)
             ends.append(end)
         return ends
 
-    low, high = 0.0, cost.segment(seq_length, seq_length)
+    low, high = 0.0, segment(seq_length, seq_length)
     share = high / num_splits
     for _ in range(200):
         first = ends_for(share)[-1]
-        gap = cost.segment(first, first) - share
-        if abs(gap) <= 1e-12 * high:
+        gap = segment(first, first) - share
+        if abs(gap) <= 1e-12 * high or high - low <= 1e-13 * high:
             break
         low, high = (share, high) if gap > 0 else (low, share)
         share = (low + high) / 2
     ends = ends_for(share)
     return sorted(ends[1:]) + [float(seq_length)]
+
+
+def _length_by_bisection(cost: SegmentCost) -> Callable[[float, float], float]:
+    """length_for(share, end) of a callable cost that grows with the length."""
+
+    def length_for(share: float, end: float) -> float:
+        if cost(end, end) <= share:
+            return end
+        low, high = 0.0, end
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if cost(mid, end) < share else (low, mid)
+        return (low + high) / 2
+
+    return length_for
 
 
 def _round_boundaries(ends: list[float], units: int, multiple_of: int) -> list[int]:

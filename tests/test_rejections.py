@@ -89,6 +89,7 @@ LocalTrigger = Callable[[], object]
 API: dict[str, LocalTrigger] = {
     "api-num-splits": lambda: s1.get_forward_backward_func(-1),
     "api-partition": lambda: s1.get_forward_backward_func(2, "random"),
+    "api-partition-measured": lambda: s1.get_forward_backward_func(2, "measured"),
     "api-schedule": lambda: s1.get_forward_backward_func(2, schedule="zb-h3"),
     "api-split-lengths-count": lambda: s1.get_forward_backward_func(2, split_lengths=[1, 2, 3]),
 }
@@ -110,6 +111,7 @@ def _lm(**flags: Any) -> LocalTrigger:
 MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-splits-not-positive": _lm(seq1f1b_splits=-1),
     "lm-partition-unknown": _lm(seq1f1b_partition="random"),
+    "lm-partition-measured": _lm(seq1f1b_partition="measured"),
     "lm-schedule-unknown": _lm(seq1f1b_schedule="zb-h3"),
     "lm-zb-h2-interleaved": _lm(seq1f1b_schedule="zb-h2", virtual_pipeline_model_parallel_size=2),
     "lm-zero-bubble-transformer-engine": _lm(seq1f1b_schedule="zb-h1",

@@ -1,0 +1,677 @@
+"""Automatic plan: the number of segments, the partition and the schedule, from costs.
+
+Which ``k``, partition and schedule is fastest depends on the machine: a fixed
+cost per segment (kernel launches, messages) favours few segments, attention
+that dominates favours a balanced split, weight gradients that fill bubbles
+favour a zero-bubble schedule; more segments also hold fewer activations. So
+every combination is simulated with per-segment costs, and the fastest one
+that fits the activation-memory budget wins.
+
+Costs come from a :class:`Calibration`: per virtual stage (pipeline order,
+``chunk * pp + rank``) and direction a fit ``time = a*len + c*quad(len, end)
++ d``, as :mod:`megatron_seq1f1b.bench.fit` produces; or from the FLOP
+:class:`~megatron_seq1f1b.partition.CostModel` when nothing is measured. A
+start-up measurement only has to return a :class:`Calibration`
+(:meth:`Calibration.from_samples` fits the samples
+:mod:`megatron_seq1f1b.bench.calibration` takes).
+
+Time is what the executor would do: the zero-bubble schedules are built and
+their receives placed from the plan's per-segment costs
+(:attr:`Plan.segment_costs`, as the executor's ``pipeline_steps`` does with
+its costs), and every rank's steps are replayed with rendezvous messages
+(``send_slack=0``: NCCL, where a step waits for all its transfers; 1: gloo,
+where sends finish a step later, see :mod:`megatron_seq1f1b.p2p`). Plans the
+executor would refuse (deadlock, link order) are left out.
+
+Memory is the peak of activations held on a stage, in micro-batches of that
+stage (a unit of segment ``j`` on one of ``v`` chunks holds
+``len_j / (seq_length * v)``; from its forward until its backward, or until
+its ``W`` in zero-bubble schedules), and in bytes with ``bytes_per_token``.
+
+Calibration file (JSON, :func:`save_calibration` / :func:`load_calibration`)::
+
+    {"format": "megatron_seq1f1b.calibration", "version": 1,
+     "unit": "s",                      # of every coefficient's result
+     "quadratic": "causal_pairs",      # or "rectangle" (len * end: non-flash attention)
+     "weight_fraction": 0.5,           # W's share of B where a stage has no "W" fit
+     "source": "free text",
+     "stages": [                       # pipeline order; 1 entry = the same on every stage
+        {"F": {"a": 1e-6, "c": 2e-11, "d": 3e-4},   # forward of one segment
+         "B": {"a": 2e-6, "c": 4e-11, "d": 5e-4},   # whole backward (input + weight grads)
+         "W": {"a": 1e-6, "c": 0.0, "d": 1e-4}},    # optional: the weight-gradient part
+        ...]}
+
+:func:`load_calibration` also reads a benchmark's ``results.json`` (its
+``calibration.fits``).
+
+Command line::
+
+    python -m megatron_seq1f1b.planner --seq-length 32768 --pp 4 --microbatches 8 \\
+        (--calibration calib.json | --hidden-size 4096 --num-layers 32 ...) \\
+        [--memory-budget 2.0 | --memory-budget-gib 40 --bytes-per-token 65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Sequence
+
+from megatron_seq1f1b.bench.fit import QUADRATIC, extrapolated_fits
+from megatron_seq1f1b.checks import segment_multiple
+from megatron_seq1f1b.partition import METHODS, CostModel, split_sequence
+from megatron_seq1f1b.plan import plan_steps
+from megatron_seq1f1b.replay import replay
+from megatron_seq1f1b.schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
+from megatron_seq1f1b.simulate import CostFn
+from megatron_seq1f1b.validate import check_link_order
+from megatron_seq1f1b.zero_bubble import segment_cost_fn
+
+FORMAT = "megatron_seq1f1b.calibration"
+GIB = 2.0 ** 30
+
+__all__ = [
+    "Fit", "StageCosts", "Calibration", "Plan", "PlanChoice", "BudgetError", "choose_plan",
+    "format_table", "explain", "save_calibration", "load_calibration", "activation_peak",
+    "action_cost", "placement_costs", "predict", "main",
+]
+
+
+# ------------------------------------------------------------------ costs
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``a*length + c*quad(length, end) + d``: one direction of a segment on one stage."""
+
+    a: float
+    c: float = 0.0
+    d: float = 0.0
+
+    def time(self, length: float, end: float, quadratic: str) -> float:
+        return self.a * length + self.c * QUADRATIC[quadratic](length, end) + self.d
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """A virtual stage's forward and whole backward, and optionally its weight-gradient part."""
+
+    forward: Fit
+    backward: Fit
+    weight: Fit | None = None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per-segment costs of every virtual stage: what the planner simulates with.
+
+    ``stages`` in pipeline order (virtual stage ``chunk * pp + rank``); other
+    stage counts are extrapolated like :func:`bench.fit.extrapolated_fits`
+    (first and last kept, the rest a middle one); a stage's fit holds for its
+    layers, so plan the virtual pipeline size it was measured with.
+    Zero-bubble schedules give ``W`` the ``weight`` fit, else
+    ``weight_fraction`` of the backward (measured backwards are whole: B and W
+    are not timed apart).
+    """
+
+    stages: tuple[StageCosts, ...]
+    quadratic: str = "causal_pairs"
+    weight_fraction: float = 0.5
+    unit: str = "s"
+    source: str = ""
+
+    def __post_init__(self):
+        if not self.stages:
+            raise ValueError("a calibration needs at least one stage")
+        if self.quadratic not in QUADRATIC:
+            raise ValueError(f"unknown quadratic {self.quadratic!r}; choose one of "
+                             f"{tuple(QUADRATIC)}")
+        if not 0.0 <= self.weight_fraction <= 1.0:
+            raise ValueError(f"weight_fraction must be in [0, 1], got {self.weight_fraction}")
+
+    def stage_costs(self, num_stages: int) -> list[StageCosts]:
+        """One entry per virtual stage of a pipeline with ``num_stages`` of them."""
+        if len(self.stages) == 1:
+            return list(self.stages) * num_stages
+        return extrapolated_fits(list(self.stages), num_stages)
+
+    def times(self, stage: StageCosts, length: float, end: float) -> tuple[float, float, float]:
+        """(forward, whole backward, its weight-gradient part) of a segment on `stage`."""
+        forward = stage.forward.time(length, end, self.quadratic)
+        backward = stage.backward.time(length, end, self.quadratic)
+        weight = (stage.weight.time(length, end, self.quadratic) if stage.weight
+                  else self.weight_fraction * backward)
+        return forward, backward, min(weight, backward)
+
+    def __call__(self, length: float, end: float) -> float:
+        """Forward + backward of a segment summed over the calibrated stages."""
+        return sum(sum(self.times(s, length, end)[:2]) for s in self.stages)
+
+    def cost_model(self) -> CostModel:
+        """Forward + backward summed over stages as a :class:`CostModel`: what the
+        ``"measured"`` partition balances (a per-segment constant moves every
+        segment's cost alike, so it does not change the split)."""
+        per_token = sum(s.forward.a + s.backward.a for s in self.stages)
+        per_pair = sum(s.forward.c + s.backward.c for s in self.stages)
+        return CostModel(per_token, per_pair, dense_attention=self.quadratic == "rectangle")
+
+    @classmethod
+    def from_cost_model(cls, model: CostModel, num_stages: int = 1) -> "Calibration":
+        """FLOPs when nothing is measured: the model split evenly over ``num_stages``;
+        backward = input gradients + weight gradients (:meth:`CostModel.backward_parts`)."""
+        n = float(num_stages)
+        a, c = model.per_token / n, model.per_pair / n
+        stage = StageCosts(Fit(a, c), Fit(2 * a, 2 * c), Fit(a, 0.0))
+        return cls((stage,) * num_stages,
+                   "rectangle" if model.dense_attention else "causal_pairs",
+                   unit="FLOP", source="FLOP cost model")
+
+    @classmethod
+    def from_fits(cls, ordered_fits: Sequence[dict], quadratic: str, source: str = "fits",
+                  weight_fraction: float = 0.5, unit: str = "s") -> "Calibration":
+        """From :mod:`bench.fit` entries in pipeline order: ``{"F": {a, c, d}, "B": ...}``."""
+        def fit(entry):
+            return Fit(float(entry["a"]), float(entry.get("c", 0.0)), float(entry.get("d", 0.0)))
+
+        stages = tuple(StageCosts(fit(e["F"]), fit(e["B"]), fit(e["W"]) if e.get("W") else None)
+                       for e in ordered_fits)
+        return cls(stages, quadratic, weight_fraction, unit, source)
+
+    @classmethod
+    def from_samples(cls, samples: dict, quadratic: str | None = None,
+                     source: str = "measured") -> "Calibration":
+        """Fit timed segments ``{(stage, chunk): [[length, end, forward_s, backward_s], ...]}``
+        (:mod:`bench.calibration`'s format); the better quadratic unless given."""
+        from megatron_seq1f1b.bench.fit import best_quadratic, fit_costs
+
+        if quadratic is None:
+            quadratic, _ = best_quadratic({"samples": samples})
+        fits = fit_costs(samples, quadratic)
+        order = sorted(fits, key=lambda key: (key[1], key[0]))  # chunk-major: pipeline order
+        return cls.from_fits([fits[key] for key in order], quadratic, source)
+
+    def to_dict(self) -> dict:
+        def fit(f: Fit) -> dict:
+            return {"a": f.a, "c": f.c, "d": f.d}
+
+        stages = []
+        for s in self.stages:
+            entry = {"F": fit(s.forward), "B": fit(s.backward)}
+            if s.weight is not None:
+                entry["W"] = fit(s.weight)
+            stages.append(entry)
+        return {"format": FORMAT, "version": 1, "unit": self.unit, "quadratic": self.quadratic,
+                "weight_fraction": self.weight_fraction, "source": self.source,
+                "stages": stages}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Calibration":
+        if data.get("format") != FORMAT or data.get("version") != 1:
+            raise ValueError(f"not a calibration (format {FORMAT!r}, version 1): "
+                             f"format={data.get('format')!r}, version={data.get('version')!r}")
+        return cls.from_fits(data["stages"], data.get("quadratic", "causal_pairs"),
+                             data.get("source", ""), float(data.get("weight_fraction", 0.5)),
+                             data.get("unit", "s"))
+
+
+def save_calibration(calibration: Calibration, path: str | Path) -> None:
+    """Write the calibration file (format in the module docstring)."""
+    Path(path).write_text(json.dumps(calibration.to_dict(), indent=1) + "\n")
+
+
+def load_calibration(path: str | Path, layout: str = "plain") -> Calibration:
+    """Read a calibration file, or a benchmark's results.json (its ``layout`` fits)."""
+    data = json.loads(Path(path).read_text())
+    if "calibration" in data and isinstance(data["calibration"], dict):
+        bench = data["calibration"]
+        fits = bench["fits"][layout]  # {"stage.chunk": {"F": ..., "B": ...}}
+        order = sorted(fits, key=lambda key: tuple(reversed([int(x) for x in key.split(".")])))
+        return Calibration.from_fits([fits[key] for key in order], bench["quadratic"],
+                                     f"{path} ({layout} fits)")
+    return Calibration.from_dict(data)
+
+
+def action_cost(calibration: Calibration, lengths: Sequence[int], num_stages: int,
+                num_model_chunks: int = 1, split_backward: bool = False) -> CostFn:
+    """cost(action, rank) for :func:`predict`: B is the whole backward unless W is split off."""
+    stages = calibration.stage_costs(num_stages * num_model_chunks)
+    ends = list(itertools.accumulate(lengths))
+    table = {}
+    for vs, stage in enumerate(stages):
+        for j, (length, end) in enumerate(zip(lengths, ends)):
+            forward, backward, weight = calibration.times(stage, length, end)
+            table[vs, j] = ({"F": forward, "B": backward - weight, "W": weight} if split_backward
+                            else {"F": forward, "B": backward, "W": 0.0})
+    return lambda action, rank: table[action.chunk * num_stages + rank, action.segment][action.kind]
+
+
+def placement_costs(calibration: Calibration, lengths: Sequence[int], num_stages: int
+                    ) -> tuple[tuple[float, float, float], ...]:
+    """Per segment (F, B, W) averaged over stages, mean F = 1, rounded like the executor's
+    ``zero_bubble_costs``: where a zero-bubble schedule puts W and places its receives
+    (the same on every rank, so part of the ranks' agreement)."""
+    per = calibration.stage_costs(num_stages)
+    rows = []
+    for length, end in zip(lengths, itertools.accumulate(lengths)):
+        times = [calibration.times(s, length, end) for s in per]
+        f, b, w = (sum(t[i] for t in times) / len(times) for i in range(3))
+        rows.append((f, b - w, w))
+    mean = sum(r[0] for r in rows) / len(rows)
+    return tuple(tuple(round(x / mean, 4) for x in r) for r in rows)
+
+
+def predict(schedule: Schedule, num_model_chunks: int, cost: CostFn,
+            costs: Sequence[tuple[float, float, float]] | None = None,
+            send_slack: int = 0) -> tuple[float, float]:
+    """(makespan, bubble) of the executor's steps: receives placed with ``costs`` (zero
+    bubble) or unit costs, replayed with ``cost``; ScheduleError where it would refuse."""
+    steps = plan_steps(schedule, num_model_chunks,
+                       cost=segment_cost_fn(costs) if costs is not None else None)
+    if costs is not None:
+        check_link_order(steps)
+    timeline = replay(steps, cost, send_slack=send_slack)
+    busy = sum(iv.end - iv.start for rank in timeline.compute for iv in rank)
+    total = timeline.makespan * len(schedule)
+    return timeline.makespan, (1.0 - busy / total if total else 0.0)
+
+
+def activation_peak(schedule: Schedule, lengths: Sequence[int], num_model_chunks: int = 1
+                    ) -> float:
+    """Most activations any rank holds, in micro-batches of a stage.
+
+    A unit holds ``len / (seq_length * v)`` from its forward until its
+    backward, or until its W where W is split off (as
+    :func:`simulate.peak_inflight` counts units).
+    """
+    total = float(sum(lengths)) * num_model_chunks
+    peak = 0.0
+    for actions in schedule:
+        release = "W" if any(a.is_weight for a in actions) else "B"
+        live = 0.0
+        for action in actions:
+            if action.is_forward:
+                live += lengths[action.segment] / total
+                peak = max(peak, live)
+            elif action.kind == release:
+                live -= lengths[action.segment] / total
+    return peak
+
+
+# ------------------------------------------------------------------ plans
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate: how to cut and schedule, and what the simulation predicts."""
+
+    num_splits: int
+    partition: str
+    lengths: tuple[int, ...]
+    schedule: str
+    time: float  # predicted iteration (calibration unit)
+    bubble: float  # idle share of all ranks' time
+    memory: float  # peak activations of a stage, in micro-batches of that stage
+    memory_bytes: float | None = None  # with bytes_per_token
+    within_budget: bool | None = None  # None: no budget given
+    unit: str = "s"
+    segment_costs: tuple[tuple[float, float, float], ...] | None = None  # zero bubble: (F, B, W)
+
+    def describe(self) -> str:
+        part = f" {self.partition}" if self.num_splits > 1 else ""
+        return f"k={self.num_splits}{part} {self.schedule}"
+
+    def memory_text(self) -> str:
+        text = f"{self.memory:.2f} mb"
+        return text + (f" ({self.memory_bytes / GIB:.2f} GiB)" if self.memory_bytes else "")
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The winner, every candidate (ranked: fastest first) and why the winner won."""
+
+    plan: Plan
+    candidates: tuple[Plan, ...]
+    reason: str
+
+    def table(self) -> str:
+        return format_table(self.candidates, self.plan)
+
+
+class BudgetError(ValueError):
+    """No candidate plan fits the activation-memory budget."""
+
+    def __init__(self, message: str, smallest: Plan):
+        super().__init__(message)
+        self.smallest = smallest
+
+
+def _q(x: float) -> float:
+    """Ten significant digits: equal predictions tie whatever the summation order."""
+    return float(f"{x:.10g}")
+
+
+def _rank_key(plan: Plan) -> tuple:
+    """Fastest; then less memory, fewer splits, partition order, schedule order."""
+    return (_q(plan.time), _q(plan.memory), plan.num_splits, METHODS.index(plan.partition),
+            SCHEDULES.index(plan.schedule))
+
+
+def _memory_key(plan: Plan) -> tuple:
+    return (_q(plan.memory),) + _rank_key(plan)
+
+
+def _split_counts(seq_length: int, multiple_of: int, min_segment_length: int,
+                  max_splits: int) -> list[int]:
+    limit = min(max_splits, seq_length // max(min_segment_length, 1), seq_length // multiple_of)
+    return list(range(1, max(limit, 1) + 1))
+
+
+def choose_plan(
+    seq_length: int,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    num_model_chunks: int = 1,
+    micro_batch_size: int = 1,
+    calibration: Calibration | None = None,
+    config=None,
+    vocab_size: int | None = None,
+    dense_attention: bool = False,
+    cost_model: CostModel | None = None,
+    memory_budget: float | None = None,
+    memory_budget_bytes: float | None = None,
+    bytes_per_token: float | None = None,
+    min_segment_length: int = 128,
+    max_splits: int = 16,
+    multiple_of: int | None = None,
+    splits: Sequence[int] | None = None,
+    partitions: Sequence[str] | None = None,
+    schedules: Sequence[str] | None = None,
+    send_slack: int = 0,
+) -> PlanChoice:
+    """The fastest (k, partition, schedule) within the memory budget, and all candidates.
+
+    Costs from ``calibration``, else the FLOP model (``cost_model``, or from
+    ``config`` + ``vocab_size``), which the ``"balanced"`` partition needs
+    too. ``memory_budget``: peak activations per stage in micro-batches of a
+    stage; ``memory_budget_bytes`` needs ``bytes_per_token`` (activation bytes
+    one token of one sample leaves on a stage). ``k`` runs from 1 to the
+    largest with segments of at least ``min_segment_length`` tokens (at most
+    ``max_splits``), or over ``splits``. ``send_slack``: 0 for NCCL, 1 for
+    gloo (see the module docstring). Deterministic: ties go to less
+    memory, fewer splits, then METHODS and SCHEDULES order. Raises
+    :class:`BudgetError` if nothing fits.
+    """
+    p, m, v = num_stages, num_microbatches, num_model_chunks
+    if v > 1 and p < 2:
+        raise ValueError("interleaving (several model chunks) needs num_stages >= 2")
+    if memory_budget_bytes is not None and not bytes_per_token:
+        raise ValueError("memory_budget_bytes needs bytes_per_token (activation bytes of one "
+                         "token of one sample on a stage)")
+    flops = cost_model or (CostModel.from_config(config, vocab_size, dense_attention)
+                           if config is not None else None)
+    if calibration is None:
+        if flops is None:
+            raise ValueError("choose_plan needs costs: calibration=..., or config=... / "
+                             "cost_model=... for FLOPs")
+        calibration = Calibration.from_cost_model(flops, p * v)
+    partitions, schedules = _options(partitions, schedules, flops is not None, v)
+    multiple = multiple_of or (segment_multiple(config) if config is not None else 1)
+    ks = sorted(set(splits)) if splits else _split_counts(seq_length, multiple,
+                                                          min_segment_length, max_splits)
+    costs_of = {"balanced": flops, "measured": calibration}
+    budgeted = memory_budget is not None or memory_budget_bytes is not None
+
+    candidates: list[Plan] = []
+    for k in ks:
+        seen: set[tuple[int, ...]] = set()
+        for partition in partitions:
+            try:
+                lengths = tuple(split_sequence(seq_length, k, partition, multiple_of=multiple,
+                                               cost=costs_of.get(partition)))
+            except ValueError:  # e.g. a calibration whose cost does not grow with length
+                continue
+            if lengths in seen or (k > 1 and min(lengths) < min_segment_length):
+                continue  # the same split under an earlier name, or segments too short
+            seen.add(lengths)
+            for name in schedules:
+                plan = _evaluate(calibration, p, m, v, partition, lengths, name, send_slack)
+                if plan is None:
+                    continue
+                memory_bytes = (plan.memory * seq_length * micro_batch_size * bytes_per_token
+                                if bytes_per_token else None)
+                fits = ((memory_budget is None or plan.memory <= memory_budget + 1e-9)
+                        and (memory_budget_bytes is None or memory_bytes <= memory_budget_bytes)
+                        ) if budgeted else None
+                candidates.append(replace(plan, memory_bytes=memory_bytes, within_budget=fits))
+    if not candidates:
+        raise ValueError(f"no candidate plan: no split of {seq_length} tokens into segments of "
+                         f"at least {min_segment_length} tokens (multiple of {multiple})")
+    ranked = tuple(sorted(candidates, key=_rank_key))
+    feasible = [c for c in ranked if c.within_budget is not False]
+    if not feasible:
+        smallest = min(ranked, key=_memory_key)
+        budget = " and ".join(
+            [f"{memory_budget:.2f} micro-batches"] * (memory_budget is not None)
+            + [f"{(memory_budget_bytes or 0) / GIB:.2f} GiB"] * (memory_budget_bytes is not None))
+        raise BudgetError(
+            f"no plan fits the activation-memory budget of {budget} per stage: the smallest "
+            f"reachable is {smallest.memory_text()}, by {smallest.describe()} (lengths "
+            f"{list(smallest.lengths)}); raise the budget, or allow more splits "
+            f"(max_splits={max_splits}, min_segment_length={min_segment_length})", smallest)
+    return PlanChoice(feasible[0], ranked, explain(ranked, feasible[0]))
+
+
+def _options(partitions, schedules, have_flops: bool, chunks: int) -> tuple[list, list]:
+    """The partitions and schedules to try, in METHODS / SCHEDULES order; asking for one
+    that cannot be built is an error (leaving it out silently would hide it)."""
+    available = [x for x in METHODS if x != "balanced" or have_flops]
+    allowed = [s for s in SCHEDULES if not (s == "zb-h2" and chunks > 1)]  # ZB_H2_PROBLEM
+    for name in partitions or ():
+        if name not in available:
+            raise ValueError(f"partition {name!r} is not available here; choose from {available}"
+                             " ('balanced' needs config= or cost_model=)")
+    for name in schedules or ():
+        if name not in allowed:
+            raise ValueError(f"schedule {name!r} is not available with {chunks} model chunk(s); "
+                             f"choose from {allowed}")
+    return ([x for x in METHODS if x in (partitions or available)],
+            [s for s in SCHEDULES if s in (schedules or allowed)])
+
+
+def _evaluate(calibration: Calibration, p: int, m: int, v: int, partition: str,
+              lengths: tuple[int, ...], name: str, send_slack: int) -> Plan | None:
+    """One candidate's predicted time, bubble and memory; None if the executor would
+    refuse its steps (deadlock, link order)."""
+    zero_bubble = name != "1f1b"
+    costs = placement_costs(calibration, lengths, p * v) if zero_bubble else None
+    schedule = build_schedule(p, m, len(lengths), v, schedule=name, costs=costs)
+    try:
+        time, bubble = predict(schedule, v, action_cost(calibration, lengths, p, v, zero_bubble),
+                               costs, send_slack)
+    except ScheduleError:
+        return None
+    return Plan(len(lengths), partition, lengths, name, time, bubble,
+                activation_peak(schedule, lengths, v), unit=calibration.unit,
+                segment_costs=costs)
+
+
+def _tie_reason(chosen: Plan, other: Plan) -> str:
+    if _q(chosen.memory) != _q(other.memory):
+        return "less memory"
+    if chosen.num_splits != other.num_splits:
+        return "fewer splits"
+    if chosen.partition != other.partition:
+        return f"partition order {METHODS}"
+    return f"schedule order {SCHEDULES}"
+
+
+def explain(candidates: Sequence[Plan], chosen: Plan) -> str:
+    """One line: why `chosen` won over the others."""
+    ranked = sorted(candidates, key=_rank_key)
+    faster = [c for c in ranked if _rank_key(c) < _rank_key(chosen)]
+    rest = [c for c in ranked if _rank_key(c) > _rank_key(chosen)
+            and c.within_budget is not False]
+    if rest:
+        nxt = rest[0]
+        if _q(nxt.time) == _q(chosen.time):
+            versus = f"as fast as {nxt.describe()}, and wins the tie on {_tie_reason(chosen, nxt)}"
+        else:
+            versus = (f"{nxt.time / chosen.time - 1:.1%} faster than the next"
+                      f"{' within the budget' if faster else ''}, {nxt.describe()}")
+    else:
+        versus = "the only candidate" + (" within the budget" if faster else "")
+    if not faster:
+        return f"{chosen.describe()} wins: fastest; {versus}"
+    best = faster[0]
+    return (f"{chosen.describe()} wins: fastest within the memory budget "
+            f"({chosen.memory_text()}); {len(faster)} faster plan(s) exceed it, e.g. "
+            f"{best.describe()} ({chosen.time / best.time - 1:.1%} faster, needs "
+            f"{best.memory_text()}); {versus}")
+
+
+def _time_text(value: float, unit: str) -> str:
+    return f"{value * 1e3:.2f} ms" if unit == "s" else f"{value:.4g} {unit}"
+
+
+def _lengths_text(lengths: Sequence[int]) -> str:
+    if len(lengths) <= 4:
+        return ",".join(map(str, lengths))
+    return f"{lengths[0]},{lengths[1]},..,{lengths[-1]}"
+
+
+def format_table(candidates: Sequence[Plan], chosen: Plan) -> str:
+    """All candidates, fastest first (``*`` = chosen), then why the winner won."""
+    ranked = sorted(candidates, key=_rank_key)
+    best = ranked[0].time
+    with_bytes = any(c.memory_bytes for c in ranked)
+    header = (f"  {'k':>3} {'partition':<9} {'schedule':<8} {'time':>14} {'vs best':>8} "
+              f"{'bubble':>7} {'memory (mb)':>12}" + (f" {'GiB':>7}" if with_bytes else "")
+              + f" {'budget':>6}  lengths")
+    lines = [header, "-" * len(header)]
+    for c in ranked:
+        budget = {None: "-", True: "ok", False: "over"}[c.within_budget]
+        gib = f" {c.memory_bytes / GIB:>7.2f}" if with_bytes and c.memory_bytes else ""
+        lines.append(
+            f"{'*' if c == chosen else ' '} {c.num_splits:>3} {c.partition:<9} {c.schedule:<8} "
+            f"{_time_text(c.time, c.unit):>14} {c.time / best - 1:>+8.1%} {c.bubble:>7.1%} "
+            f"{c.memory:>12.2f}{gib} {budget:>6}  {_lengths_text(c.lengths)}")
+    lines.append(explain(ranked, chosen))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ command line
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_seq1f1b.planner",
+        description="Pick segments per micro-batch, partition and schedule from per-segment "
+                    "costs (a calibration file, or FLOPs of the model) and a memory budget.")
+    parser.add_argument("--seq-length", type=int, required=True)
+    parser.add_argument("--pp", type=int, required=True, help="pipeline stages")
+    parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank")
+    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--calibration", help="calibration JSON, or a benchmark's results.json")
+    parser.add_argument("--layout", default="plain",
+                        help="which fits of a results.json (plain or interleaved)")
+    model = parser.add_argument_group("model (FLOP costs; the balanced partition)")
+    model.add_argument("--hidden-size", type=int)
+    model.add_argument("--num-layers", type=int)
+    model.add_argument("--num-attention-heads", type=int)
+    model.add_argument("--num-query-groups", type=int)
+    model.add_argument("--ffn-hidden-size", type=int)
+    model.add_argument("--swiglu", action="store_true", help="gated linear unit")
+    model.add_argument("--vocab-size", type=int)
+    model.add_argument("--dense-attention", action="store_true",
+                       help="attention computes the masked scores too (non-flash kernels)")
+    parser.add_argument("--memory-budget", type=float,
+                        help="peak activations per stage, in micro-batches of a stage")
+    parser.add_argument("--memory-budget-gib", type=float, help="needs --bytes-per-token")
+    parser.add_argument("--bytes-per-token", type=float,
+                        help="activation bytes one token of one sample leaves on a stage")
+    parser.add_argument("--min-segment-length", type=int, default=128)
+    parser.add_argument("--max-splits", type=int, default=16)
+    parser.add_argument("--multiple-of", type=int, default=1,
+                        help="every segment length's divisor (tp with sequence parallelism, "
+                             "x8 with FP8)")
+    parser.add_argument("--splits", type=int, nargs="+", help="only these k")
+    parser.add_argument("--partitions", nargs="+", choices=METHODS)
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES)
+    parser.add_argument("--send-slack", type=int, choices=(0, 1), default=0,
+                        help="0: NCCL (a step waits for all its transfers); 1: gloo (sends "
+                             "finish a step later)")
+    parser.add_argument("--json", help="write the choice and all candidates here")
+    parser.add_argument("--save-calibration", help="write the costs used as a calibration file")
+    return parser.parse_args(argv)
+
+
+def _model_config(args: argparse.Namespace):
+    if args.hidden_size is None:
+        return None
+    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "num_attention_heads")
+               if getattr(args, n) is None]
+    if missing:
+        raise SystemExit(f"--hidden-size needs {' and '.join(missing)} too")
+    return SimpleNamespace(
+        hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads, kv_channels=None,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        gated_linear_unit=args.swiglu)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    config = _model_config(args)
+    calibration = load_calibration(args.calibration, args.layout) if args.calibration else None
+    if calibration is None and config is None:
+        raise SystemExit("give --calibration FILE, or the model (--hidden-size, --num-layers, "
+                         "--num-attention-heads, ...) for FLOP costs")
+    if calibration is None:
+        calibration = Calibration.from_cost_model(
+            CostModel.from_config(config, args.vocab_size, args.dense_attention),
+            args.pp * args.vpp)
+    try:
+        choice = choose_plan(
+            args.seq_length, args.pp, args.microbatches, num_model_chunks=args.vpp,
+            micro_batch_size=args.micro_batch_size, calibration=calibration, config=config,
+            vocab_size=args.vocab_size, dense_attention=args.dense_attention,
+            memory_budget=args.memory_budget,
+            memory_budget_bytes=args.memory_budget_gib * GIB if args.memory_budget_gib else None,
+            bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,
+            max_splits=args.max_splits, multiple_of=args.multiple_of, splits=args.splits,
+            partitions=args.partitions, schedules=args.schedules, send_slack=args.send_slack)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(f"seq_length {args.seq_length}, p={args.pp}, v={args.vpp}, m={args.microbatches}, "
+          f"micro-batch size {args.micro_batch_size}; costs: {calibration.source or 'calibration'}"
+          f" ({calibration.unit})")
+    print(choice.table())
+    plan = choice.plan
+    print(f"chosen: --seq1f1b-splits {plan.num_splits} --seq1f1b-partition {plan.partition} "
+          f"--seq1f1b-schedule {plan.schedule}  (split_lengths {list(plan.lengths)})")
+    if args.save_calibration:
+        save_calibration(calibration, args.save_calibration)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "plan": _plan_dict(plan), "reason": choice.reason,
+            "candidates": [_plan_dict(c) for c in choice.candidates]}, indent=1) + "\n")
+    return 0
+
+
+def _plan_dict(plan: Plan) -> dict:
+    return {"num_splits": plan.num_splits, "partition": plan.partition,
+            "lengths": list(plan.lengths), "schedule": plan.schedule, "time": plan.time,
+            "unit": plan.unit, "bubble": plan.bubble, "memory_microbatches": plan.memory,
+            "memory_bytes": plan.memory_bytes, "within_budget": plan.within_budget,
+            "segment_costs": plan.segment_costs}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

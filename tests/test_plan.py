@@ -1,0 +1,390 @@
+"""Automatic plan (planner.py) and the "measured" partition: choices equal brute force.
+
+The brute force here is written independently of the planner: costs straight
+from the synthetic tables' formulas, the measured split by the numeric
+solver, memory from a set of live units; time by replaying the steps the
+executor would plan (receives placed with the zero-bubble costs).
+"""
+
+import functools
+import itertools
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_seq1f1b import split_sequence
+from megatron_seq1f1b.partition import METHODS, CostModel, causal_pairs
+from megatron_seq1f1b.planner import (
+    BudgetError,
+    Calibration,
+    Fit,
+    Plan,
+    StageCosts,
+    _rank_key,
+    activation_peak,
+    choose_plan,
+    format_table,
+    load_calibration,
+    main,
+    save_calibration,
+)
+from megatron_seq1f1b.plan import plan_steps
+from megatron_seq1f1b.replay import replay
+from megatron_seq1f1b.schedule import SCHEDULES, B, F, W, build_schedule
+from megatron_seq1f1b.simulate import peak_inflight
+
+SEQ, P, M = 4096, 4, 4
+MIN_LEN, MAX_K = 64, 8
+
+# A 7B-like model: FLOP-balanced split that is only mildly skewed at 4k tokens.
+CONFIG = SimpleNamespace(hidden_size=4096, num_attention_heads=32, kv_channels=None,
+                         num_query_groups=None, ffn_hidden_size=16384,
+                         gated_linear_unit=False, num_layers=32)
+VOCAB = 32000
+
+
+def table(a, c, d, weight=None, stages=P, skew=None, bc=2.0):
+    """Same F fit everywhere (optionally scaled per stage); B = 2 F but ``bc`` x F's
+    attention; W optional."""
+    made = []
+    for s in range(stages):
+        f = (skew or [1.0] * stages)[s]
+        forward = Fit(a * f, c * f, d * f)
+        backward = Fit(2 * a * f, bc * c * f, 2 * d * f)
+        w = Fit(weight[0] * f, weight[1] * f, weight[2] * f) if weight else None
+        made.append(StageCosts(forward, backward, w))
+    return Calibration(tuple(made), source="synthetic")
+
+
+TABLES = {
+    # attention 4x the linear part at the end of the sequence: far from the FLOP ratio
+    "attention": dict(a=1.0, c=4.0 / SEQ, d=10.0, bc=3.0),
+    # a segment costs as much as a quarter of the whole sequence's linear work, regardless
+    "overhead": dict(a=1.0, c=0.1 / SEQ, d=SEQ / 4),
+    # linear layers only, W half of the backward: zero bubble fills the cool-down
+    "zero_bubble": dict(a=1.0, c=0.0, d=0.0, weight=(1.0, 0.0, 0.0)),
+    # first stage heavier (embedding), last lighter
+    "uneven_stages": dict(a=1.0, c=1.0 / SEQ, d=50.0, skew=[1.3, 1.0, 1.0, 0.8]),
+}
+
+
+# ------------------------------------------------------------------ brute force
+
+
+def times(t, length, end):
+    """(F, B, W) on a stage of factor 1 from the table's formula (causal pairs)."""
+    pairs = causal_pairs(length, end)
+    f = t["a"] * length + t["c"] * pairs + t["d"]
+    b = 2 * t["a"] * length + t.get("bc", 2.0) * t["c"] * pairs + 2 * t["d"]
+    w_fit = t.get("weight")
+    w = (w_fit[0] * length + w_fit[1] * pairs + w_fit[2]) if w_fit else b / 2  # fraction 0.5
+    return f, b, w
+
+
+@functools.lru_cache(maxsize=None)
+def brute_force(name, budget=None, send_slack=0):
+    t = TABLES[name]
+    skew = t.get("skew") or [1.0] * P
+    total_cost = lambda length, end: sum(skew) * sum(times(t, length, end)[:2])  # noqa: E731
+    found = []
+    for k in range(1, min(MAX_K, SEQ // MIN_LEN) + 1):
+        for partition in METHODS:
+            if partition == "uniform":
+                lengths = split_sequence(SEQ, k)
+            elif partition == "balanced":
+                lengths = split_sequence(SEQ, k, "balanced", config=CONFIG, vocab_size=VOCAB)
+            else:
+                try:
+                    lengths = split_sequence(SEQ, k, "measured", cost=total_cost)
+                except ValueError:
+                    continue
+            if k > 1 and min(lengths) < MIN_LEN:
+                continue
+            ends = list(itertools.accumulate(lengths))
+            seg = [times(t, n, e) for n, e in zip(lengths, ends)]
+            mean_f = sum(f for f, _, _ in seg) / k
+            costs = tuple((round(f / mean_f, 4), round((b - w) / mean_f, 4), round(w / mean_f, 4))
+                          for f, b, w in seg)  # mean over stages: the skew cancels
+            for name in SCHEDULES:
+                zb = name != "1f1b"
+                schedule = build_schedule(P, M, k, schedule=name, costs=costs if zb else None)
+
+                def cost(action, rank, seg=seg, zb=zb):
+                    f, b, w = (skew[rank] * x for x in seg[action.segment])
+                    return {"F": f, "B": b - w if zb else b, "W": w}[action.kind]
+
+                place = (lambda a, r, costs=costs: costs[a.segment]["FBW".index(a.kind)]) \
+                    if zb else None
+                timeline = replay(plan_steps(schedule, 1, cost=place), cost,
+                                  send_slack=send_slack)
+                memory = 0.0
+                for actions in schedule:
+                    live = set()
+                    for action in actions:
+                        unit = (action.microbatch, action.segment)
+                        if action.kind == "F":
+                            live.add(unit)
+                        elif action.kind == ("W" if zb else "B"):
+                            live.remove(unit)
+                        memory = max(memory, sum(lengths[s] for _, s in live) / SEQ)
+                found.append((timeline.makespan, memory, k, METHODS.index(partition),
+                              SCHEDULES.index(name), partition, name, tuple(lengths)))
+    feasible = [f for f in found if budget is None or f[1] <= budget + 1e-9]
+    best = min(feasible, key=lambda f: tuple(round(x, 6) if isinstance(x, float) else x
+                                             for x in f[:5]))
+    return best, found
+
+
+def plan(name, **kw):
+    if not kw:
+        return _free_plan(name)
+    kw = {"calibration": table(**TABLES[name]), "config": CONFIG, "vocab_size": VOCAB,
+          "min_segment_length": MIN_LEN, "max_splits": MAX_K, **kw}
+    return choose_plan(SEQ, P, M, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _free_plan(name):
+    return plan(name, max_splits=MAX_K)
+
+
+# ------------------------------------------------------------------ choices
+
+
+@pytest.mark.parametrize("name,send_slack", [(name, 0) for name in sorted(TABLES)]
+                         + [("zero_bubble", 1), ("attention", 1)])
+def test_choice_equals_brute_force(name, send_slack):
+    best, found = brute_force(name, send_slack=send_slack)
+    choice = plan(name, send_slack=send_slack) if send_slack else plan(name)
+    got = choice.plan
+    assert (got.num_splits, got.partition, got.schedule, got.lengths) == \
+        (best[2], best[5], best[6], best[7])
+    assert got.time == pytest.approx(best[0], rel=1e-9)
+    assert got.memory == pytest.approx(best[1], rel=1e-9)
+    # every candidate's prediction matches the brute force's for that plan
+    by_plan = {(f[2], f[7], f[6]): f for f in found}
+    for c in choice.candidates:
+        f = by_plan[(c.num_splits, c.lengths, c.schedule)]
+        assert (c.time, c.memory) == (pytest.approx(f[0], rel=1e-9), pytest.approx(f[1], rel=1e-9))
+
+
+def test_each_table_has_its_expected_kind_of_winner():
+    """The tables are not all won by the same plan: the choice depends on the costs."""
+    attention = plan("attention").plan
+    assert attention.num_splits > 1 and attention.partition == "measured"
+    overhead = plan("overhead").plan
+    assert overhead.num_splits <= 2
+    zero_bubble = plan("zero_bubble").plan
+    assert zero_bubble.schedule in ("zb-h1", "zb-h2")
+
+
+def test_budget_picks_fastest_within_it():
+    free = plan("attention").plan
+    budget = free.memory * 0.9
+    best, _ = brute_force("attention", budget)
+    choice = plan("attention", memory_budget=budget)
+    got = choice.plan
+    assert got.memory <= budget and got.within_budget
+    assert (got.num_splits, got.partition, got.schedule) == (best[2], best[5], best[6])
+    assert got != free and "within the memory budget" in choice.reason
+    assert any(c.within_budget is False for c in choice.candidates)
+
+
+def test_budget_in_bytes():
+    t = "attention"
+    free = plan(t, bytes_per_token=1000.0, micro_batch_size=2, max_splits=4).plan
+    assert free.memory_bytes == pytest.approx(free.memory * SEQ * 2 * 1000.0)
+    choice = plan(t, bytes_per_token=1000.0, micro_batch_size=2, max_splits=4,
+                  memory_budget_bytes=free.memory_bytes * 0.9)
+    assert choice.plan.memory_bytes <= free.memory_bytes * 0.9
+    with pytest.raises(ValueError, match="needs bytes_per_token"):
+        plan(t, memory_budget_bytes=1e9)
+
+
+def test_budget_too_small_names_smallest_plan():
+    t = "attention"
+    _, found = brute_force(t)
+    smallest = min(f[1] for f in found)
+    with pytest.raises(BudgetError) as err:
+        plan(t, memory_budget=smallest * 0.99)
+    assert isinstance(err.value, ValueError)
+    assert err.value.smallest.memory == pytest.approx(smallest)
+    assert f"{smallest:.2f} mb" in str(err.value)
+    assert err.value.smallest.describe() in str(err.value)
+    plan(t, memory_budget=smallest)  # exactly enough: fits
+
+
+def test_activation_held_until_weight_gradient():
+    lengths = [3, 1]  # weights 0.75 and 0.25 of a micro-batch
+    plain = [[F(0, 0), F(0, 1), B(0, 1), F(1, 0), B(0, 0), F(1, 1), B(1, 1), B(1, 0)]]
+    assert activation_peak(plain, lengths) == pytest.approx(1.5)  # F(1,0) after B(0,1)
+    zero_bubble = [[F(0, 0), F(0, 1), B(0, 1), F(1, 0), W(0, 1), B(0, 0), W(0, 0), F(1, 1),
+                    B(1, 1), W(1, 1), B(1, 0), W(1, 0)]]
+    assert activation_peak(zero_bubble, lengths) == pytest.approx(1.75)  # B(0,1) frees nothing
+    assert activation_peak(plain, lengths, num_model_chunks=2) == pytest.approx(0.75)
+
+
+# ------------------------------------------------------------------ determinism
+
+
+def _plan(time, memory, k, partition, schedule):
+    return Plan(k, partition, (1,) * k, schedule, time, 0.0, memory)
+
+
+def test_ties_broken_by_memory_then_k_then_partition_then_schedule():
+    a = _plan(1.0, 2.0, 4, "measured", "zb-h2")
+    assert _rank_key(_plan(1.0, 1.0, 8, "measured", "zb-h2")) < _rank_key(a)
+    assert _rank_key(_plan(1.0, 2.0, 2, "measured", "zb-h2")) < _rank_key(a)
+    assert _rank_key(_plan(1.0, 2.0, 4, "uniform", "zb-h2")) < _rank_key(a)
+    assert _rank_key(_plan(1.0, 2.0, 4, "measured", "1f1b")) < _rank_key(a)
+    assert _rank_key(_plan(0.9, 9.0, 16, "measured", "zb-h2")) < _rank_key(a)
+    # equal up to summation noise is a tie
+    assert _rank_key(_plan(1.0 + 1e-14, 2.0, 4, "measured", "1f1b")) < _rank_key(a)
+
+
+def test_same_inputs_same_plan_whatever_the_option_order():
+    t = "zero_bubble"  # zb-h1 and zb-h2 tie on time here
+    one = plan(t)
+    two = plan(t, partitions=list(reversed(METHODS)), schedules=list(reversed(SCHEDULES)),
+               splits=list(reversed(range(1, MAX_K + 1))))
+    assert one == two
+    tied = [c for c in one.candidates if c.time == pytest.approx(one.plan.time, rel=1e-12)]
+    assert len(tied) > 1, "this table should produce a tie"
+    assert "wins the tie on" in one.reason
+
+
+def test_interleaved_skips_zb_h2_and_uses_chunks():
+    choice = plan("uneven_stages", num_model_chunks=2, max_splits=4)
+    assert {c.schedule for c in choice.candidates} == {"1f1b", "zb-h1"}
+    # a unit holds 1/(k v) micro-batches of a stage: k=1 peaks are units / v
+    for c in choice.candidates:
+        if c.num_splits == 1:
+            units = max(peak_inflight(a) for a in build_schedule(P, M, 1, 2, schedule=c.schedule))
+            assert c.memory == pytest.approx(units / 2)
+    with pytest.raises(ValueError, match="zb-h2"):
+        plan("uneven_stages", num_model_chunks=2, schedules=["zb-h2"])
+
+
+def test_flops_only_and_minimum_segment_length():
+    choice = choose_plan(SEQ, P, M, config=CONFIG, vocab_size=VOCAB, min_segment_length=1024)
+    assert max(c.num_splits for c in choice.candidates) == 4
+    assert all(min(c.lengths) >= 1024 for c in choice.candidates)
+    # from FLOPs "measured" would repeat "balanced": listed once
+    assert {c.partition for c in choice.candidates} == {"uniform", "balanced"}
+    assert choice.plan.unit == "FLOP"
+    with pytest.raises(ValueError, match="needs costs"):
+        choose_plan(SEQ, P, M)
+
+
+# ------------------------------------------------------------------ measured partition
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_measured_partition_equalizes_calibrated_cost(k):
+    cal = table(**TABLES["attention"])
+    lengths = split_sequence(SEQ, k, "measured", cost=cal, multiple_of=8)
+    assert sum(lengths) == SEQ and all(n % 8 == 0 for n in lengths)
+    ends = itertools.accumulate(lengths)
+    costs = [cal(n, e) for n, e in zip(lengths, ends)]
+    assert max(costs) / min(costs) < 1.05
+    flops = split_sequence(SEQ, k, "balanced", config=CONFIG, vocab_size=VOCAB, multiple_of=8)
+    assert lengths != flops and lengths[0] > flops[0]  # attention is costlier than FLOPs say
+    # a plain callable (numeric solver) gives the same split
+    assert split_sequence(SEQ, k, "measured", cost=lambda n, e: cal(n, e), multiple_of=8) == lengths
+
+
+def test_measured_partition_of_a_flop_model_is_the_balanced_one():
+    model = CostModel.from_config(CONFIG, VOCAB)
+    for k in (2, 3, 5):
+        assert split_sequence(32768, k, "measured", cost=model, multiple_of=8) == \
+            split_sequence(32768, k, "balanced", config=CONFIG, vocab_size=VOCAB, multiple_of=8)
+
+
+def test_measured_partition_errors():
+    message = r"partition 'measured' needs calibrated costs \(cost=\.\.\.\)"
+    with pytest.raises(ValueError, match=message):
+        split_sequence(SEQ, 4, "measured")
+    with pytest.raises(ValueError, match="does not grow"):
+        split_sequence(SEQ, 4, "measured", cost=lambda n, e: 5.0)
+    assert "measured" in METHODS
+
+
+# ------------------------------------------------------------------ calibration files
+
+
+def test_calibration_round_trip(tmp_path):
+    cal = table(**TABLES["zero_bubble"], skew=[1.2, 1.0, 1.0, 0.9])
+    cal = Calibration(cal.stages, "rectangle", 0.4, "s", "round trip")
+    path = tmp_path / "calib.json"
+    save_calibration(cal, path)
+    assert load_calibration(path) == cal
+    data = json.loads(path.read_text())
+    assert data["format"] == "megatron_seq1f1b.calibration" and len(data["stages"]) == 4
+    data["version"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version"):
+        load_calibration(path)
+
+
+def test_calibration_from_samples_and_bench_results(tmp_path):
+    truth = {(r, 0): (1e-6 * (r + 1), 3e-10, 2e-4) for r in range(2)}
+    samples = {}
+    for key, (a, c, d) in truth.items():
+        samples[key] = [[n, e, a * n + c * causal_pairs(n, e) + d,
+                         2 * (a * n + c * causal_pairs(n, e) + d)]
+                        for n, e in [(4096, 4096), (2048, 2048), (2048, 4096), (1024, 1024),
+                                     (1024, 4096), (512, 3072)]]
+    cal = Calibration.from_samples(samples)
+    assert cal.quadratic == "causal_pairs" and len(cal.stages) == 2
+    assert cal.stages[1].forward.a == pytest.approx(2e-6, rel=1e-6)
+    assert cal.stages[0].backward.d == pytest.approx(4e-4, rel=1e-6)
+    # a benchmark's results.json: calibration.fits[layout]["stage.chunk"]
+    fits = {f"{r}.0": {"F": {"a": a, "c": c, "d": d, "mean_rel_err": 0.0},
+                       "B": {"a": 2 * a, "c": 2 * c, "d": 2 * d}}
+            for (r, _), (a, c, d) in truth.items()}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"calibration": {"quadratic": "causal_pairs",
+                                                "fits": {"plain": fits}}}))
+    loaded = load_calibration(path)
+    assert [s.forward.a for s in loaded.stages] == [1e-6, 2e-6]
+
+
+# ------------------------------------------------------------------ table and command line
+
+
+def test_table_lists_every_candidate_and_why():
+    choice = plan("attention", memory_budget=2.0, max_splits=4)
+    text = format_table(choice.candidates, choice.plan)
+    lines = text.splitlines()
+    assert len(lines) == len(choice.candidates) + 3  # header, rule, rows, reason
+    assert sum(line.startswith("*") for line in lines) == 1
+    assert "over" in text and "ok" in text
+    assert lines[-1] == choice.reason and choice.plan.describe() in lines[-1]
+
+
+def test_cli_prints_table(tmp_path, capsys):
+    path = tmp_path / "calib.json"
+    save_calibration(table(**TABLES["attention"]), path)
+    out_json = tmp_path / "plan.json"
+    assert main(["--seq-length", str(SEQ), "--pp", "4", "--microbatches", "4", "--calibration",
+                 str(path), "--max-splits", "4", "--memory-budget", "2", "--json",
+                 str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "partition" in out and "wins:" in out and "chosen: --seq1f1b-splits" in out
+    written = json.loads(out_json.read_text())
+    assert written["plan"]["num_splits"] <= 4 and len(written["candidates"]) > 3
+    with pytest.raises(SystemExit, match="no plan fits"):
+        main(["--seq-length", str(SEQ), "--pp", "4", "--microbatches", "4", "--calibration",
+              str(path), "--memory-budget", "0.1", "--splits", "1", "2"])
+
+
+def test_cli_module_runs_from_flops():
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_seq1f1b.planner", "--seq-length", "8192", "--pp", "2",
+         "--microbatches", "2", "--hidden-size", "1024", "--num-layers", "8",
+         "--num-attention-heads", "8", "--vocab-size", "32000", "--max-splits", "3"],
+        capture_output=True, text=True, check=True, timeout=60)
+    assert "FLOP" in done.stdout and "chosen:" in done.stdout
