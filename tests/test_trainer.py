@@ -61,17 +61,23 @@ def test_tensor_parallel_sequence_parallel_and_eval(tmp_path):
 
 
 def test_timelines_and_the_side_by_side_summary(tmp_path):
-    """--timeline-dir draws the last iteration; compare_runs prints the demo's summary."""
-    common = ["--pipeline-model-parallel-size", "2", "--train-iters", "2"]
-    ours, _ = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "2",
-                    "--timeline-dir", str(tmp_path / "seq"))
+    """--timeline-dir draws the last iteration; compare_runs prints the demo's summary.
+
+    Seq1F1B runs its zero-bubble schedule here (zb-h1), which must train like 1F1B.
+    """
+    common = ["--pipeline-model-parallel-size", "2", "--train-iters", "3"]
+    ours, stdout = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "2",
+                         "--seq1f1b-schedule", "zb-h1", "--timeline-dir", str(tmp_path / "seq"))
     theirs, _ = train(tmp_path, "1f1b", 2, *common, "--timeline-dir", str(tmp_path / "1f1b"))
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+    assert "zb-h1" in stdout
     for run, name in ((ours, "seq"), (theirs, "1f1b")):
         timeline = run["summary"]["timeline"]
         assert 0 <= timeline["bubble_fraction"] < 1 and len(timeline["busy_s"]) == 2
         trace = json.loads((tmp_path / name / "timeline.json").read_text())
-        assert {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"forward",
-                                                                                  "backward"}
+        categories = {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+        assert categories >= {"forward", "backward"}
+        assert ("weight-gradient" in categories) == (name == "seq"), categories
         if timeline["png"]:
             assert (tmp_path / name / "timeline.png").stat().st_size > 0
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"),
@@ -80,15 +86,6 @@ def test_timelines_and_the_side_by_side_summary(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "equal within 1e-5" in done.stdout and "measured bubble" in done.stdout
     assert "vs Megatron-Core 1F1B: tokens/s" in done.stdout
-
-
-def test_zero_bubble_schedule_trains_like_1f1b(tmp_path):
-    common = ["--pipeline-model-parallel-size", "2", "--train-iters", "3"]
-    ours, stdout = train(tmp_path, "zb", 2, *common, "--seq1f1b", "--seq1f1b-splits", "2",
-                         "--seq1f1b-schedule", "zb-h1")
-    theirs, _ = train(tmp_path, "1f1b", 2, *common)
-    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
-    assert "zb-h1" in stdout
 
 
 def test_virtual_pipeline(tmp_path):
@@ -153,11 +150,9 @@ def test_resume_is_bit_exact(tmp_path, name, nproc, flags):
     assert first["summary"]["weights_sha256"] != straight["summary"]["weights_sha256"]
 
 
+# The script itself, end to end (tests/test_rejections.py walks every rule in-process).
 @pytest.mark.parametrize("flags,message", [
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
-    (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),
-    (["--pipeline-model-parallel-size", "3"], "--num-layers 4 must divide"),
-    (["--seq1f1b", "--seq1f1b-splits", "0"], "--seq1f1b-splits must be >= 1"),
     (["--seq-length", "2", "--seq1f1b", "--seq1f1b-splits", "4"], "use at most 2 splits"),
 ])
 def test_bad_flags_fail_fast_with_their_message(flags, message):
