@@ -45,6 +45,7 @@ DEFAULT_PARTITION = "balanced"
 # Partitions a flag can choose: "measured" needs a calibration, which no flag passes yet.
 FLAG_PARTITIONS = tuple(m for m in METHODS if m != "measured")
 DEFAULT_SCHEDULE = "1f1b"
+AUTO = "auto"  # --seq1f1b-splits auto: the planner decides
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -60,8 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "segments (1F1B per segment; interleaved with virtual pipelining).",
     )
     group.add_argument(
-        "--seq1f1b-splits", type=int, default=DEFAULT_SPLITS, metavar="N",
-        help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}).",
+        "--seq1f1b-splits", type=splits_value, default=DEFAULT_SPLITS, metavar="N|auto",
+        help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}); 'auto' "
+             "(scripts/pretrain_gpt.py only, so far): measure the model at start-up and let "
+             "megatron_seq1f1b.planner pick the splits, partition and schedule.",
     )
     group.add_argument(
         "--seq1f1b-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
@@ -94,6 +97,17 @@ def extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvider:
     return provider
 
 
+def splits_value(text: str) -> int | str:
+    """``--seq1f1b-splits``: a number, or ``auto`` (the planner decides)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give a number or "
+                                         f"{AUTO!r}") from None
+
+
 def _flag(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
@@ -108,7 +122,13 @@ def args_problems(args: Any) -> list[str]:
         return []
     problems: list[str] = []
     splits = _flag(args, "seq1f1b_splits", DEFAULT_SPLITS)
-    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+    if splits == AUTO:
+        problems.append(
+            "--seq1f1b-splits auto is implemented in scripts/pretrain_gpt.py only so far; give a "
+            "number (plan offline: python -m megatron_seq1f1b.planner --calibration ...)"
+        )
+        splits = None
+    elif isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
         problems.append(f"--seq1f1b-splits must be a positive integer, got {splits!r}")
         splits = None
     partition = _flag(args, "seq1f1b_partition", DEFAULT_PARTITION)

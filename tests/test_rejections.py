@@ -110,6 +110,7 @@ def _lm(**flags: Any) -> LocalTrigger:
 
 MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-splits-not-positive": _lm(seq1f1b_splits=-1),
+    "lm-splits-auto": _lm(seq1f1b_splits="auto"),
     "lm-partition-unknown": _lm(seq1f1b_partition="random"),
     "lm-partition-measured": _lm(seq1f1b_partition="measured"),
     "lm-schedule-unknown": _lm(seq1f1b_schedule="zb-h3"),
@@ -195,6 +196,11 @@ TRAINER: dict[str, LocalTrigger] = {
                                           world_size=2),
     "trainer-splits-not-a-number": _trainer("--seq1f1b-splits", "x"),
     "trainer-partition-unknown": _trainer("--seq1f1b-partition", "random"),
+    "trainer-memory-budget-without-auto": _trainer("--seq1f1b", "--seq1f1b-memory-budget", "1.5"),
+    "trainer-memory-budget-positive": _trainer("--seq1f1b", "--seq1f1b-splits", "auto",
+                                               "--seq1f1b-memory-budget", "0"),
+    "trainer-min-segment-length": _trainer("--seq1f1b", "--seq1f1b-splits", "auto",
+                                           "--seq1f1b-min-segment-length", "0"),
     "trainer-schedule-unknown": _trainer("--seq1f1b-schedule", "zb-h3"),
     "trainer-position-embedding": _trainer("--position-embedding-type", "yarn"),
     "trainer-unknown-flag": _trainer("--context-parallel-size", "2"),

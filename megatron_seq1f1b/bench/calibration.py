@@ -11,7 +11,6 @@ Everything here is collective; :mod:`.fit` turns the samples into costs.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from megatron_seq1f1b.bench.layouts import Layout
 from megatron_seq1f1b.bench.lineup import segment_lengths
 from megatron_seq1f1b.bench.ranks import local_device, say, synchronize
 from megatron_seq1f1b.checks import segment_multiple
+from megatron_seq1f1b.measure import time_segments
 from megatron_seq1f1b.partition import split_sequence
 
 # Per (stage, chunk): one row [length, end, forward_s, backward_s] per segment of every case.
@@ -61,52 +61,9 @@ def calibration_cases(args: argparse.Namespace, layout: Layout, vocab_size: int)
 def _time_microbatch(chunk, chunk_index: int, lengths: list[int], batch: dict,
                      forward_step: Callable, config, args: argparse.Namespace,
                      pre: bool, post: bool) -> list[list[float]]:
-    """Forward segments 0..k-1 then backward k-1..0 of one micro-batch on one chunk.
-
-    Returns [(length, end, forward_s, backward_s)] per segment. Inputs of
-    non-first chunks are random activations of the segment's shape; outputs of
-    non-last chunks get random gradients.
-    """
-    from megatron.core.utils import get_attr_wrapped_model
-
-    from megatron_seq1f1b.segments import SegmentRun
-
-    run = SegmentRun(lengths, config=config)
-    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    b, h = args.micro_batch_size, config.hidden_size
-    device = local_device()
-    dtype = config.pipeline_dtype
-    data = itertools.repeat(batch)
-    set_input = get_attr_wrapped_model(chunk, "set_input_tensor")
-    outputs, grads, rows = [], [], []
-    end = 0
-    for j, length in enumerate(lengths):
-        end += length
-        inp = None
-        if not pre:
-            inp = torch.randn(length // tp, b, h, device=device, dtype=dtype, requires_grad=True)
-        grad = None if post else torch.randn(length // tp, b, h, device=device, dtype=dtype)
-        synchronize()
-        start = time.perf_counter()
-        set_input([inp])
-        with run.forward(0, j, chunk_index):
-            output, loss_func = forward_step(data, chunk)
-        if post:
-            output = loss_func(output)[0]
-        synchronize()
-        rows.append([length, end, time.perf_counter() - start, 0.0])
-        outputs.append(output)
-        grads.append(grad)
-    for j in reversed(range(len(lengths))):
-        synchronize()
-        start = time.perf_counter()
-        with run.backward(0, j, chunk_index):
-            torch.autograd.backward(outputs[j], grad_tensors=grads[j])
-        synchronize()
-        rows[j][3] = time.perf_counter() - start
-        outputs[j] = None
-    run.close()
-    return rows
+    """[(length, end, forward_s, backward_s)] per segment of one micro-batch on one chunk."""
+    return time_segments(chunk, chunk_index, lengths, batch, forward_step, config,
+                         args.micro_batch_size, pre, post)
 
 
 def calibrate_layout(layout: Layout, cases: list[list[int]], batch: dict, forward_step: Callable,

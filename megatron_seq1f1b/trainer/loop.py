@@ -13,15 +13,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_seq1f1b.memory import PeakMemory
-from megatron_seq1f1b.trainer import arguments, checkpoint, data, setup
+from megatron_seq1f1b.megatron_lm import AUTO
+from megatron_seq1f1b.trainer import arguments, auto_plan, checkpoint, data, setup
 
 
 def _forward_backward_func(args, recorder=None) -> Callable:
     if args.seq1f1b:
         import megatron_seq1f1b as s1
 
-        return s1.get_forward_backward_func(args.seq1f1b_splits, args.seq1f1b_partition,
-                                            schedule=args.seq1f1b_schedule, recorder=recorder)
+        return s1.get_forward_backward_func(
+            args.seq1f1b_splits, args.seq1f1b_partition, schedule=args.seq1f1b_schedule,
+            split_lengths=getattr(args, "seq1f1b_split_lengths", None), recorder=recorder)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()
@@ -154,6 +156,10 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
         train_samples=args.train_iters * args.global_batch_size,
         eval_samples=eval_runs * args.eval_iters * args.global_batch_size,
     )
+    if args.seq1f1b and args.seq1f1b_splits == AUTO:
+        choice = auto_plan.choose(args, model, forward_step_func, train_ds)
+        _print(f"> Seq1F1B plan (--seq1f1b-splits auto, costs {choice.plan.unit} measured at "
+               f"start-up):\n{choice.table()}")
     train_iter = _iterators(args, train_ds, model, iteration * args.num_microbatches)
     forward_backward = _forward_backward_func(args)
     memory = PeakMemory(device)
