@@ -20,6 +20,11 @@ alternately (A B C A B C ...) after warm-up runs:
 * ``seq1f1b-interleaved`` interleaved Seq1F1B (with ``--vpp``)
 * ``1f1b-interleaved-recompute`` Megatron interleaved 1F1B with full activation
   recompute (only when named in ``--schedules``): a memory-matched baseline
+* ``seq1f1b-k<K>``       Seq1F1B, K balanced segments, one row per ``--sweep-splits`` K
+* ``seq1f1b-auto``        with ``--splits auto``: the calibration runs first and
+  :func:`megatron_seq1f1b.planner.choose_plan` picks k, partition and schedule (its
+  table is printed); reported against the best sweep row (target >= 0.97x its
+  tokens/s) with the plan's prediction error
 
 Each run is one forward-backward over all micro-batches (no optimizer step;
 gradient buffers are zeroed between runs); the first run of every schedule

@@ -167,3 +167,49 @@ def test_bench_imports_no_megatron():
             "    importlib.import_module('megatron_seq1f1b.bench.' + m.name)\n"
             "assert not [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_splits_auto_adds_the_sweep_and_auto_rows():
+    from megatron_seq1f1b.bench.cli import parse_args
+
+    args = parse_args(["--splits", "auto", "--sweep-splits", "4", "1", "2", "2",
+                       "--min-segment-length", "16"])
+    assert args.splits == "auto" and args.min_segment_length == 16
+    assert args.schedules == ["1f1b", "seq1f1b-k1", "seq1f1b-k2", "seq1f1b-k4", "seq1f1b-auto"]
+    fixed = parse_args(["--splits", "3", "--sweep-splits", "2"])
+    assert fixed.splits == 3 and fixed.schedules[-1] == "seq1f1b-k2"
+    assert "seq1f1b-auto" not in fixed.schedules and "seq1f1b-balanced" in fixed.schedules
+    for bad in (["--splits", "auto", "--no-calibration"], ["--memory-budget", "2"],
+                ["--splits", "0"], ["--splits", "many"], ["--sweep-splits", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_auto_vs_sweep_ratio_and_prediction_error():
+    from megatron_seq1f1b.bench.markdown import auto_plan_lines
+    from megatron_seq1f1b.bench.summary import auto_vs_sweep
+
+    def row(key, k, times):
+        measured = _measured(key, times, [10, 10])
+        measured.k = k
+        return measured
+
+    rows = summarize([row("1f1b", 1, [4.0, 4.0]), row("seq1f1b-k1", 1, [4.0, 4.0]),
+                      row("seq1f1b-k2", 2, [2.0, 2.2]), row("seq1f1b-auto", 2, [2.0, 2.0])],
+                     tokens_per_iter=8)
+    plan = {"k": 2, "partition": "measured", "schedule": "1f1b", "lengths": [5, 3],
+            "predicted_s": 2.2, "calibration_mode": "concurrent", "send_slack": 1,
+            "table": "(table)"}
+    auto = auto_vs_sweep(rows, plan)
+    assert (auto["best_key"], auto["best_k"]) == ("seq1f1b-k2", 2)
+    assert auto["ratio"] == pytest.approx(2.1 / 2.0) and auto["hit"] is True
+    assert auto["paired_ratio"] == pytest.approx(1.05)  # median of 1.0 and 1.1
+    assert auto["prediction_error"] == pytest.approx(0.1)
+    assert auto["sweep"] == [[1, 2.0], [2, pytest.approx(8 / 2.1)]]
+    text = "\n".join(auto_plan_lines(auto))
+    assert "Automatic plan vs a sweep of k" in text and "**hit**" in text and "+10.0%" in text
+    slow = auto_vs_sweep(summarize([row("seq1f1b-k2", 2, [1.0]), row("seq1f1b-auto", 3, [2.0])],
+                                   tokens_per_iter=8), plan)
+    assert slow["ratio"] == pytest.approx(0.5) and slow["hit"] is False
+    alone = auto_vs_sweep(summarize([row("seq1f1b-auto", 3, [2.0])], tokens_per_iter=8), plan)
+    assert alone["best_key"] is None and alone["hit"] is None

@@ -11,6 +11,7 @@ Data flows one way, runner -> measurements -> reports:
 * :mod:`.timelines`    per-action timings of real iterations (Megatron's and ours)
 * :mod:`.calibration`  per-segment forward/backward times and p2p message times
 * :mod:`.fit`          cost fits from those samples (pure)
+* :mod:`.autoplan`     ``--splits auto``: the planner's choice from those samples
 * :mod:`.sharing`      replay with p2p latency and processor sharing (pure)
 * :mod:`.predict`      simulated iterations from the fits (pure, after the calibration)
 * :mod:`.summary`, :mod:`.markdown`, :mod:`.pictures`  rows, tables, charts and timelines

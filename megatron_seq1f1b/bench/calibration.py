@@ -23,7 +23,9 @@ from megatron_seq1f1b.bench.layouts import Layout
 from megatron_seq1f1b.bench.lineup import segment_lengths
 from megatron_seq1f1b.bench.ranks import local_device, say, synchronize
 from megatron_seq1f1b.checks import segment_multiple
+from megatron_seq1f1b.measure import calibration_cases as startup_cases
 from megatron_seq1f1b.measure import time_segments
+from megatron_seq1f1b.megatron_lm import AUTO
 from megatron_seq1f1b.partition import split_sequence
 
 # Per (stage, chunk): one row [length, end, forward_s, backward_s] per segment of every case.
@@ -164,8 +166,16 @@ def measure_p2p(args: argparse.Namespace, config, token_counts: list[int],
 
 def calibrate(args: argparse.Namespace, layouts: dict[str, Layout], batch: dict,
               forward_step: Callable) -> CalibrationSamples:
-    """Segment costs of every layout in each --calib-mode, then (pp > 1) message times."""
-    cases = calibration_cases(args, layouts["plain"], args.vocab_size)
+    """Segment costs of every layout in each --calib-mode, then (pp > 1) message times.
+
+    With ``--splits auto`` (no k yet) the cases are those of the trainer's start-up
+    measurement, so the plan is chosen from what ``--seq1f1b-splits auto`` would time.
+    """
+    if args.splits == AUTO:
+        cases = startup_cases(args.seq_length, segment_multiple(layouts["plain"].config),
+                              args.min_segment_length)
+    else:
+        cases = calibration_cases(args, layouts["plain"], args.vocab_size)
     modes = ("isolated", "concurrent") if args.calib_mode == "both" else (args.calib_mode,)
     say(f"> calibrating segment costs ({', '.join(modes)}), cases {cases}")
     raw = {mode: {name: calibrate_layout(layout, cases, batch, forward_step, args, mode)

@@ -1,5 +1,8 @@
 """The benchmark's flags, and ``main``: build, measure, calibrate, predict, report, in that order.
 
+With ``--splits auto`` the calibration comes first (the ``seq1f1b-auto`` row runs the plan
+chosen from it); its samples then serve the predictions as usual.
+
 ``scripts/benchmark.py`` is the command users run (under torchrun); it hands
 ``main`` the model provider and forward step of ``scripts/pretrain_gpt.py``.
 """
@@ -16,10 +19,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_seq1f1b.bench import autoplan
 from megatron_seq1f1b.bench.calibration import calibrate
 from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
 from megatron_seq1f1b.compat import megatron_core_version
-from megatron_seq1f1b.bench.lineup import ALL_SCHEDULES, INTERLEAVED, OPT_IN, make_schedules
+from megatron_seq1f1b.bench.lineup import (
+    ALL_SCHEDULES, AUTO_KEY, INTERLEAVED, OPT_IN, make_schedules, sweep_key,
+)
 from megatron_seq1f1b.bench.markdown import markdown
 from megatron_seq1f1b.bench.pictures import (
     bar_chart, draw_measured_timelines, draw_simulated_timelines,
@@ -27,8 +33,9 @@ from megatron_seq1f1b.bench.pictures import (
 from megatron_seq1f1b.bench.predict import calibrated_predictions, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.ranks import rank0, say
 from megatron_seq1f1b.bench.runner import measure_rounds, profile_runs
-from megatron_seq1f1b.bench.summary import summarize
+from megatron_seq1f1b.bench.summary import auto_vs_sweep, summarize
 from megatron_seq1f1b.bench.timelines import record_timelines
+from megatron_seq1f1b.megatron_lm import AUTO, splits_value
 from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT, PeakMemory
 from megatron_seq1f1b.trainer import arguments, data, setup
 
@@ -46,7 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per iteration (m)")
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--splits", type=int, default=4, help="Seq1F1B segments per micro-batch (k)")
+    p.add_argument("--splits", type=splits_value, default=4,
+                   help="Seq1F1B segments per micro-batch (k), or auto: calibrate first, let "
+                        "the planner choose k, partition and schedule (row seq1f1b-auto); the "
+                        "fixed-k rows then use the chosen k")
+    p.add_argument("--sweep-splits", type=int, nargs="+", default=None, metavar="K",
+                   help="add rows seq1f1b-k<K> (balanced, 1F1B schedule) for each K")
+    p.add_argument("--min-segment-length", type=int, default=128,
+                   help="--splits auto: shortest segment the plan may use (tokens)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="MB",
+                   help="--splits auto: most activations per stage the plan may hold, in "
+                        "micro-batches of a stage")
     p.add_argument("--schedules", nargs="+", choices=ALL_SCHEDULES, default=None,
                    help="default: all (the interleaved ones only with --vpp)")
     p.add_argument("--interleaved-partition", choices=("uniform", "balanced"), default="balanced",
@@ -85,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.schedules is None:
         args.schedules = [s for s in ALL_SCHEDULES
                           if (args.vpp or s not in INTERLEAVED) and s not in OPT_IN]
-        if args.splits == 1:
+        if args.splits in (1, AUTO):  # auto: the sweep rows are the fixed-k ones
             args.schedules = [s for s in args.schedules
                               if s not in ("seq1f1b-uniform", "seq1f1b-balanced")]
     if any(s in INTERLEAVED for s in args.schedules) and not args.vpp:
@@ -99,16 +116,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("Megatron's interleaved schedule needs --microbatches divisible by --pp")
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.splits != AUTO and args.splits < 1:
+        p.error("--splits must be >= 1 or auto")
+    if args.splits == AUTO and args.no_calibration:
+        p.error("--splits auto plans from the calibration: drop --no-calibration")
+    if args.splits != AUTO and (args.memory_budget is not None or args.min_segment_length != 128):
+        p.error("--memory-budget / --min-segment-length steer --splits auto")
+    if args.min_segment_length < 1 or (args.memory_budget is not None and args.memory_budget <= 0):
+        p.error("--min-segment-length must be >= 1 and --memory-budget > 0")
+    if any(k < 1 or k > args.seq_length for k in args.sweep_splits or ()):
+        p.error(f"--sweep-splits: every K must be in 1..{args.seq_length} (--seq-length)")
+    added = [sweep_key(k) for k in sorted(set(args.sweep_splits or ()))]
+    added += [AUTO_KEY] if args.splits == AUTO else []
+    args.schedules = args.schedules + [key for key in added if key not in args.schedules]
     return args
 
 
 def _write_outputs(out: Path, args: argparse.Namespace, meta: dict, rows: list[dict],
-                   calibration: dict | None, predictions: list[dict]) -> None:
+                   calibration: dict | None, predictions: list[dict],
+                   auto: dict | None) -> None:
     """results.json, results.md and benchmark.png (rank 0), and results.md on stdout."""
     result = {"args": vars(args), "meta": meta, "schedules": rows,
-              "calibration": calibration, "predictions": predictions}
+              "calibration": calibration, "predictions": predictions, "auto_plan": auto}
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(markdown(rows, args, meta, calibration, predictions))
+    (out / "results.md").write_text(markdown(rows, args, meta, calibration, predictions, auto))
     try:
         bar_chart(rows, out / "benchmark.png",
                   f"p={args.pp}, m={args.microbatches}, k={args.splits}, seq "
@@ -140,12 +171,19 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
 
     layouts = build_layouts(args, plain_args, model_provider, world)
     batches = microbatches(plain_args, args)
-    schedules = make_schedules(args, layouts, args.vocab_size)
+    threads = torch.get_num_threads()
+    cpu_count = os.cpu_count() or 1
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    shared_cores = shared_cores_per_pipeline(args.pp, on_gpu, local_world, threads, cpu_count)
+    samples, plan, plan_record = None, None, None
+    if args.splits == AUTO:  # the seq1f1b-auto row needs its plan: calibrate before measuring
+        samples = calibrate(args, layouts, batches[0], forward_step)
+        plan, plan_record = autoplan.choose(samples, args, layouts["plain"].config,
+                                            shared_cores, on_gpu)
+    schedules = make_schedules(args, layouts, args.vocab_size, plan)
     memory = PeakMemory(device)
     dp = plain_args.data_parallel_size
     tokens_per_iter = args.microbatches * args.micro_batch_size * args.seq_length * dp
-    threads = torch.get_num_threads()
-    cpu_count = os.cpu_count() or 1
     say(f"> benchmark: world {world} ({'GPU/NCCL' if on_gpu else 'CPU/gloo'}), tp {args.tp}, "
         f"pp {args.pp}, vpp {args.vpp}, dp {dp}; m={args.microbatches} x {args.micro_batch_size}"
         f" x {args.seq_length} tokens, k={args.splits}; {args.num_layers} layers, hidden "
@@ -168,10 +206,8 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
 
     calibration, predictions = None, []
     if not args.no_calibration:
-        samples = calibrate(args, layouts, batches[0], forward_step)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        shared_cores = shared_cores_per_pipeline(args.pp, on_gpu, local_world, threads,
-                                                 cpu_count)
+        if samples is None:  # --splits auto calibrated before measuring
+            samples = calibrate(args, layouts, batches[0], forward_step)
         calibration, predictions, simulated = calibrated_predictions(
             schedules, layouts, samples, args, shared_cores)
         if rank0() and not args.no_timelines:
@@ -179,6 +215,8 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
                                      calibration["prediction_variant"], out)
 
     rows = summarize(schedules, tokens_per_iter)
+    # printed with results.md (section "Automatic plan vs a sweep of k")
+    auto = auto_vs_sweep(rows, plan_record) if plan_record else None
     meta = {
         "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()[0],
         "world_size": world, "dp": dp, "device": "GPU/NCCL" if on_gpu else "CPU/gloo",
@@ -189,7 +227,7 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         "megatron_core": megatron_core_version(), "command": " ".join(sys.argv),
     }
     if rank0():
-        _write_outputs(out, args, meta, rows, calibration, predictions)
+        _write_outputs(out, args, meta, rows, calibration, predictions, auto)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from megatron_seq1f1b.bench.layouts import Layout
+from megatron_seq1f1b.megatron_lm import AUTO
+
+if TYPE_CHECKING:
+    from megatron_seq1f1b.planner import Plan
 
 ALL_SCHEDULES = ("1f1b", "seq1f1b-k1", "seq1f1b-uniform", "seq1f1b-balanced",
                  "seq1f1b-zb-h1", "seq1f1b-zb-h2", "1f1b-interleaved", "seq1f1b-interleaved",
@@ -18,6 +23,14 @@ INTERLEAVED = ("1f1b-interleaved", "seq1f1b-interleaved", "seq1f1b-interleaved-z
 OPT_IN = ("seq1f1b-zb-h1", "seq1f1b-zb-h2", "seq1f1b-interleaved-zb-h1",
           "1f1b-interleaved-recompute")
 ZERO_BUBBLE = ("zb-h1", "zb-h2")
+# Added by flags, not named in --schedules: the planner's choice (--splits auto) and a sweep of
+# k, balanced 1F1B (--sweep-splits; "seq1f1b-k1" is the default k=1 row).
+AUTO_KEY = "seq1f1b-auto"
+SWEEP_KEY = re.compile(r"seq1f1b-k(\d+)")
+
+
+def sweep_key(k: int) -> str:
+    return f"seq1f1b-k{k}"
 
 
 @dataclass
@@ -74,13 +87,20 @@ def segment_lengths(args: argparse.Namespace, k: int, partition: str, layout: La
                            vocab_size)
 
 
-def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout],
-                   vocab_size: int) -> list[BenchSchedule]:
-    """The schedules named by --schedules, in that order, each with its forward-backward."""
+def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout], vocab_size: int,
+                   plan: Plan | None = None) -> list[BenchSchedule]:
+    """The schedules named by --schedules, in that order, each with its forward-backward.
+
+    ``plan`` (a :class:`megatron_seq1f1b.planner.Plan`, with ``--splits auto``) is what the
+    ``seq1f1b-auto`` row runs, and its k is the k of the fixed-k rows (uniform, balanced, ...).
+    """
     from megatron.core.pipeline_parallel import schedules as msched
 
     import megatron_seq1f1b as s1
 
+    if args.splits == AUTO and plan is None:
+        raise ValueError("--splits auto: make_schedules needs the planner's plan")
+    fixed_k = plan.num_splits if args.splits == AUTO else args.splits
     made = []
     for key in args.schedules:
         interleaved = key in INTERLEAVED
@@ -95,18 +115,26 @@ def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout],
             sched.fb = msched.get_forward_backward_func(args.pp, args.vpp if interleaved else None)
         else:
             variant = next((z for z in ZERO_BUBBLE if key.endswith(z)), "1f1b")
-            if key == "seq1f1b-k1":
-                k, partition = 1, "uniform"
+            sweep = SWEEP_KEY.fullmatch(key)
+            if key == AUTO_KEY:
+                k, partition, variant = plan.num_splits, plan.partition, plan.schedule
+            elif sweep:
+                k = int(sweep[1])
+                partition = "balanced" if k > 1 else "uniform"
             elif key.startswith("seq1f1b-interleaved"):
-                k, partition = args.splits, args.interleaved_partition
+                k, partition = fixed_k, args.interleaved_partition
             elif variant != "1f1b":
-                k, partition = args.splits, "balanced"
+                k, partition = fixed_k, "balanced"
             else:
-                k, partition = args.splits, key.split("-")[1]
-            lengths = segment_lengths(args, k, partition, layout, vocab_size)
-            name = "interleaved Seq1F1B" if interleaved else "Seq1F1B"
-            label = f"{name} k={k}" + (f" {partition}" if k > 1 else "") + v
-            label += f" {variant.upper()}" if variant != "1f1b" else ""
+                k, partition = fixed_k, key.split("-")[1]
+            lengths = (list(plan.lengths) if key == AUTO_KEY
+                       else segment_lengths(args, k, partition, layout, vocab_size))
+            if key == AUTO_KEY:
+                label = f"Seq1F1B auto (k={k}, {partition}, {variant})"
+            else:
+                name = "interleaved Seq1F1B" if interleaved else "Seq1F1B"
+                label = f"{name} k={k}" + (f" {partition}" if k > 1 else "") + v
+                label += f" {variant.upper()}" if variant != "1f1b" else ""
             sched = BenchSchedule(key, label, layout, False, k, partition, lengths,
                                   schedule=variant)
             sched.fb = s1.get_forward_backward_func(k, partition, split_lengths=lengths,

@@ -165,10 +165,37 @@ def _zero_bubble_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def auto_plan_lines(auto: dict) -> list[str]:
+    """The planner's choice against the measured sweep: ratio (hit/miss) and prediction error."""
+    plan = auto["plan"]
+    lines = ["", "## Automatic plan vs a sweep of k", "",
+             f"Chosen (from the {plan['calibration_mode']} calibration, send slack "
+             f"{plan['send_slack']}): k={plan['k']} {plan['partition']} {plan['schedule']}, "
+             f"segments {'/'.join(map(str, plan['lengths']))}; predicted "
+             f"{plan['predicted_s'] * 1e3:.0f} ms (the planner's replay, no p2p latency), "
+             f"measured median {auto['auto_median_s'] * 1e3:.0f} ms: prediction error "
+             f"**{auto['prediction_error']:+.1%}**.", ""]
+    if auto["best_key"] is None:
+        lines.append(f"Auto: {auto['auto_tokens_per_s']:.0f} tokens/s; no sweep row "
+                     "(--sweep-splits) to compare with.")
+    else:
+        verdict = "hit" if auto["hit"] else "miss"
+        lines.append(
+            f"Auto {auto['auto_tokens_per_s']:.0f} tokens/s, best measured k={auto['best_k']} "
+            f"({auto['best_key']}) {auto['best_tokens_per_s']:.0f} tokens/s: auto / best = "
+            f"**{auto['ratio']:.3f}** (paired {auto['paired_ratio']:.3f}); target ≥ "
+            f"{auto['target']:.2f}: **{verdict}**. Sweep tokens/s: "
+            + ", ".join(f"k={k} {t:.0f}" for k, t in auto["sweep"]) + ".")
+    lines += ["", "```", plan["table"], "```"]
+    return lines
+
+
 def markdown(rows: list[dict], args: argparse.Namespace, meta: dict, calibration: dict | None,
-             predictions: list[dict]) -> str:
+             predictions: list[dict], auto: dict | None = None) -> str:
     """The whole results.md."""
     lines = _header(args, meta) + _schedule_table(rows, meta)
+    if auto:
+        lines += auto_plan_lines(auto)
     lines += _zero_bubble_table(rows)
     lines += _timeline_table(rows, args.timeline_runs)
     if calibration:

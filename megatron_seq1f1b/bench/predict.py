@@ -19,7 +19,7 @@ from megatron_seq1f1b.bench.fit import (
     virtual_fits,
 )
 from megatron_seq1f1b.bench.layouts import Layout
-from megatron_seq1f1b.bench.lineup import BenchSchedule
+from megatron_seq1f1b.bench.lineup import AUTO_KEY, BenchSchedule
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.bench.sharing import pipeline_replay
 from megatron_seq1f1b.replay import Timeline
@@ -102,7 +102,8 @@ def predict_larger(schedules: list[BenchSchedule], args: argparse.Namespace,
     """Weak scaling to --predict-pp x --predict-microbatches with one device per stage."""
     seq = {s.key: s for s in schedules}
     candidates = [("1f1b", [args.seq_length], 1, "1f1b")]
-    for key in ("seq1f1b-uniform", "seq1f1b-balanced", "seq1f1b-zb-h1", "seq1f1b-zb-h2"):
+    for key in ("seq1f1b-uniform", "seq1f1b-balanced", "seq1f1b-zb-h1", "seq1f1b-zb-h2",
+                AUTO_KEY):
         if key in seq:
             candidates.append((key, seq[key].lengths, 1, seq[key].schedule))
     if inter_order is not None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import statistics
 
-from megatron_seq1f1b.bench.lineup import BenchSchedule
+from megatron_seq1f1b.bench.lineup import AUTO_KEY, SWEEP_KEY, BenchSchedule
+
+AUTO_TARGET = 0.97  # the auto plan's tokens/s at least this share of the best measured k
 
 
 def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict]:
@@ -69,3 +71,26 @@ def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict
 # Zero-bubble rows and the Seq1F1B row each is compared with.
 SEQ1F1B_OF = {"seq1f1b-zb-h1": "seq1f1b-balanced", "seq1f1b-zb-h2": "seq1f1b-balanced",
               "seq1f1b-interleaved-zb-h1": "seq1f1b-interleaved"}
+
+
+def auto_vs_sweep(rows: list[dict], plan: dict, target: float = AUTO_TARGET) -> dict:
+    """The ``seq1f1b-auto`` row against the best ``seq1f1b-k{K}`` row, and the planner's
+    prediction error (its predicted iteration against the auto row's measured median)."""
+    auto = next(r for r in rows if r["key"] == AUTO_KEY)
+    sweep = [r for r in rows if SWEEP_KEY.fullmatch(r["key"])]
+    best = max(sweep, key=lambda r: r["tokens_per_s"], default=None)
+    result = {
+        "plan": plan, "auto_tokens_per_s": auto["tokens_per_s"], "auto_median_s": auto["median_s"],
+        "prediction_error": plan["predicted_s"] / auto["median_s"] - 1.0,
+        "sweep": [[r["k"], r["tokens_per_s"]] for r in sweep], "best_key": None, "best_k": None,
+        "best_tokens_per_s": None, "ratio": None, "paired_ratio": None, "target": target,
+        "hit": None,
+    }
+    if best is not None:
+        # Runs alternate: the median of per-round ratios is less sensitive to drift.
+        paired = [b / a for a, b in zip(auto["times_s"], best["times_s"])]
+        ratio = auto["tokens_per_s"] / best["tokens_per_s"]
+        result.update(best_key=best["key"], best_k=best["k"],
+                      best_tokens_per_s=best["tokens_per_s"], ratio=ratio,
+                      paired_ratio=statistics.median(paired), hit=ratio >= target)
+    return result

@@ -1,0 +1,44 @@
+"""``--splits auto``: the plan ``--seq1f1b-splits auto`` would run, from the bench calibration.
+
+The trainer measures at start-up and calls :func:`~megatron_seq1f1b.planner.choose_plan`
+(:mod:`megatron_seq1f1b.trainer.auto_plan`); here the same call gets the benchmark's own
+samples (same cases, the calibration mode its predictions use), so the ``seq1f1b-auto`` row
+checks the planner's choice against a measured sweep of k in the same processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_seq1f1b.bench.calibration import CalibrationSamples
+from megatron_seq1f1b.bench.predict import matching_mode
+from megatron_seq1f1b.bench.ranks import say
+from megatron_seq1f1b.checks import segment_multiple
+from megatron_seq1f1b.planner import BudgetError, Calibration, Plan, choose_plan
+
+
+def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
+           shared_cores: float | None, on_gpu: bool) -> tuple[Plan, dict]:
+    """The planner's choice for the plain layout, and its record for results.json.
+
+    Identical on every rank (same samples, deterministic planner); prints every candidate.
+    """
+    mode = matching_mode(samples.modes, shared_cores)
+    calibration = Calibration.from_samples(
+        samples.raw[mode]["plain"], source=f"benchmark calibration ({mode}), cases {samples.cases}")
+    try:
+        choice = choose_plan(
+            args.seq_length, args.pp, args.microbatches, micro_batch_size=args.micro_batch_size,
+            calibration=calibration, memory_budget=args.memory_budget,
+            min_segment_length=args.min_segment_length, multiple_of=segment_multiple(config),
+            send_slack=0 if on_gpu else 1,  # NCCL steps wait for their sends; gloo's finish later
+        )
+    except BudgetError as exc:  # the same on every rank: all stop
+        raise SystemExit(f"--memory-budget {args.memory_budget}: {exc}") from None
+    say(f"> auto plan from the {mode} calibration ({calibration.quadratic}):\n{choice.table()}")
+    plan = choice.plan
+    return plan, {"k": plan.num_splits, "partition": plan.partition, "schedule": plan.schedule,
+                  "lengths": list(plan.lengths), "predicted_s": plan.time, "bubble": plan.bubble,
+                  "memory_microbatches": plan.memory, "calibration_mode": mode,
+                  "send_slack": 0 if on_gpu else 1, "reason": choice.reason,
+                  "table": choice.table()}
