@@ -18,11 +18,18 @@ Backends:
 * Transformer Engine's ``TEDotProductAttention``: ``causal_bottom_right``
   (TE's plain ``causal`` is aligned top-left when lengths differ); masks are
   dropped, as TE ignores them for causal attention anyway.
+
+Sliding windows (``window_size=(w, 0)``, per layer as Megatron decides with
+``window_attn_skip_freq``): query ``i`` sees keys ``start + i - w .. start + i``,
+so a segment gets only rows ``[max(0, start - w), end)``; both backends align
+their window bottom-right, which is then exactly the full sequence's window.
 """
 
 from __future__ import annotations
 
 import contextlib
+
+import torch
 
 from megatron_seq1f1b import segments
 from megatron_seq1f1b.kv_cache import KVAppend
@@ -37,8 +44,31 @@ def _segmented() -> "segments._Active | None":
     return current
 
 
-def prefix_kv(layer, key, value, current):
-    """Keys/values ``[0, end)`` of this micro-batch for `layer`, this segment's rows added."""
+def first_row(current, window: int | None) -> int:
+    """The oldest key row this segment's queries can see."""
+    return 0 if window is None else max(0, current.info.start - window)
+
+
+def layer_window(core_attention) -> int | None:
+    """Left window of this layer in keys (``None``: the whole prefix).
+
+    Megatron's local attention keeps the layer's window on its softmax;
+    Transformer Engine keeps its own ``window_size`` (``-1`` = unbounded).
+    """
+    softmax = getattr(core_attention, "scale_mask_softmax", None)
+    window = getattr(softmax if softmax is not None else core_attention, "window_size", None)
+    if window is None or window[0] is None or window[0] < 0:
+        return None
+    if window[1] not in (0, -1):
+        raise ValueError(
+            f"Seq1F1B: sliding window {tuple(window)} looks ahead {window[1]} tokens; causal "
+            "segments cannot see later segments' keys; use window_size=(w, 0)"
+        )
+    return int(window[0])
+
+
+def prefix_kv(layer, key, value, current, window: int | None = None):
+    """Keys/values ``[first_row, end)`` of this micro-batch for `layer`, this segment's rows added."""
     info, run = current.info, current.run
     if key.shape[0] != info.length:
         raise RuntimeError(
@@ -70,7 +100,7 @@ def prefix_kv(layer, key, value, current):
         if entry is None or info.index not in entry.forwarded:
             raise RuntimeError(f"Seq1F1B: {where} recomputed without a cached forward")
         write = False
-    return KVAppend.apply(key, value, run.kv, entry, info, write)
+    return KVAppend.apply(key, value, run.kv, entry, info, write, first_row(current, window))
 
 
 @contextlib.contextmanager
@@ -86,17 +116,22 @@ def _masked_softmax(core_attention):
         softmax.attn_mask_type = saved
 
 
-def _segment_mask(attention_mask, current, device):
+def _segment_mask(attention_mask, current, device, window: int | None):
     info = current.info
     if attention_mask is None:
-        return current.run.causal_mask(info, device)
+        return current.run.causal_mask(info, device, window)
     if tuple(attention_mask.shape[-2:]) != (info.length, info.end):
         raise ValueError(
             f"Seq1F1B: attention_mask of shape {tuple(attention_mask.shape)} for segment "
             f"{info.index} (tokens {info.start}..{info.end}); expected [..., {info.length}, "
             f"{info.end}]: cut the batch with megatron_seq1f1b.slice_batch"
         )
-    return attention_mask
+    if window is None:
+        return attention_mask
+    # Megatron's windowed softmax builds its own mask; keep the given one in step.
+    keys = torch.arange(first_row(current, window), info.end, device=device)
+    queries = torch.arange(info.start, info.end, device=device).unsqueeze(1)
+    return attention_mask[..., first_row(current, window):] | (keys < queries - window)
 
 
 def _reject_unsliceable(packed_seq_params, attention_bias) -> None:
@@ -124,8 +159,9 @@ def local_attention_forward(core_attention, original):
             return original(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         _reject_unsliceable(packed_seq_params, attention_bias)
-        key, value = prefix_kv(core_attention, key, value, current)
-        mask = _segment_mask(attention_mask, current, query.device)
+        window = layer_window(core_attention)
+        key, value = prefix_kv(core_attention, key, value, current, window)
+        mask = _segment_mask(attention_mask, current, query.device, window)
         with _masked_softmax(core_attention):
             return original(query, key, value, mask, attn_mask_type=AttnMaskType.padding,
                             attention_bias=attention_bias, packed_seq_params=None)
@@ -150,7 +186,7 @@ def te_attention_forward(core_attention, original):
             raise ValueError(
                 f"Seq1F1B needs causal self-attention; this layer uses {mask_type}"
             )
-        key, value = prefix_kv(core_attention, key, value, current)
+        key, value = prefix_kv(core_attention, key, value, current, layer_window(core_attention))
         return original(query, key, value, None, attn_mask_type=AttnMaskType.causal_bottom_right,
                         attention_bias=attention_bias, packed_seq_params=None, **kwargs)
 

@@ -57,10 +57,13 @@ def model_config_problems(config) -> list[str]:
             "segment cache; "
             "use standard self-attention"
         )
-    if get("window_size") is not None:
+    window = get("window_size")
+    if window is not None and (len(window) != 2 or window[0] is None or window[0] < 0
+                               or window[1] != 0):
         problems.append(
-            f"sliding-window attention (window_size={get('window_size')}) is not supported; "
-            "set window_size=None"
+            f"sliding-window attention (window_size={tuple(window)}) must look back w >= 0 "
+            "keys and not ahead (later segments' keys do not exist yet); use window_size=(w, 0) "
+            "or None"
         )
     if get("num_moe_experts"):
         problems.append(

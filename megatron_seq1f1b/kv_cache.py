@@ -10,10 +10,19 @@ Per (micro-batch, model chunk, attention layer) one entry holds:
   concatenated prefix per segment would cost ~(k+1)/2 times as much). Writes
   go through ``.data`` so they do not bump the version counter of views saved
   by earlier segments; they touch rows no earlier segment reads.
-* ``key_grads`` / ``value_grads``: allocated at the micro-batch's first
-  backward; each segment's backward adds the gradient of the prefix rows it
-  attended to, and each segment takes its own rows when its turn comes
-  (half precision accumulates in fp32).
+* ``pending``: per earlier segment, the gradient later segments' attention
+  left for its rows (allocated when the first one arrives; half precision
+  accumulates in fp32). Each segment's backward adds what it owes to the
+  segments it attended to and takes its own share when its turn comes, so a
+  share lives only between its first contributor and its owner.
+
+With a sliding window of ``w`` keys (``window_size=(w, 0)``), segment j
+attends to rows ``[max(0, start_j - w), end_j)`` only: its attention never
+sees, and its backward never owes gradient to, rows older than the window.
+The rows themselves stay until their own segment's backward (which needs
+them); what the window saves is attention over the prefix (the local
+backend's score and probability matrices are ``L x (L + w)``, not
+``L x end``) and the pending gradient of segments out of reach.
 
 The entry is dropped when segment 0's backward passes through the layer (or,
 forward-only, after the last segment); the storage goes when the last saved
@@ -34,33 +43,37 @@ class KVEntry:
         shape_v = (seq_length,) + tuple(value.shape[1:])
         self.keys = torch.empty(shape_k, dtype=key.dtype, device=key.device)
         self.values = torch.empty(shape_v, dtype=value.dtype, device=value.device)
-        self.key_grads: torch.Tensor | None = None
-        self.value_grads: torch.Tensor | None = None
+        self.pending: dict[int, list[torch.Tensor]] = {}  # segment -> [key grad, value grad]
         self.forwarded: set[int] = set()
         self.store_key: tuple = ()
 
-    def accumulate(self, grad_keys: torch.Tensor, grad_values: torch.Tensor) -> None:
-        """Add gradient for prefix rows ``[0, len(grad_keys))``."""
-        rows = grad_keys.shape[0]
-        if self.key_grads is None:
-            dtype = torch.float32 if grad_keys.dtype in (torch.float16, torch.bfloat16) else None
-            self.key_grads = torch.zeros(
-                (rows,) + tuple(grad_keys.shape[1:]), dtype=dtype or grad_keys.dtype,
-                device=grad_keys.device,
-            )
-            self.value_grads = torch.zeros(
-                (rows,) + tuple(grad_values.shape[1:]), dtype=dtype or grad_values.dtype,
-                device=grad_values.device,
-            )
-        self.key_grads[:rows] += grad_keys
-        self.value_grads[:rows] += grad_values
+    def accumulate(self, first_row: int, grad_keys: torch.Tensor, grad_values: torch.Tensor,
+                   lengths: tuple[int, ...]) -> None:
+        """Add gradient for rows ``[first_row, first_row + len(grad_keys))`` to their segments."""
+        last_row = first_row + grad_keys.shape[0]
+        start = 0
+        for index, length in enumerate(lengths):
+            end = start + length
+            low, high = max(start, first_row), min(end, last_row)
+            if low < high:
+                shares = self.pending.get(index)
+                if shares is None:
+                    dtype = (torch.float32 if grad_keys.dtype in (torch.float16, torch.bfloat16)
+                             else grad_keys.dtype)
+                    shares = [grad.new_zeros((length,) + tuple(grad.shape[1:]), dtype=dtype)
+                              for grad in (grad_keys, grad_values)]
+                    self.pending[index] = shares
+                shares[0][low - start : high - start] += grad_keys[low - first_row : high - first_row]
+                shares[1][low - start : high - start] += grad_values[low - first_row : high - first_row]
+            start = end
 
-    def take(self, start: int, end: int, grad_keys: torch.Tensor, grad_values: torch.Tensor):
-        """This segment's own gradient plus what later segments left for it."""
-        if self.key_grads is not None and start < self.key_grads.shape[0]:
-            grad_keys = grad_keys + self.key_grads[start:end].to(grad_keys.dtype)
-            grad_values = grad_values + self.value_grads[start:end].to(grad_values.dtype)
-        return grad_keys, grad_values
+    def take(self, index: int, grad_keys: torch.Tensor, grad_values: torch.Tensor):
+        """Segment `index`'s own gradient plus what later segments left for it."""
+        shares = self.pending.pop(index, None)
+        if shares is None:
+            return grad_keys, grad_values
+        return (grad_keys + shares[0].to(grad_keys.dtype),
+                grad_values + shares[1].to(grad_values.dtype))
 
 
 class KVStore:
@@ -94,7 +107,7 @@ class KVStore:
         """Cached tensors still referenced by the store (for leak tests)."""
         count = 0
         for entry in self._entries.values():
-            count += 2 + (entry.key_grads is not None) + (entry.value_grads is not None)
+            count += 2 + 2 * len(entry.pending)
         return count
 
     def clear(self) -> None:
@@ -102,28 +115,32 @@ class KVStore:
 
 
 class KVAppend(torch.autograd.Function):
-    """[earlier segments' K/V ; this segment's K/V] as views of the entry's buffers."""
+    """[earlier segments' K/V within reach ; this segment's K/V] as views of the entry's buffers.
+
+    Rows ``[first_row, end)`` of the micro-batch: ``first_row`` is 0 without a
+    window, ``max(0, start - w)`` with a window of ``w`` keys.
+    """
 
     @staticmethod
-    def forward(ctx, key, value, store, entry, info, write):
+    def forward(ctx, key, value, store, entry, info, write, first_row=0):
         if write:
             entry.keys.data[info.start : info.end].copy_(key)
             entry.values.data[info.start : info.end].copy_(value)
-        ctx.store, ctx.entry, ctx.info = store, entry, info
-        return entry.keys[: info.end], entry.values[: info.end]
+        ctx.store, ctx.entry, ctx.info, ctx.first_row = store, entry, info, first_row
+        return entry.keys[first_row : info.end], entry.values[first_row : info.end]
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
-        entry, info = ctx.entry, ctx.info
-        start, end = info.start, info.end
+        entry, info, first_row = ctx.entry, ctx.info, ctx.first_row
+        own = info.start - first_row
         if grad_keys is None:
-            grad_keys = torch.zeros_like(entry.keys[:end])
+            grad_keys = torch.zeros_like(entry.keys[first_row : info.end])
         if grad_values is None:
-            grad_values = torch.zeros_like(entry.values[:end])
-        own_k, own_v = entry.take(start, end, grad_keys[start:end], grad_values[start:end])
-        if start > 0:
-            entry.accumulate(grad_keys[:start], grad_values[:start])
-        else:
+            grad_values = torch.zeros_like(entry.values[first_row : info.end])
+        own_k, own_v = entry.take(info.index, grad_keys[own:], grad_values[own:])
+        if own > 0:
+            entry.accumulate(first_row, grad_keys[:own], grad_values[:own], info.lengths)
+        if info.index == 0:
             ctx.store.release_entry(entry)
         ctx.store = ctx.entry = None
-        return own_k, own_v, None, None, None, None
+        return own_k, own_v, None, None, None, None, None

@@ -221,10 +221,11 @@ def args_problems(args: Any) -> list[str]:
             f"--experimental-attention-variant {_flag(args, 'experimental_attention_variant')!r}"
             " has no segment key/value cache; remove it"
         )
-    if _flag(args, "window_size") is not None:
+    window = _flag(args, "window_size")
+    if window is not None and (len(window) != 2 or window[0] < 0 or window[1] != 0):
         problems.append(
-            f"--window-size {_flag(args, 'window_size')}: sliding-window attention is not "
-            "supported; remove it"
+            f"--window-size {window}: Seq1F1B's sliding window looks back w >= 0 keys and not "
+            "ahead; use --window-size (w, 0)"
         )
     position = _flag(args, "position_embedding_type", "learned_absolute")
     if position not in SUPPORTED_POSITIONS:

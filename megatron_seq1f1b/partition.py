@@ -28,6 +28,13 @@ FLOPs also mean equal backward FLOPs.
 ``DotProductAttention``): the quadratic term becomes ``s * P``. Flash-style
 kernels (Transformer Engine) skip masked blocks: causal pairs.
 
+Sliding windows (``window_size=(w, 0)``, on the layers Megatron picks with
+``window_attn_skip_freq``): a query at position ``t`` sees ``min(t, w) + 1``
+keys, so those layers' attention cost grows with the position only up to
+``w`` (``per_window_pair`` counts their pairs; dense kernels compute
+``s * min(P, s + w)``). With ``w`` much shorter than the sequence the
+balanced split comes out nearly uniform.
+
 The ``"measured"`` split balances a *measured* cost instead of FLOPs: any
 ``cost(length, end)`` that grows with the length, usually fitted time per
 segment (:class:`megatron_seq1f1b.planner.Calibration`). Kernels are not
@@ -48,11 +55,16 @@ SegmentCost = Callable[[float, float], float]  # cost(length, end), growing with
 
 @dataclass(frozen=True)
 class CostModel:
-    """Forward FLOPs of a segment: ``per_token * s + per_pair * causal_pairs(s, end)``."""
+    """Forward FLOPs of a segment: ``per_token * s + per_pair * causal_pairs(s, end)``.
+
+    (Plus ``per_window_pair`` times the pairs of windowed layers, if any.)
+    """
 
     per_token: float
     per_pair: float
     dense_attention: bool = False
+    window: int | None = None
+    per_window_pair: float = 0.0
 
     @classmethod
     def from_config(cls, config, vocab_size: int | None = None,
@@ -67,16 +79,36 @@ class CostModel:
         h_q, h_kv = heads * kv_channels, groups * kv_channels
         per_layer = 2 * h * (h_q + 2 * h_kv) + 2 * h_q * h + 2 * h * ffn * gated + 2 * ffn * h
         per_token = config.num_layers * per_layer + 2 * h * (vocab_size or 0)
-        per_pair = config.num_layers * 4 * h_q
-        return cls(float(per_token), float(per_pair), dense_attention)
+        windowed = windowed_layers(config)
+        window = config.window_size[0] if windowed else None
+        full = config.num_layers - windowed
+        return cls(float(per_token), float(full * 4 * h_q), dense_attention, window,
+                   float(windowed * 4 * h_q))
 
     def pairs(self, length: float, end: float) -> float:
         """Query-key products a segment's attention computes."""
         return length * end if self.dense_attention else causal_pairs(length, end)
 
+    def window_pairs(self, length: float, end: float) -> float:
+        """Query-key products of a windowed layer's attention over this segment."""
+        if self.window is None:
+            return self.pairs(length, end)
+        if self.dense_attention:
+            return length * min(end, length + self.window)
+        # Positions below w see t + 1 keys (causal), the rest w + 1.
+        start, knee = end - length, min(max(end - length, self.window), end)
+        return causal_pairs(knee - start, knee) + (end - knee) * (self.window + 1)
+
+    def attention(self, length: float, end: float) -> float:
+        """Attention FLOPs of the segment (all layers)."""
+        total = self.per_pair * self.pairs(length, end)
+        if self.per_window_pair:
+            total += self.per_window_pair * self.window_pairs(length, end)
+        return total
+
     def segment(self, length: float, end: float) -> float:
         """Forward FLOPs of ``length`` tokens ending at position ``end``."""
-        return self.per_token * length + self.per_pair * self.pairs(length, end)
+        return self.per_token * length + self.attention(length, end)
 
     def backward_parts(self, length: float, end: float) -> tuple[float, float]:
         """(input-gradient, weight-gradient) FLOPs of the segment's backward.
@@ -86,11 +118,13 @@ class CostModel:
         (scores and values, each differentiated both ways).
         """
         linear = self.per_token * length
-        return linear + 2 * self.per_pair * self.pairs(length, end), linear
+        return linear + 2 * self.attention(length, end), linear
 
     def length_for(self, share: float, end: float) -> float:
         """Length of the segment ending at ``end`` that costs ``share`` (closed form)."""
         a, c = self.per_token, self.per_pair
+        if self.per_window_pair:
+            return _length_by_bisection(self.segment)(share, end)
         if self.dense_attention or c == 0:
             return share / (a + c * end)  # a s + c s end = share
         # a s + c (s end - s^2/2 + s/2) = share -> (c/2) s^2 - (a + c end + c/2) s + share = 0
@@ -103,6 +137,20 @@ class CostModel:
             end += length
             costs.append(self.segment(length, end))
         return costs
+
+
+def windowed_layers(config) -> int:
+    """How many layers use a sliding window (Megatron's ``is_layer_window_attention`` rule)."""
+    window = getattr(config, "window_size", None)
+    if not window or window[0] is None or window[0] < 0:
+        return 0
+    skip = getattr(config, "window_attn_skip_freq", None)
+    layers = range(1, config.num_layers + 1)
+    if skip is None:
+        return config.num_layers
+    if isinstance(skip, int):
+        return sum(1 for n in layers if n % skip != 0)
+    return sum(1 for n in layers if skip[n - 1])
 
 
 def causal_pairs(length: float, end: float) -> float:
@@ -181,7 +229,7 @@ def _equal_cost_ends(seq_length: int, num_splits: int,
     """
     if isinstance(cost, CostModel):
         segment, length_for = cost.segment, cost.length_for
-        grows = cost.per_token > 0 or cost.per_pair > 0
+        grows = cost.per_token > 0 or cost.per_pair > 0 or cost.per_window_pair > 0
     else:
         segment, length_for = cost, _length_by_bisection(cost)
         grows = segment(seq_length, seq_length) > segment(0.0, seq_length)

@@ -121,13 +121,22 @@ class SegmentRun:
             # Normally already released layer by layer inside the backward pass.
             self.kv.release(microbatch, chunk)
 
-    def causal_mask(self, info: SegmentInfo, device) -> torch.Tensor:
-        """[1, 1, L, end] boolean mask, True = masked: query i sees keys <= start + i."""
-        key = (info.start, info.end, str(device))
+    def causal_mask(self, info: SegmentInfo, device, window: int | None = None) -> torch.Tensor:
+        """[1, 1, L, keys] boolean mask, True = masked: query i sees keys <= start + i.
+
+        With a ``window`` of w keys the columns start at ``max(0, start - w)``
+        and query i sees keys ``start + i - w .. start + i``.
+        """
+        key = (info.start, info.end, str(device), window)
         mask = self._masks.get(key)
         if mask is None:
-            mask = torch.ones(info.length, info.end, dtype=torch.bool, device=device)
-            mask = torch.triu(mask, diagonal=info.start + 1).view(1, 1, info.length, info.end)
+            first = 0 if window is None else max(0, info.start - window)
+            queries = torch.arange(info.start, info.end, device=device).unsqueeze(1)
+            keys = torch.arange(first, info.end, device=device)
+            mask = keys > queries
+            if window is not None:
+                mask |= keys < queries - window
+            mask = mask.view(1, 1, info.length, info.end - first)
             self._masks[key] = mask
         return mask
 

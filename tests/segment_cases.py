@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.utils import is_layer_window_attention
 
 import megatron_seq1f1b as s1
 from megatron_seq1f1b.segments import SegmentRun
@@ -43,6 +44,10 @@ class TEDotProductAttention(torch.nn.Module):
         self.attn_mask_type = attn_mask_type
         self.heads = config.num_attention_heads // config.tensor_model_parallel_size
         self.scale = softmax_scale or config.kv_channels ** -0.5
+        # Megatron passes the window only to windowed layers; TE stores (-1, 0) otherwise.
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                             layer_number)
+        self.window_size = tuple(config.window_size) if windowed else (-1, 0)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -58,6 +63,8 @@ class TEDotProductAttention(torch.nn.Module):
         scores = torch.einsum("qbhd,kbhd->bhqk", query, key) * self.scale
         shift = 0 if mask_type == AttnMaskType.causal else sk - sq
         masked = torch.ones(sq, sk, dtype=torch.bool).triu(diagonal=1 + shift)
+        if self.window_size[0] >= 0:
+            masked |= torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=shift - self.window_size[0] - 1)
         scores = scores.masked_fill(masked, float("-inf"))
         context = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), value)
         return context.reshape(sq, b, heads * d)
@@ -253,7 +260,7 @@ def error_messages() -> dict:
     for name, field, value in [
         ("context_parallel", "context_parallel_size", 2),
         ("mla", "multi_latent_attention", True),
-        ("sliding_window", "window_size", (8, 0)),
+        ("sliding_window_ahead", "window_size", (8, 2)),
         ("moe", "num_moe_experts", 4),
         ("mtp", "mtp_num_layers", 1),
         ("offloading", "fine_grained_activation_offloading", True),

@@ -113,6 +113,14 @@ def test_interleaved_dp2_pp2_vpp2_ddp_overlap(ranks):
     _check(results)
 
 
+def test_interleaved_sliding_window_with_full_attention_layers(ranks):
+    model = ModelSpec(num_layers=8, extra=(("window_size", (6, 0)), ("window_attn_skip_freq", 4)))
+    results = ranks.run(2, run_layout, case="il-window", model=model,
+                        data=DataSpec(num_microbatches=2), pp=2, vpp=2,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
 def test_interleaved_forward_only(ranks):
     results = ranks.run(4, run_layout, case="il-forward-only", model=ROPE8,
                         data=DataSpec(num_microbatches=3), pp=4, vpp=2, forward_only=True,

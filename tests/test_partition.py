@@ -87,3 +87,32 @@ def test_balanced_short_sequence_is_nearly_uniform():
 def test_impossible_requests_raise_clear_errors(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         split_sequence(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["flash", "dense"])
+def test_window_pairs_count_what_the_masks_keep(dense):
+    """Against brute force: pairs a windowed layer computes for every segment of a short sequence."""
+    for window in (0, 3, 7, 40):
+        model = CostModel(0.0, 0.0, dense, window, 1.0)
+        for start in range(0, 24):
+            for end in range(start + 1, 25):
+                if dense:  # keys passed: [max(0, start - w), end), all scored
+                    expected = (end - start) * (end - max(0, start - window))
+                else:  # keys t - w .. t for every query t
+                    expected = sum(min(t, window) + 1 for t in range(start, end))
+                assert model.window_pairs(end - start, end) == expected, (window, start, end)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("skip", [None, 4], ids=["all-windowed", "every-4th-full"])
+def test_balanced_with_sliding_window_equal_costs(k, skip):
+    cfg = config(window_size=(4096, 0), window_attn_skip_freq=skip)
+    model = CostModel.from_config(cfg, 50257)
+    assert model.window == 4096 and model.per_window_pair == (24 if skip else 32) * 4 * 4096
+    lengths = split_sequence(32768, k, "balanced", config=cfg, vocab_size=50257)
+    assert sum(lengths) == 32768 and lengths == sorted(lengths, reverse=True)
+    costs = model.split_costs(lengths)
+    assert max(costs) / min(costs) < 1.001
+    # A window caps attention: the split is much closer to uniform than full attention's.
+    full = split_sequence(32768, k, "balanced", config=config(), vocab_size=50257)
+    assert lengths[0] - lengths[-1] < (full[0] - full[-1]) * (0.6 if skip else 0.3)

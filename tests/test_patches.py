@@ -706,7 +706,7 @@ def test_validate_does_nothing_without_the_flag():
     ({"mtp_num_layers": 1}, ["--mtp-num-layers"]),
     ({"multi_latent_attention": True}, ["--multi-latent-attention"]),
     ({"experimental_attention_variant": "gated_delta_net"}, ["--experimental-attention-variant"]),
-    ({"window_size": (128, 0)}, ["--window-size"]),
+    ({"window_size": (128, 4)}, ["--window-size"]),
     ({"position_embedding_type": "mrope"}, ["--position-embedding-type"]),
     ({"use_legacy_models": True}, ["--use-legacy-models"]),
     ({"sft": True}, ["--sft"]),

@@ -56,6 +56,17 @@ def test_positions_and_per_token_loss(ranks, per_token, model):
     _check(results)
 
 
+@pytest.mark.parametrize("forward_only", [False, True], ids=["train", "forward-only"])
+@pytest.mark.parametrize("window", [5, 19], ids=["window-5-under-a-segment", "window-19-over-two"])
+def test_sliding_window(ranks, window, forward_only):
+    """k=4 segments of 8 tokens; a window shorter than a segment and one longer than two."""
+    results = ranks.run(2, run_layout, case=f"window-{window}-{forward_only}",
+                        model=ModelSpec(extra=(("window_size", (window, 0)),)),
+                        data=DataSpec(num_microbatches=3), pp=2, forward_only=forward_only,
+                        seq1f1b=dict(num_splits=4, partition="balanced"))
+    _check(results)
+
+
 def test_tp2_pp2_sequence_parallel(ranks):
     results = ranks.run(4, run_layout, case="tp2-pp2-sp", model=ModelSpec(num_query_groups=2),
                         data=DataSpec(num_microbatches=3), tp=2, pp=2, sp=True,

@@ -28,6 +28,14 @@ CASES = {
         model=ROPE, lengths=(12, 10, 10),
         overrides=dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
     ),
+    # Sliding windows: shorter than a segment, longer than two, and mixed with
+    # full-attention layers (window_attn_skip_freq); the mask given explicitly too.
+    "window_5_k4": dict(model=ROPE, lengths=(8, 8, 8, 8), overrides=dict(window_size=(5, 0))),
+    "window_19_k4_gqa": dict(model=GQA, lengths=(11, 8, 7, 6), overrides=dict(window_size=(19, 0))),
+    "window_skip_explicit_mask": dict(
+        model=ROPE, lengths=(12, 10, 10), data=DataSpec(num_microbatches=1, explicit_mask=True),
+        overrides=dict(window_size=(6, 0), window_attn_skip_freq=2),
+    ),
     "recompute_selective_core_attn": dict(
         model=GQA, lengths=(12, 10, 10),
         overrides=dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
@@ -62,6 +70,16 @@ def test_fake_transformer_engine_gets_bottom_right_causal_and_prefix_keys(ranks)
     assert all(c[1][2] == 2 for c in calls), "keys arrive with their query groups (GQA)"
 
 
+def test_fake_transformer_engine_sliding_window_gets_only_keys_in_reach(ranks):
+    (result,) = ranks.run(1, compare_by_hand, case="fake_te_window", model=GQA,
+                          lengths=(12, 10, 10), fake_te=True,
+                          overrides=dict(window_size=(7, 0), window_attn_skip_freq=[1, 0, 1, 1]))
+    assert not result["problems"], "\n".join(result["problems"])
+    key_lengths = [c[1][0] for c in result["te_calls"][:12]]
+    # Segments start at 0, 12, 22; layer 2 keeps the whole prefix.
+    assert key_lengths == [12] * 4 + [17, 22, 17, 17] + [17, 32, 17, 17]
+
+
 def test_no_growth_over_iterations(ranks):
     (result,) = ranks.run(1, leak_check, case="leak", iterations=20)
     tensors, rss = result["tensors"], result["rss_kib"]
@@ -72,7 +90,7 @@ def test_no_growth_over_iterations(ranks):
 EXPECTED_ERRORS = {
     "context_parallel": "context_parallel_size=1",
     "mla": "multi-latent attention",
-    "sliding_window": "window_size=None",
+    "sliding_window_ahead": "use window_size=(w, 0)",
     "moe": "dense model",
     "mtp": "multi-token prediction",
     "offloading": "offloading",

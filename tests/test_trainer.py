@@ -91,9 +91,11 @@ def test_timelines_and_the_side_by_side_summary(tmp_path):
     assert "vs Megatron-Core 1F1B: tokens/s" in done.stdout
 
 
-def test_virtual_pipeline(tmp_path):
+def test_virtual_pipeline_with_sliding_window(tmp_path):
+    """Megatron-LM's window flags: windows shorter than a segment, every 2nd layer full."""
     common = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-              "1", "--train-iters", "3", "--global-batch-size", "4"]
+              "1", "--train-iters", "3", "--global-batch-size", "4", "--window-size", "(20, 0)",
+              "--window-attn-skip-freq", "2"]
     ours, _ = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "3",
                     "--seq1f1b-partition", "uniform")
     theirs, _ = train(tmp_path, "1f1b", 2, *common)

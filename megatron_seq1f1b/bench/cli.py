@@ -75,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"),
                    default="rope")
+    p.add_argument("--window-size", type=int, default=None, metavar="W",
+                   help="sliding-window attention: every token sees the W tokens before it "
+                        "(all schedules)")
+    p.add_argument("--window-attn-skip-freq", type=int, default=None, metavar="N",
+                   help="with --window-size: every N-th layer attends to the whole prefix")
     p.add_argument("--bf16", action="store_true", help="GPU only")
     p.add_argument("--iters", type=int, default=6, help="measured runs per schedule")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured runs per schedule first")
@@ -114,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(s.startswith("1f1b-interleaved") for s in args.schedules) and \
             args.microbatches % args.pp:
         p.error("Megatron's interleaved schedule needs --microbatches divisible by --pp")
+    if args.window_size is not None and args.window_size < 0:
+        p.error("--window-size must be >= 0")
+    if args.window_attn_skip_freq is not None and args.window_size is None:
+        p.error("--window-attn-skip-freq needs --window-size")
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
     if args.splits != AUTO and args.splits < 1:

@@ -57,6 +57,10 @@ def trainer_argv(args: argparse.Namespace, interleaved: bool) -> list[str]:
         argv.append("--sequence-parallel")
     if args.bf16:
         argv.append("--bf16")
+    if args.window_size is not None:
+        argv += ["--window-size", f"({args.window_size}, 0)"]
+    if args.window_attn_skip_freq is not None:
+        argv += ["--window-attn-skip-freq", str(args.window_attn_skip_freq)]
     if interleaved:
         argv += ["--num-layers-per-virtual-pipeline-stage",
                  str(args.num_layers // (args.pp * args.vpp))]

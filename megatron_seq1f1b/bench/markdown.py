@@ -18,7 +18,12 @@ def _header(args: argparse.Namespace, meta: dict) -> list[str]:
     lines.append(
         f"Model: {args.num_layers} layers, hidden {args.hidden_size}, "
         f"{args.num_attention_heads} heads, vocabulary {args.vocab_size}, "
-        f"{args.position_embedding_type}; sequence {args.seq_length}, micro-batch size "
+        f"{args.position_embedding_type}"
+        + (f", sliding window {args.window_size}" if getattr(args, "window_size", None) is not None
+           else "")
+        + (f" (every {args.window_attn_skip_freq}th layer full)"
+           if getattr(args, "window_attn_skip_freq", None) else "")
+        + f"; sequence {args.seq_length}, micro-batch size "
         f"{args.micro_batch_size}, tp {args.tp}, dp {meta['dp']}. {meta['device']}, "
         f"{meta['world_size']} ranks, {meta['cpu_count']} CPU cores, "
         f"{meta['threads_per_rank']} thread(s) per rank; torch {meta['torch']}, Megatron-Core "

@@ -15,6 +15,17 @@ from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.partition import split_sequence
 
 
+def _int_pair(text: str) -> tuple[int, int]:
+    """Megatron-LM's tuple flags: '(1024, 0)' or '1024,0'."""
+    parts = [part.strip() for part in text.strip().strip("()").split(",")]
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected two integers like '(1024, 0)', got {text!r}")
+    try:
+        return int(parts[0]), int(parts[1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two integers like '(1024, 0)', got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Train a GPT with Megatron-Core and (optionally) Seq1F1B. Launch with torchrun.",
@@ -35,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     model.add_argument("--hidden-dropout", type=float, default=0.0)
     model.add_argument("--attention-dropout", type=float, default=0.0)
+    model.add_argument("--window-size", type=_int_pair, default=None,
+                       help="sliding-window attention, e.g. '(1024, 0)': each token sees the "
+                            "1024 tokens before it")
+    model.add_argument("--window-attn-skip-freq", type=int, default=None,
+                       help="every N-th layer attends to the whole prefix (no window)")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--micro-batch-size", type=int, default=1)

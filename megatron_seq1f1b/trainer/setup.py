@@ -70,6 +70,8 @@ def transformer_config(args):
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
+        window_size=args.window_size,
+        window_attn_skip_freq=args.window_attn_skip_freq,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
