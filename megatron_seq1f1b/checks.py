@@ -51,11 +51,16 @@ def model_config_problems(config) -> list[str]:
         )
     if get("hybrid_context_parallel"):
         problems.append("hybrid_context_parallel is not supported; disable it")
-    if get("multi_latent_attention"):
+    if get("multi_latent_attention") and get("rope_type") == "yarn" and get("apply_rope_fusion"):
         problems.append(
-            "multi-latent attention (multi_latent_attention) has its own K/V path that has no "
-            "segment cache; "
-            "use standard self-attention"
+            "multi-latent attention with YaRN and apply_rope_fusion reads RoPE cos/sin cached "
+            "from position 0, not the segment's offset; set apply_rope_fusion=False "
+            "(--no-rope-fusion)"
+        )
+    if get("multi_latent_attention") and get("mla_down_proj_fusion"):
+        problems.append(
+            "mla_down_proj_fusion builds FusedMLASelfAttention, whose fused RoPE has no position "
+            "offset; disable mla_down_proj_fusion"
         )
     window = get("window_size")
     if window is not None and (len(window) != 2 or window[0] is None or window[0] < 0

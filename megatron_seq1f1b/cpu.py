@@ -29,6 +29,9 @@ exactly those, in this process only, and only when called:
    ``stream``, ``Event``) are torch's CPU stand-ins (``torch.cpu.*``), whose
    waits are no-ops: Megatron-Core 0.19's DDP waits on the current stream
    before every gradient reduction.
+9. Megatron-Core 0.16's multi-latent attention believes Transformer Engine is
+   installed when its extension module imports (it does, with mock classes)
+   and calls ``isinstance`` on a mock; it is told TE is absent, as it is.
 
 Calling it twice is harmless. It must not be used in a process that also uses
 a GPU.
@@ -173,6 +176,17 @@ def _patch_cuda_literals() -> None:
     fused_softmax.get_sliding_window_causal_mask = tutils.get_sliding_window_causal_mask
 
 
+def _patch_mla_without_te() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(getattr(multi_latent_attention, "TELinear", None), (type, type(None))):
+        multi_latent_attention.HAVE_TE = False
+
+
 def enable() -> None:
     """Patch Megatron-Core (and torch.cuda shims) so it runs on CPU with gloo."""
     global _ENABLED
@@ -198,6 +212,7 @@ def enable() -> None:
     _patch_rng()
     _patch_cuda_literals()
     _patch_torch_norm()
+    _patch_mla_without_te()
     _ENABLED = True
 
 

@@ -213,9 +213,17 @@ def args_problems(args: Any) -> list[str]:
             "remove it"
         )
     if _flag(args, "multi_latent_attention", False):
-        problems.append(
-            "--multi-latent-attention: MLA has no segment key/value cache; use standard attention"
-        )
+        if _flag(args, "rope_type") in (None, "yarn") and _flag(args, "apply_rope_fusion", False):
+            problems.append(
+                "--multi-latent-attention with YaRN (--rope-type yarn, the default): the fused "
+                "RoPE reads cos/sin cached from position 0, not the segment's offset; add "
+                "--no-rope-fusion"
+            )
+        if _flag(args, "mla_down_proj_fusion", False):
+            problems.append(
+                "--mla-down-proj-fusion: the fused MLA applies RoPE without a position offset; "
+                "remove it"
+            )
     if _flag(args, "experimental_attention_variant") is not None:
         problems.append(
             f"--experimental-attention-variant {_flag(args, 'experimental_attention_variant')!r}"

@@ -67,7 +67,22 @@ def _check(gpt) -> list[str]:
     return problems
 
 
+def _is_mla(module) -> bool:
+    """Megatron's unfused MLASelfAttention (its fused subclass applies RoPE inside TE)."""
+    names = [cls.__name__ for cls in type(module).__mro__]
+    return "MLASelfAttention" in names and "FusedMLASelfAttention" not in names
+
+
 def _attention_modules(gpt):
+    """(core attention, its segment forward) per attention layer, plus MLA's own rotary modules.
+
+    Multi-latent attention caches the *up-projected*, post-RoPE keys and values at
+    its core attention, like standard attention: exactly the tensors the full
+    sequence's attention saves for its backward, so the cache costs nothing
+    extra. Caching the compressed latent instead would be smaller but would
+    re-run the up-projection of the whole prefix for every segment (and its
+    backward), k times the work for memory that attention keeps anyway.
+    """
     from megatron.core.transformer.attention import Attention, SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -75,7 +90,13 @@ def _attention_modules(gpt):
     for name, module in gpt.named_modules():
         if not isinstance(module, Attention):
             continue
-        if not isinstance(module, SelfAttention):
+        if _is_mla(module):
+            found.append((module.rotary_pos_emb, attention.rotary_forward))
+        elif type(module).__name__ == "FusedMLASelfAttention":
+            problems.append(f"{name}: FusedMLASelfAttention applies RoPE inside a fused kernel "
+                            "without a position offset; build MLA with MLASelfAttention")
+            continue
+        elif not isinstance(module, SelfAttention):
             problems.append(f"{name}: {type(module).__name__} (only self-attention is supported; "
                             "build with a self-attention transformer_layer_spec)")
             continue

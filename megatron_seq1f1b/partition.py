@@ -71,19 +71,16 @@ class CostModel:
                     dense_attention: bool = False) -> "CostModel":
         """Coefficients from a Megatron ``TransformerConfig`` (whole model)."""
         h = config.hidden_size
-        heads = config.num_attention_heads
-        kv_channels = config.kv_channels or h // heads
-        groups = config.num_query_groups or heads
         ffn = config.ffn_hidden_size or 4 * h
         gated = 2 if config.gated_linear_unit else 1
-        h_q, h_kv = heads * kv_channels, groups * kv_channels
-        per_layer = 2 * h * (h_q + 2 * h_kv) + 2 * h_q * h + 2 * h * ffn * gated + 2 * ffn * h
+        attention_weights, pair_flops = _attention_shape(config)
+        per_layer = 2 * attention_weights + 2 * h * ffn * gated + 2 * ffn * h
         per_token = config.num_layers * per_layer + 2 * h * (vocab_size or 0)
         windowed = windowed_layers(config)
         window = config.window_size[0] if windowed else None
         full = config.num_layers - windowed
-        return cls(float(per_token), float(full * 4 * h_q), dense_attention, window,
-                   float(windowed * 4 * h_q))
+        return cls(float(per_token), float(full * pair_flops), dense_attention, window,
+                   float(windowed * pair_flops))
 
     def pairs(self, length: float, end: float) -> float:
         """Query-key products a segment's attention computes."""
@@ -137,6 +134,29 @@ class CostModel:
             end += length
             costs.append(self.segment(length, end))
         return costs
+
+
+def _attention_shape(config) -> tuple[int, int]:
+    """(weights of one attention layer's projections, its FLOPs per query-key pair).
+
+    Standard: QKV and output projections; ``Q K^T`` and ``A V`` over ``h_q``.
+    Multi-latent attention: query (down + up, or one projection), K/V down to
+    the latent (plus the shared RoPE key), up to the heads, output; scores
+    over ``qk_head_dim + qk_pos_emb_head_dim``, values over ``v_head_dim``.
+    """
+    h, heads = config.hidden_size, config.num_attention_heads
+    if getattr(config, "multi_latent_attention", False):
+        q_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
+        v_dim = config.v_head_dim
+        rank = getattr(config, "q_lora_rank", None)
+        query = h * heads * q_dim if rank is None else h * rank + rank * heads * q_dim
+        latent = config.kv_lora_rank
+        kv = h * (latent + config.qk_pos_emb_head_dim) + latent * heads * (config.qk_head_dim + v_dim)
+        return query + kv + heads * v_dim * h, 2 * heads * (q_dim + v_dim)
+    kv_channels = config.kv_channels or h // heads
+    groups = config.num_query_groups or heads
+    h_q, h_kv = heads * kv_channels, groups * kv_channels
+    return h * (h_q + 2 * h_kv) + h_q * h, 4 * h_q
 
 
 def windowed_layers(config) -> int:

@@ -8,6 +8,7 @@ and every parameter gradient. Runs inside harness worker processes.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -24,6 +25,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from harness import COMM_TIMEOUT_S
 
@@ -45,6 +49,7 @@ class ModelSpec:
     tied_embeddings: bool = False
     normalization: str = "LayerNorm"
     gated_linear_unit: bool = False
+    mla: bool = False  # multi-latent attention (with the fake TE core attention below)
     extra: tuple = ()  # further TransformerConfig fields as (name, value) pairs
 
 
@@ -95,9 +100,24 @@ def make_config(spec: ModelSpec, *, tp=1, pp=1, vpp=None, sp=False, **overrides)
         gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True,
     )
+    if spec.mla:
+        fields.update(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                      v_head_dim=6, rope_type="rope", rotary_scaling_factor=4.0,
+                      original_max_position_embeddings=16, apply_rope_fusion=False)
     fields.update(dict(spec.extra))
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    return (MLATransformerConfig if spec.mla else TransformerConfig)(**fields)
+
+
+def layer_spec(spec: ModelSpec, fake_te: bool = False):
+    """Megatron's local layer spec; MLA needs a core attention with separate K/V widths
+    (Transformer Engine's), so it gets the fake below."""
+    layer = get_gpt_layer_local_spec(normalization=spec.normalization,
+                                     multi_latent_attention=spec.mla)
+    if fake_te or spec.mla:
+        layer = copy.deepcopy(layer)
+        layer.submodules.self_attention.submodules.core_attention = TEDotProductAttention
+    return layer
 
 
 def build_chunks(spec: ModelSpec, config: TransformerConfig) -> list[GPTModel]:
@@ -109,7 +129,7 @@ def build_chunks(spec: ModelSpec, config: TransformerConfig) -> list[GPTModel]:
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
+                transformer_layer_spec=layer_spec(spec),
                 vocab_size=spec.vocab_size,
                 max_sequence_length=spec.seq_length,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -374,3 +394,46 @@ def run_layout(
         result["peak_live_units"] = recorder.last.peak_live_units
         result["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
     return result
+
+
+class TEDotProductAttention(torch.nn.Module):
+    """Stands in for Transformer Engine's attention: records inputs, computes with torch.
+
+    ``causal`` is aligned top-left (as TE does when query and key lengths
+    differ), ``causal_bottom_right`` bottom-right.
+    """
+
+    calls: list = []
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None, **kwargs):
+        super().__init__()
+        self.config = config
+        self.attn_mask_type = attn_mask_type
+        self.heads = config.num_attention_heads // config.tensor_model_parallel_size
+        self.scale = softmax_scale or config.kv_channels ** -0.5
+        # Megatron passes the window only to windowed layers; TE stores (-1, 0) otherwise.
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                             layer_number)
+        self.window_size = tuple(config.window_size) if windowed else (-1, 0)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        mask_type = attn_mask_type or self.attn_mask_type
+        TEDotProductAttention.calls.append(
+            (tuple(query.shape), tuple(key.shape), tuple(value.shape), mask_type,
+             attention_mask is None)
+        )
+        sq, b, heads, d = query.shape
+        sk, groups = key.shape[0], key.shape[2]
+        key = key.repeat_interleave(heads // groups, dim=2)
+        value = value.repeat_interleave(heads // groups, dim=2)
+        scores = torch.einsum("qbhd,kbhd->bhqk", query, key) * self.scale
+        shift = 0 if mask_type == AttnMaskType.causal else sk - sq
+        masked = torch.ones(sq, sk, dtype=torch.bool).triu(diagonal=1 + shift)
+        if self.window_size[0] >= 0:
+            masked |= torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=shift - self.window_size[0] - 1)
+        scores = scores.masked_fill(masked, float("-inf"))
+        context = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), value)
+        return context.reshape(sq, b, heads * value.shape[-1])  # MLA: value dim != query dim

@@ -8,72 +8,20 @@ plain full-sequence forward/backward of the same model.
 
 from __future__ import annotations
 
-import copy
 import gc
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.utils import is_layer_window_attention
 
 import megatron_seq1f1b as s1
 from megatron_seq1f1b.segments import SegmentRun
-from gpt import DataSpec, ModelSpec, _close, build_chunks, init_parallel, make_batches, make_config
+from gpt import (
+    DataSpec, ModelSpec, TEDotProductAttention, _close, build_chunks, init_parallel, make_batches,
+    layer_spec, make_config,
+)
 
 RTOL = 1e-5
-
-
-# --------------------------------------------------------------- fake TE attention
-
-class TEDotProductAttention(torch.nn.Module):
-    """Stands in for Transformer Engine's attention: records inputs, computes with torch.
-
-    ``causal`` is aligned top-left (as TE does when query and key lengths
-    differ), ``causal_bottom_right`` bottom-right.
-    """
-
-    calls: list = []
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None, **kwargs):
-        super().__init__()
-        self.config = config
-        self.attn_mask_type = attn_mask_type
-        self.heads = config.num_attention_heads // config.tensor_model_parallel_size
-        self.scale = softmax_scale or config.kv_channels ** -0.5
-        # Megatron passes the window only to windowed layers; TE stores (-1, 0) otherwise.
-        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
-                                             layer_number)
-        self.window_size = tuple(config.window_size) if windowed else (-1, 0)
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
-        mask_type = attn_mask_type or self.attn_mask_type
-        TEDotProductAttention.calls.append(
-            (tuple(query.shape), tuple(key.shape), tuple(value.shape), mask_type,
-             attention_mask is None)
-        )
-        sq, b, heads, d = query.shape
-        sk, groups = key.shape[0], key.shape[2]
-        key = key.repeat_interleave(heads // groups, dim=2)
-        value = value.repeat_interleave(heads // groups, dim=2)
-        scores = torch.einsum("qbhd,kbhd->bhqk", query, key) * self.scale
-        shift = 0 if mask_type == AttnMaskType.causal else sk - sq
-        masked = torch.ones(sq, sk, dtype=torch.bool).triu(diagonal=1 + shift)
-        if self.window_size[0] >= 0:
-            masked |= torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=shift - self.window_size[0] - 1)
-        scores = scores.masked_fill(masked, float("-inf"))
-        context = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), value)
-        return context.reshape(sq, b, heads * d)
-
-
-def fake_te_spec(normalization: str = "LayerNorm"):
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
-    spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
-    return spec
 
 
 # --------------------------------------------------------------- by-hand driver
@@ -86,7 +34,7 @@ def _model(spec: ModelSpec, *, tp=1, sp=False, fake_te=False, **overrides):
         (gpt,) = build_chunks(spec, config)
         return gpt
     return GPTModel(
-        config=config, transformer_layer_spec=fake_te_spec(), vocab_size=spec.vocab_size,
+        config=config, transformer_layer_spec=layer_spec(spec, fake_te=True), vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length, position_embedding_type=spec.position_embedding_type,
     )
 
@@ -259,7 +207,6 @@ def error_messages() -> dict:
 
     for name, field, value in [
         ("context_parallel", "context_parallel_size", 2),
-        ("mla", "multi_latent_attention", True),
         ("sliding_window_ahead", "window_size", (8, 2)),
         ("moe", "num_moe_experts", 4),
         ("mtp", "mtp_num_layers", 1),

@@ -116,3 +116,28 @@ def test_balanced_with_sliding_window_equal_costs(k, skip):
     # A window caps attention: the split is much closer to uniform than full attention's.
     full = split_sequence(32768, k, "balanced", config=config(), vocab_size=50257)
     assert lengths[0] - lengths[-1] < (full[0] - full[-1]) * (0.6 if skip else 0.3)
+
+
+def _linear_weights_per_layer(spec_fields: dict) -> dict:
+    """Weights of one layer's linear layers in a real model vs CostModel's count (one rank)."""
+    from gpt import ModelSpec, build_chunks, init_parallel, make_config
+
+    spec = ModelSpec(**spec_fields)
+    init_parallel()
+    config = make_config(spec)
+    (gpt,) = build_chunks(spec, config)
+    layer = gpt.decoder.layers[0]
+    counted = sum(p.numel() for name, p in layer.named_parameters()
+                  if name.endswith("weight") and p.dim() == 2)
+    model = CostModel.from_config(config, spec.vocab_size)
+    return {"model": counted, "cost_model": (model.per_token - 2 * config.hidden_size
+                                             * spec.vocab_size) / config.num_layers / 2}
+
+
+@pytest.mark.parametrize("fields", [dict(num_query_groups=2, gated_linear_unit=True),
+                                    dict(mla=True, normalization="RMSNorm")],
+                         ids=["gqa-swiglu", "mla"])
+def test_cost_model_counts_the_linear_weights_a_layer_has(ranks, fields):
+    (result,) = ranks.run(1, _linear_weights_per_layer, case=f"weights-{fields}",
+                          spec_fields=fields)
+    assert result["model"] == result["cost_model"], result

@@ -67,6 +67,16 @@ def test_sliding_window(ranks, window, forward_only):
     _check(results)
 
 
+@pytest.mark.parametrize("forward_only", [False, True], ids=["train", "forward-only"])
+def test_multi_latent_attention(ranks, forward_only):
+    """MLA with RoPE, k=4 balanced (its attention cost is that of its up-projected heads)."""
+    results = ranks.run(2, run_layout, case=f"mla-{forward_only}",
+                        model=ModelSpec(mla=True, normalization="RMSNorm"),
+                        data=DataSpec(num_microbatches=3), pp=2, forward_only=forward_only,
+                        seq1f1b=dict(num_splits=4, partition="balanced"))
+    _check(results)
+
+
 def test_tp2_pp2_sequence_parallel(ranks):
     results = ranks.run(4, run_layout, case="tp2-pp2-sp", model=ModelSpec(num_query_groups=2),
                         data=DataSpec(num_microbatches=3), tp=2, pp=2, sp=True,

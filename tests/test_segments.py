@@ -8,6 +8,7 @@ from segment_cases import compare_by_hand, error_messages, leak_check
 ROPE = ModelSpec()
 LEARNED = ModelSpec(position_embedding_type="learned_absolute")
 GQA = ModelSpec(num_attention_heads=4, num_query_groups=2)
+MLA = ModelSpec(mla=True, normalization="RMSNorm")
 
 CASES = {
     "rope_k4_uniform": dict(model=ROPE, lengths=(8, 8, 8, 8)),
@@ -35,6 +36,15 @@ CASES = {
     "window_skip_explicit_mask": dict(
         model=ROPE, lengths=(12, 10, 10), data=DataSpec(num_microbatches=1, explicit_mask=True),
         overrides=dict(window_size=(6, 0), window_attn_skip_freq=2),
+    ),
+    # Multi-latent attention: its own RoPE (plain and YaRN) at the segment's offset, the
+    # up-projected K/V cached; with its up-projection recomputed in the backward too.
+    "mla_rope_k4": dict(model=MLA, lengths=(11, 8, 7, 6)),
+    "mla_yarn_k3": dict(model=ModelSpec(mla=True, normalization="RMSNorm",
+                                        extra=(("rope_type", "yarn"),)), lengths=(12, 10, 10)),
+    "mla_recompute_up_proj": dict(
+        model=MLA, lengths=(12, 10, 10),
+        overrides=dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]),
     ),
     "recompute_selective_core_attn": dict(
         model=GQA, lengths=(12, 10, 10),
@@ -89,7 +99,6 @@ def test_no_growth_over_iterations(ranks):
 
 EXPECTED_ERRORS = {
     "context_parallel": "context_parallel_size=1",
-    "mla": "multi-latent attention",
     "sliding_window_ahead": "use window_size=(w, 0)",
     "moe": "dense model",
     "mtp": "multi-token prediction",
