@@ -20,6 +20,9 @@ Cost model (forward FLOPs of a segment of ``s`` tokens ending at position
 
 with ``h`` hidden size, ``h_q = heads * kv_channels``,
 ``h_kv = query_groups * kv_channels``, ``f`` FFN size, ``V`` vocabulary.
+Multi-latent attention replaces the QKV/output terms by its down- and
+up-projections and the pair term by ``2 heads (q_dim + v_dim)``
+(:func:`_attention_shape`).
 Backward costs about twice the forward for every term, so equal forward
 FLOPs also mean equal backward FLOPs.
 
