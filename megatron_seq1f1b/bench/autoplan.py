@@ -18,7 +18,8 @@ from megatron_seq1f1b.planner import BudgetError, Calibration, Plan, choose_plan
 
 
 def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
-           shared_cores: float | None, on_gpu: bool) -> tuple[Plan, dict]:
+           shared_cores: float | None, on_gpu: bool,
+           dense_attention: bool = False) -> tuple[Plan, dict]:
     """The planner's choice for the plain layout, and its record for results.json.
 
     Identical on every rank (same samples, deterministic planner); prints every candidate.
@@ -30,6 +31,8 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
         choice = choose_plan(
             args.seq_length, args.pp, args.microbatches, micro_batch_size=args.micro_batch_size,
             calibration=calibration, memory_budget=args.memory_budget,
+            config=config, vocab_size=args.vocab_size,  # adds the FLOP-balanced partition
+            dense_attention=dense_attention,
             min_segment_length=args.min_segment_length, multiple_of=segment_multiple(config),
             send_slack=0 if on_gpu else 1,  # NCCL steps wait for their sends; gloo's finish later
         )

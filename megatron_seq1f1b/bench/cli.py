@@ -37,6 +37,7 @@ from megatron_seq1f1b.bench.summary import auto_vs_sweep, summarize
 from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm import AUTO, splits_value
 from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT, PeakMemory
+from megatron_seq1f1b.model import dense_attention
 from megatron_seq1f1b.trainer import arguments, data, setup
 
 
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
     if args.splits == AUTO:  # the seq1f1b-auto row needs its plan: calibrate before measuring
         samples = calibrate(args, layouts, batches[0], forward_step)
         plan, plan_record = autoplan.choose(samples, args, layouts["plain"].config,
-                                            shared_cores, on_gpu)
+                                            shared_cores, on_gpu,
+                                            dense_attention(layouts["plain"].model))
     schedules = make_schedules(args, layouts, args.vocab_size, plan)
     memory = PeakMemory(device)
     dp = plain_args.data_parallel_size

@@ -41,6 +41,7 @@ def choose(args, model: list, forward_step_func: Callable, train_ds):
     from megatron.core import parallel_state
 
     from megatron_seq1f1b.measure import measure_calibration
+    from megatron_seq1f1b.model import dense_attention, unwrap
     from megatron_seq1f1b.planner import BudgetError, choose_plan
 
     first = data.batches(train_ds, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
@@ -58,6 +59,9 @@ def choose(args, model: list, forward_step_func: Callable, train_ds):
             args.seq_length, args.pipeline_model_parallel_size, args.num_microbatches,
             num_model_chunks=len(model), micro_batch_size=args.micro_batch_size,
             calibration=calibration, memory_budget=args.seq1f1b_memory_budget,
+            # the FLOP model adds the balanced partition to the candidates
+            config=unwrap(model[0]).config, vocab_size=args.vocab_size,
+            dense_attention=dense_attention(model),
             min_segment_length=args.seq1f1b_min_segment_length,
             multiple_of=args.tensor_model_parallel_size if args.sequence_parallel else 1,
             send_slack=0 if torch.cuda.is_available() else 1,  # NCCL steps wait for sends
