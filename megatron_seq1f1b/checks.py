@@ -71,10 +71,7 @@ def model_config_problems(config) -> list[str]:
             "or None"
         )
     if get("num_moe_experts"):
-        problems.append(
-            "mixture-of-experts layers (num_moe_experts) compute load-balancing losses per "
-            "forward; per segment they differ from full-sequence training; use a dense model"
-        )
+        problems += moe_problems(config)
     if get("mtp_num_layers"):
         problems.append(
             "multi-token prediction (mtp_num_layers) shifts labels across segment borders; "
@@ -103,6 +100,36 @@ def model_config_problems(config) -> list[str]:
                 f"FP8 attention ({name}) is untested with bottom-right causal masks over a "
                 "K/V prefix; keep attention in bf16/fp16 (FP8 linear layers are fine)"
             )
+    return problems
+
+
+def moe_problems(config) -> list[str]:
+    """MoE options whose result depends on how many tokens share one forward."""
+    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    problems = []
+    if get("moe_expert_capacity_factor") is not None:
+        problems.append(
+            f"token dropping (moe_expert_capacity_factor={get('moe_expert_capacity_factor')}) "
+            "fills each expert's capacity per forward, so a segment would drop other tokens "
+            "than the full sequence; use dropless MoE (moe_expert_capacity_factor=None)"
+        )
+    if get("moe_z_loss_coeff") and get("calculate_per_token_loss"):
+        problems.append(
+            "the MoE z-loss (moe_z_loss_coeff) with calculate_per_token_loss would be reported "
+            "per segment, not per micro-batch; disable one of them"
+        )
+    losses = bool(get("moe_z_loss_coeff")) or any(
+        float(c) > 0 for c in (get("moe_aux_loss_coeff", 0) if isinstance(
+            get("moe_aux_loss_coeff", 0), (list, tuple)) else [get("moe_aux_loss_coeff", 0) or 0]))
+    modules = get("recompute_modules") or []
+    if losses and (get("recompute_granularity") == "full" or (
+            get("recompute_granularity") == "selective" and "moe" in modules)):
+        problems.append(
+            "recomputing MoE layers (recompute_granularity='full', or recompute_modules with "
+            "'moe') computes the router's losses inside the backward, after later segments' "
+            "counts are needed; recompute other modules, or set moe_aux_loss_coeff=0 and "
+            "moe_z_loss_coeff=None"
+        )
     return problems
 
 
@@ -160,11 +187,13 @@ def executor_problems(chunks, iterators, config, num_microbatches, num_splits, l
         problems.append("config.pipeline_dtype must be set for pipeline parallelism")
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         problems.append("overlap_moe_expert_parallel_comm (combined 1F1B) is not supported")
-    if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):
+    if getattr(config, "mtp_num_layers", None):
         problems.append(
-            "MoE (num_moe_experts) and multi-token prediction (mtp_num_layers) scale auxiliary "
-            "losses per forward; the Seq1F1B executor does not support them"
+            "multi-token prediction (mtp_num_layers) scales its loss per forward; the Seq1F1B "
+            "executor does not support it"
         )
+    if getattr(config, "num_moe_experts", None):
+        problems += moe_problems(config)
     if getattr(config, "fine_grained_activation_offloading", False):
         problems.append("fine-grained activation offloading (fine_grained_activation_offloading) "
                         "is not supported; disable it")

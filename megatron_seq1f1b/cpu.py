@@ -28,7 +28,8 @@ exactly those, in this process only, and only when called:
 8. CUDA streams and events (``torch.cuda.current_stream``, ``Stream``,
    ``stream``, ``Event``) are torch's CPU stand-ins (``torch.cpu.*``), whose
    waits are no-ops: Megatron-Core 0.19's DDP waits on the current stream
-   before every gradient reduction.
+   before every gradient reduction; MoE's all-to-all dispatcher copies token
+   counts on a side stream and waits on the event it records.
 9. Megatron-Core 0.16's multi-latent attention believes Transformer Engine is
    installed when its extension module imports (it does, with mock classes)
    and calls ``isinstance`` on a mock; it is told TE is absent, as it is.
@@ -176,6 +177,13 @@ def _patch_cuda_literals() -> None:
     fused_softmax.get_sliding_window_causal_mask = tutils.get_sliding_window_causal_mask
 
 
+class _CpuStream(torch.cpu.Stream):
+    """torch's CPU stream, whose ``record_event`` returns an event (the MoE dispatchers wait on it)."""
+
+    def record_event(self, event=None):
+        return event if event is not None else torch.cpu.Event()
+
+
 def _patch_mla_without_te() -> None:
     import importlib.util
 
@@ -204,7 +212,7 @@ def enable() -> None:
     torch.cuda.manual_seed_all = _seed_cpu
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_stream = lambda *args, **kwargs: torch.cpu.current_stream()
-    torch.cuda.Stream = torch.cpu.Stream
+    torch.cuda.Stream = _CpuStream
     torch.cuda.stream = torch.cpu.stream
     torch.cuda.Event = torch.cpu.Event
     torch.Tensor.cuda = _tensor_cuda

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megatron_seq1f1b import compat, wgrad
+from megatron_seq1f1b import compat, moe, wgrad
 from megatron_seq1f1b import plan as plan_mod
 from megatron_seq1f1b.checks import ConfigError, executor_problems, raise_if, segment_multiple
 from megatron_seq1f1b.loss import SegmentLosses
@@ -509,6 +509,7 @@ def forward_backward(
             fn(chunk.parameters())
     if not forward_only:
         pipeline.disable_grad_sync()
+        moe.set_aux_loss_scale(config, num_microbatches)  # as Megatron's forward_step does
     with wgrad.deferring() if pipeline.weight_grads is not None else contextlib.nullcontext():
         pipeline.execute()
     if not forward_only and pipeline.no_sync_context is not None:

@@ -197,11 +197,7 @@ def args_problems(args: Any) -> list[str]:
             "--use-legacy-models: Seq1F1B prepares Megatron-Core GPTModel only; remove the flag"
         )
     if _flag(args, "num_experts"):
-        problems.append(
-            f"--num-experts {_flag(args, 'num_experts')} (mixture of experts): auxiliary "
-            "load-balancing losses are computed per forward and would differ per segment; "
-            "use a dense model (no --num-experts)"
-        )
+        problems += _moe_flag_problems(args)
     if _flag(args, "overlap_moe_expert_parallel_comm", False):
         problems.append(
             "--overlap-moe-expert-parallel-comm (combined 1F1B schedule) is not supported; "
@@ -371,6 +367,34 @@ def wrap_model_provider(model_provider: Callable) -> Callable:
     provider.__name__ = getattr(model_provider, "__name__", "model_provider")
     provider.__doc__ = getattr(model_provider, "__doc__", None)
     return provider
+
+
+def _moe_flag_problems(args: Any) -> list[str]:
+    """MoE flags whose result depends on how many tokens share a forward (see checks.moe_problems)."""
+    problems = []
+    if _flag(args, "moe_expert_capacity_factor") is not None:
+        problems.append(
+            f"--moe-expert-capacity-factor {_flag(args, 'moe_expert_capacity_factor')}: token "
+            "dropping fills each expert's capacity per forward, so a segment would drop other "
+            "tokens than the full sequence; remove it (dropless MoE)"
+        )
+    if _flag(args, "moe_z_loss_coeff") and _flag(args, "calculate_per_token_loss", False):
+        problems.append(
+            "--moe-z-loss-coeff with --calculate-per-token-loss: the z-loss would be reported "
+            "per segment; drop one of them"
+        )
+    coeff = _flag(args, "moe_aux_loss_coeff", 0) or 0
+    coeffs = coeff if isinstance(coeff, (list, tuple)) else [coeff]
+    losses = bool(_flag(args, "moe_z_loss_coeff")) or any(float(c) > 0 for c in coeffs)
+    recompute = _flag(args, "recompute_granularity")
+    if losses and (recompute == "full" or (
+            recompute == "selective" and "moe" in (_flag(args, "recompute_modules") or []))):
+        problems.append(
+            f"--recompute-granularity {recompute} recomputes MoE layers, whose router losses "
+            "then run inside the backward, after later segments' counts are needed; recompute "
+            "other modules (--recompute-modules without moe)"
+        )
+    return problems
 
 
 def add_post_wrap_hook(model_config: Any, args: Any = None) -> Any:

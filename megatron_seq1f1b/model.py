@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_seq1f1b import attention
+from megatron_seq1f1b import attention, moe
 from megatron_seq1f1b.checks import SUPPORTED_POSITIONS, model_config_problems, raise_if
 
 _ENABLED = "_seq1f1b_enabled"
@@ -132,6 +132,8 @@ def enable(model):
     for gpt, cores in plans:
         for core, make_forward in cores:
             attention.install_forward(core, make_forward)
+        for router in moe.routers(gpt):
+            moe.install(router)
         rotary = getattr(gpt, "rotary_pos_emb", None)
         if getattr(gpt, "position_embedding_type", None) == "rope" and rotary is not None:
             attention.install_forward(rotary, attention.rotary_forward)

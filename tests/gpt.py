@@ -109,6 +109,44 @@ def make_config(spec: ModelSpec, *, tp=1, pp=1, vpp=None, sp=False, **overrides)
     return (MLATransformerConfig if spec.mla else TransformerConfig)(**fields)
 
 
+def moe_losses() -> dict:
+    """Megatron's MoE loss tracker (per-layer sums) as {name: tensor}, for either version."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # megatron-core < 0.19
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        return {n: e["values"].detach().clone()
+                for n, e in get_moe_layer_wise_logging_tracker().items()}
+    return {n: e.values.detach().clone() for n, e in get_moe_metrics_tracker().metrics.items()}
+
+
+def clear_moe_losses() -> None:
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+        return
+    get_moe_metrics_tracker().clear()
+
+
+def is_moe(spec: ModelSpec) -> bool:
+    return bool(dict(spec.extra).get("num_moe_experts"))
+
+
+def block_spec(spec: ModelSpec, config, vp_stage=None):
+    """The decoder's spec: Megatron's MoE block spec (layer frequency, shared experts) or a layer."""
+    if not is_moe(spec):
+        return layer_spec(spec)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=spec.normalization,
+        vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+
+
 def layer_spec(spec: ModelSpec, fake_te: bool = False):
     """Megatron's local layer spec; MLA needs a core attention with separate K/V widths
     (Transformer Engine's), so it gets the fake below."""
@@ -129,7 +167,7 @@ def build_chunks(spec: ModelSpec, config: TransformerConfig) -> list[GPTModel]:
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec(spec),
+                transformer_layer_spec=block_spec(spec, config, stage),
                 vocab_size=spec.vocab_size,
                 max_sequence_length=spec.seq_length,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -215,6 +253,18 @@ def forward_step(data_iterator, model, slicer: Callable[[dict], dict] | None = N
 _REFERENCES: dict[tuple, dict] = {}
 
 
+def _one_replica_global_batch(gpt) -> None:
+    """global_aux_loss counts tokens over the data-parallel group: the layouts under test hold
+    one replica of these micro-batches, so the reference (data-parallel over all workers,
+    each with every micro-batch) counts over its own rank only."""
+    world = torch.distributed.get_world_size()
+    singles = [torch.distributed.new_group([r]) for r in range(world)]
+    mine = singles[torch.distributed.get_rank()]
+    for module in gpt.modules():
+        if hasattr(module, "tp_dp_cp_group") and hasattr(module, "ga_steps"):
+            module.tp_dp_cp_group = mine
+
+
 def reference(model: ModelSpec, batches_key: tuple, batches: list[dict], per_token: bool) -> dict:
     """Loss reports and gradients of pp=1 full-sequence training (cached per worker)."""
     key = (model, batches_key, per_token)
@@ -223,6 +273,9 @@ def reference(model: ModelSpec, batches_key: tuple, batches: list[dict], per_tok
     init_parallel()
     config = make_config(model, calculate_per_token_loss=per_token)
     (gpt,) = build_chunks(model, config)
+    if dict(model.extra).get("moe_router_load_balancing_type") == "global_aux_loss":
+        _one_replica_global_batch(gpt)
+    clear_moe_losses()
     store = schedules.forward_backward_no_pipelining(
         forward_step_func=forward_step,
         data_iterator=iter(batches),
@@ -242,7 +295,9 @@ def reference(model: ModelSpec, batches_key: tuple, batches: list[dict], per_tok
         state={name: p.detach().clone() for name, p in gpt.named_parameters()},
         grads=grads,
         reports=reports,
+        moe_losses=moe_losses(),
     )
+    clear_moe_losses()
     parallel_state.destroy_model_parallel()
     _REFERENCES[key] = result
     return result
@@ -319,6 +374,21 @@ def compare_reports(store: list, ref: dict, group_size: int = 1, rtol: float = R
     return problems
 
 
+def compare_moe_losses(chunks, expected: dict, actual: dict, rtol: float = RTOL) -> list[str]:
+    """Reported MoE losses (aux, seq, global, z) of this rank's layers against the reference."""
+    if set(expected) != set(actual):
+        return [f"MoE losses reported: {sorted(actual)}, reference {sorted(expected)}"]
+    layers = [layer.layer_number - 1 for chunk in chunks
+              for layer in unwrap(chunk).decoder.layers]
+    problems = []
+    for name, values in expected.items():
+        ok, rel = _close(actual[name][layers], values[layers], rtol)
+        if not ok:
+            problems.append(f"reported {name} per layer {actual[name][layers].tolist()} != "
+                            f"reference {values[layers].tolist()} (rel err {rel:.2e})")
+    return problems
+
+
 def run_layout(
     *,
     model: ModelSpec,
@@ -372,6 +442,7 @@ def run_layout(
     mine = batches[dp_rank * m : (dp_rank + 1) * m]
     iterators = [iter(mine) for _ in models]
     fwd_bwd = forward_backward or schedules.get_forward_backward_func()
+    clear_moe_losses()
     store = fwd_bwd(
         forward_step_func=partial(forward_step, slicer=slicer),
         data_iterator=iterators if len(models) > 1 else iterators[0],
@@ -385,6 +456,8 @@ def run_layout(
         tamper(models, store)
 
     problems = [] if forward_only else compare_grads(models, ref, model)
+    if dp == 1 and not forward_only:
+        problems += compare_moe_losses(models, ref["moe_losses"], moe_losses())
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         group = len(store) // m if store else 1
         mine_ref = dict(ref, reports=ref["reports"][dp_rank * m : (dp_rank + 1) * m])

@@ -208,7 +208,7 @@ def error_messages() -> dict:
     for name, field, value in [
         ("context_parallel", "context_parallel_size", 2),
         ("sliding_window_ahead", "window_size", (8, 2)),
-        ("moe", "num_moe_experts", 4),
+        ("moe_capacity", "moe_expert_capacity_factor", 1.0),
         ("mtp", "mtp_num_layers", 1),
         ("offloading", "fine_grained_activation_offloading", True),
         ("cuda_graphs", "cuda_graph_impl", "local"),
@@ -217,6 +217,8 @@ def error_messages() -> dict:
     ]:
         gpt = _model(spec)
         setattr(gpt.config, field, value)
+        if field.startswith("moe_"):
+            gpt.config.num_moe_experts = 4
         capture(name, lambda gpt=gpt: s1.enable(gpt))
 
     gpt = _model(spec)

@@ -701,7 +701,7 @@ def test_validate_does_nothing_without_the_flag():
      ["--seq1f1b-schedule zb-h1", "--transformer-impl local"]),
     ({"context_parallel_size": 2}, ["--context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel"]),
-    ({"num_experts": 8}, ["--num-experts"]),
+    ({"num_experts": 8, "moe_expert_capacity_factor": 1.25}, ["--moe-expert-capacity-factor"]),
     ({"overlap_moe_expert_parallel_comm": True}, ["--overlap-moe-expert-parallel-comm"]),
     ({"mtp_num_layers": 1}, ["--mtp-num-layers"]),
     ({"multi_latent_attention": True, "apply_rope_fusion": True}, ["--no-rope-fusion"]),
@@ -748,7 +748,8 @@ def test_validate_rejects_with_flag_names(overrides, flags):
 
 def test_validate_reports_everything_at_once():
     problems = megatron_lm.args_problems(
-        megatron_args(context_parallel_size=2, num_experts=4, seq1f1b_splits=-1))
+        megatron_args(context_parallel_size=2, num_experts=4, moe_expert_capacity_factor=1.0,
+                      seq1f1b_splits=-1))
     assert len(problems) == 3
 
 

@@ -100,7 +100,7 @@ def test_no_growth_over_iterations(ranks):
 EXPECTED_ERRORS = {
     "context_parallel": "context_parallel_size=1",
     "sliding_window_ahead": "use window_size=(w, 0)",
-    "moe": "dense model",
+    "moe_capacity": "dropless MoE",
     "mtp": "multi-token prediction",
     "offloading": "offloading",
     "cuda_graphs": "CUDA graphs",

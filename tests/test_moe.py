@@ -1,0 +1,38 @@
+"""Mixture of experts under Seq1F1B: loss, every gradient and the reported load-balancing and
+z-losses equal no-pipelining training on the full sequence (fp32, rel. 1e-5)."""
+
+import pytest
+
+from gpt import DataSpec, ModelSpec, run_layout
+
+
+def moe(**fields) -> ModelSpec:
+    base = dict(num_moe_experts=4, moe_router_topk=2, add_bias_linear=False,
+                moe_aux_loss_coeff=0.1, moe_router_load_balancing_type="aux_loss",
+                moe_token_dispatcher_type="alltoall")
+    base.update(fields)
+    return ModelSpec(extra=tuple(base.items()))
+
+
+def _check(results):
+    problems = [f"rank {r['rank']}: {p}" for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert any(r["entries"] for r in results), "no rank reported losses"
+
+
+CASES = {
+    "no_losses": moe(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none"),
+    "aux_loss": moe(),
+    "seq_aux_loss": moe(moe_router_load_balancing_type="seq_aux_loss"),
+    "global_aux_loss": moe(moe_router_load_balancing_type="global_aux_loss"),
+    "z_loss_sigmoid_allgather": moe(moe_z_loss_coeff=0.01, moe_router_score_function="sigmoid",
+                                    moe_token_dispatcher_type="allgather"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_pp2_k3_balanced(ranks, name):
+    results = ranks.run(2, run_layout, case=f"moe-{name}", model=CASES[name],
+                        data=DataSpec(num_microbatches=3, micro_batch_size=2), pp=2,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
