@@ -33,6 +33,8 @@ exactly those, in this process only, and only when called:
 9. Megatron-Core 0.16's multi-latent attention believes Transformer Engine is
    installed when its extension module imports (it does, with mock classes)
    and calls ``isinstance`` on a mock; it is told TE is absent, as it is.
+   Its MoE router GEMM refers to ``te_general_gemm``, which is never defined
+   without TE; it is defined as ``None`` (the torch path).
 
 Calling it twice is harmless. It must not be used in a process that also uses
 a GPU.
@@ -184,13 +186,16 @@ class _CpuStream(torch.cpu.Stream):
         return event if event is not None else torch.cpu.Event()
 
 
-def _patch_mla_without_te() -> None:
+def _patch_missing_te() -> None:
     import importlib.util
 
     if importlib.util.find_spec("transformer_engine") is not None:
         return
     from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
 
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     if not isinstance(getattr(multi_latent_attention, "TELinear", None), (type, type(None))):
         multi_latent_attention.HAVE_TE = False
 
@@ -220,7 +225,7 @@ def enable() -> None:
     _patch_rng()
     _patch_cuda_literals()
     _patch_torch_norm()
-    _patch_mla_without_te()
+    _patch_missing_te()
     _ENABLED = True
 
 

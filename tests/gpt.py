@@ -110,26 +110,41 @@ def make_config(spec: ModelSpec, *, tp=1, pp=1, vpp=None, sp=False, **overrides)
 
 
 def moe_losses() -> dict:
-    """Megatron's MoE loss tracker (per-layer sums) as {name: tensor}, for either version."""
+    """Megatron's MoE loss tracker as {name: per-layer tensor}, reduced as its report does
+    (summed over each entry's reduce group, averaged over its average group)."""
     try:
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     except ImportError:  # megatron-core < 0.19
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        return {n: e["values"].detach().clone()
-                for n, e in get_moe_layer_wise_logging_tracker().items()}
-    return {n: e.values.detach().clone() for n, e in get_moe_metrics_tracker().metrics.items()}
+        entries = {n: (e["values"], e.get("reduce_group"), e.get("avg_group"))
+                   for n, e in get_moe_layer_wise_logging_tracker().items()}
+    else:
+        entries = {n: (e.values, e.reduce_group, e.avg_group)
+                   for n, e in get_moe_metrics_tracker().metrics.items()}
+    out = {}
+    for name in sorted(entries):
+        values, reduce_group, avg_group = entries[name]
+        values = values.detach().clone()
+        if reduce_group is not None and reduce_group.size() > 1:
+            torch.distributed.all_reduce(values, group=reduce_group)
+        if avg_group is not None and avg_group.size() > 1:
+            torch.distributed.all_reduce(values, group=avg_group)
+            values /= avg_group.size()
+        out[name] = values
+    return out
 
 
 def clear_moe_losses() -> None:
+    """Forget every tracked MoE loss (entries are sized by the model that created them)."""
     try:
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     except ImportError:
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        clear_aux_losses_tracker()
+        get_moe_layer_wise_logging_tracker().clear()
         return
-    get_moe_metrics_tracker().clear()
+    destroy_moe_metrics_tracker()
 
 
 def is_moe(spec: ModelSpec) -> bool:

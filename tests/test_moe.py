@@ -1,6 +1,8 @@
 """Mixture of experts under Seq1F1B: loss, every gradient and the reported load-balancing and
 z-losses equal no-pipelining training on the full sequence (fp32, rel. 1e-5)."""
 
+import dataclasses
+
 import pytest
 
 from gpt import DataSpec, ModelSpec, run_layout
@@ -35,4 +37,36 @@ def test_moe_pp2_k3_balanced(ranks, name):
     results = ranks.run(2, run_layout, case=f"moe-{name}", model=CASES[name],
                         data=DataSpec(num_microbatches=3, micro_batch_size=2), pp=2,
                         seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
+def test_moe_forward_only(ranks):
+    results = ranks.run(2, run_layout, case="moe-forward-only", model=CASES["aux_loss"],
+                        data=DataSpec(num_microbatches=3), pp=2, forward_only=True,
+                        seq1f1b=dict(num_splits=4, partition="balanced"))
+    _check(results)
+
+
+def test_mixed_dense_and_moe_layers_with_shared_experts(ranks):
+    model = moe(moe_layer_freq=2, moe_shared_expert_intermediate_size=48,
+                moe_router_load_balancing_type="seq_aux_loss", moe_z_loss_coeff=0.01)
+    results = ranks.run(2, run_layout, case="moe-mixed-shared", model=model,
+                        data=DataSpec(num_microbatches=2), pp=2,
+                        seq1f1b=dict(num_splits=3, partition="uniform"))
+    _check(results)
+
+
+def test_interleaved_moe(ranks):
+    model = dataclasses.replace(moe(moe_router_load_balancing_type="global_aux_loss"),
+                                num_layers=8)
+    results = ranks.run(2, run_layout, case="moe-interleaved", model=model,
+                        data=DataSpec(num_microbatches=2), pp=2, vpp=2,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
+def test_moe_tp2_sp_pp2(ranks):
+    results = ranks.run(4, run_layout, case="moe-tp2-sp-pp2", model=CASES["aux_loss"],
+                        data=DataSpec(num_microbatches=2), tp=2, pp=2, sp=True,
+                        seq1f1b=dict(num_splits=2, partition="balanced"))
     _check(results)
