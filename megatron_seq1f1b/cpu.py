@@ -35,6 +35,11 @@ exactly those, in this process only, and only when called:
    and calls ``isinstance`` on a mock; it is told TE is absent, as it is.
    Its MoE router GEMM refers to ``te_general_gemm``, which is never defined
    without TE; it is defined as ``None`` (the torch path).
+10. MoE's all-to-all dispatcher passes its split sizes as numpy arrays, which
+    this torch's ``all_to_all_single`` binding does not take: they are turned
+    into lists of ints. With tensor parallelism it gathers and scatters token
+    blocks of different lengths, which NCCL does and gloo does not: those
+    ``all_gather`` / ``reduce_scatter`` calls are padded to the longest block.
 
 Calling it twice is harmless. It must not be used in a process that also uses
 a GPU.
@@ -186,6 +191,55 @@ class _CpuStream(torch.cpu.Stream):
         return event if event is not None else torch.cpu.Event()
 
 
+def _patch_all_to_all_splits() -> None:
+    original = torch.distributed.all_to_all_single
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          *args, **kwargs):
+        as_ints = lambda sizes: None if sizes is None else [int(n) for n in sizes]  # noqa: E731
+        return original(output, input, as_ints(output_split_sizes), as_ints(input_split_sizes),
+                        *args, **kwargs)
+
+    torch.distributed.all_to_all_single = all_to_all_single
+
+    gather = torch.distributed.all_gather
+
+    @functools.wraps(gather)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        shapes = {tuple(t.shape) for t in tensor_list} | {tuple(tensor.shape)}
+        if len(shapes) == 1 or async_op:
+            return gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = [t.new_zeros((longest,) + tuple(t.shape[1:])) for t in tensor_list]
+        mine = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+        mine[: tensor.shape[0]] = tensor
+        gather(padded, mine, group=group)
+        for out, block in zip(tensor_list, padded):
+            out.copy_(block[: out.shape[0]])
+        return None
+
+    torch.distributed.all_gather = all_gather
+
+    scatter = torch.distributed.reduce_scatter
+
+    @functools.wraps(scatter)
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None,
+                       async_op=False):
+        shapes = {tuple(t.shape) for t in input_list}
+        if len(shapes) == 1 or async_op:
+            return scatter(output, input_list, op=op, group=group, async_op=async_op)
+        rank = torch.distributed.get_rank(group)
+        for index, block in enumerate(input_list):  # a reduce per block, to its owner
+            summed = block.contiguous().clone()
+            torch.distributed.all_reduce(summed, op=op, group=group)
+            if index == rank:
+                output.copy_(summed)
+        return None
+
+    torch.distributed.reduce_scatter = reduce_scatter
+
+
 def _patch_missing_te() -> None:
     import importlib.util
 
@@ -226,6 +280,7 @@ def enable() -> None:
     _patch_cuda_literals()
     _patch_torch_norm()
     _patch_missing_te()
+    _patch_all_to_all_splits()
     _ENABLED = True
 
 

@@ -323,6 +323,11 @@ def global_name(chunk: GPTModel, local_name: str, spec: ModelSpec) -> str:
     if local_name.startswith("decoder.layers."):
         _, _, index, rest = local_name.split(".", 3)
         layer = chunk.decoder.layers[int(index)]
+        if rest.startswith("mlp.experts.local_experts."):  # expert parallel: global expert index
+            expert, tail = rest.split(".", 4)[3:]
+            local = len(layer.mlp.experts.local_experts)
+            expert = parallel_state.get_expert_model_parallel_rank() * local + int(expert)
+            rest = f"mlp.experts.local_experts.{expert}.{tail}"
         return f"decoder.layers.{layer.layer_number - 1}.{rest}"
     if local_name == "output_layer.weight" and spec.tied_embeddings:
         return "embedding.word_embeddings.weight"
@@ -421,6 +426,7 @@ def run_layout(
     tamper: Callable[[list, list], None] | None = None,
     seq1f1b: dict | None = None,
     forward_only: bool = False,
+    ep: int = 1,
 ) -> dict:
     """Reference vs. `forward_backward` on the layout; returns problems found on this rank.
 
@@ -441,10 +447,10 @@ def run_layout(
     batches = make_batches(model, data, count=data.num_microbatches * dp)
     ref = reference(model, (data, dp), batches, per_token)
 
-    init_parallel(tp, pp, vpp)
+    init_parallel(tp, pp, vpp, expert_model_parallel_size=ep)
     config = make_config(
         model, tp=tp, pp=pp, vpp=vpp, sp=sp, calculate_per_token_loss=per_token,
-        **(config_overrides or {}),
+        **(dict(expert_model_parallel_size=ep) if ep > 1 else {}), **(config_overrides or {}),
     )
     chunks = build_chunks(model, config)
     copy_weights(chunks, ref, model)
@@ -471,8 +477,12 @@ def run_layout(
         tamper(models, store)
 
     problems = [] if forward_only else compare_grads(models, ref, model)
-    if dp == 1 and not forward_only:
-        problems += compare_moe_losses(models, ref["moe_losses"], moe_losses())
+    if not forward_only:
+        reported = moe_losses()
+        if dp > 1:  # the reference ran every replica's micro-batches
+            for values in reported.values():
+                torch.distributed.all_reduce(values, group=parallel_state.get_data_parallel_group())
+        problems += compare_moe_losses(models, ref["moe_losses"], reported)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         group = len(store) // m if store else 1
         mine_ref = dict(ref, reports=ref["reports"][dp_rank * m : (dp_rank + 1) * m])

@@ -2,6 +2,7 @@
 z-losses equal no-pipelining training on the full sequence (fp32, rel. 1e-5)."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -68,5 +69,21 @@ def test_interleaved_moe(ranks):
 def test_moe_tp2_sp_pp2(ranks):
     results = ranks.run(4, run_layout, case="moe-tp2-sp-pp2", model=CASES["aux_loss"],
                         data=DataSpec(num_microbatches=2), tp=2, pp=2, sp=True,
+                        seq1f1b=dict(num_splits=2, partition="balanced"))
+    _check(results)
+
+
+FULL = os.environ.get("SEQ1F1B_FULL") == "1"
+EP_LAYOUTS = [(1, "alltoall"), (1, "allgather")] + ([(2, "alltoall")] if FULL else [])
+
+
+# EP2 x TP2 x PP2 is 8 processes (~40 s here): SEQ1F1B_FULL=1 only.
+@pytest.mark.parametrize("tp,dispatcher", EP_LAYOUTS,
+                         ids=[f"ep2-tp{tp}-{d}" for tp, d in EP_LAYOUTS])
+def test_expert_parallel_pp2(ranks, tp, dispatcher):
+    """EP=2 with pipelining (data-parallel replicas exchange tokens with each other's experts)."""
+    results = ranks.run(4 * tp, run_layout, case=f"moe-ep2-tp{tp}-{dispatcher}",
+                        model=moe(moe_token_dispatcher_type=dispatcher),
+                        data=DataSpec(num_microbatches=2), tp=tp, pp=2, sp=tp > 1, ep=2,
                         seq1f1b=dict(num_splits=2, partition="balanced"))
     _check(results)
