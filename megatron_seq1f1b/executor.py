@@ -121,6 +121,13 @@ def _process_groups(config, p2p_communicator, pg_collection):
         pg_collection.dp_cp = parallel_state.get_data_parallel_group(
             with_context_parallel=True, partial_data_parallel=False
         )
+        # finalize_model_grads reduces the routers' token counts over these (expert bias)
+        pg_collection.tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(
+            with_context_parallel=True
+        )
+        pg_collection.dp = parallel_state.get_data_parallel_group(
+            with_context_parallel=False, partial_data_parallel=False
+        )
     if p2p_communicator is None:
         p2p_communicator = P2PCommunicator(pp_group=pg_collection.pp, config=config)
     return p2p_communicator, pg_collection

@@ -340,3 +340,74 @@ def fault_in_user_code(stage: int, action: str, where: str, model: ModelSpec,
                 "seconds": time.monotonic() - start, "rank": torch.distributed.get_rank()}
     return {"error": None, "seconds": time.monotonic() - start,
             "rank": torch.distributed.get_rank()}
+
+
+def _train(models, batches, model, data, fwd_bwd, steps: int, slicer=None) -> None:
+    # adam_eps=1: updates nearly linear in the gradient (as in optimizer_step), so rounding
+    # differences are not blown up to +-lr where a gradient element is ~0.
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=0.1, weight_decay=0.0, clip_grad=0.0, adam_eps=1.0,
+                        bf16=False, fp16=False),
+        models, use_gloo_process_groups=False,
+    )
+    for _ in range(steps):
+        for m in models:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        _run(fwd_bwd, models, batches, model, data, slicer=slicer)
+        success, _, _ = optimizer.step()
+        assert success
+
+
+def _trained_state(models, model: ModelSpec) -> dict:
+    """Parameters and router expert biases by their names in the pp=1 model."""
+    state = {}
+    for chunk in models:
+        gpt = unwrap(chunk)
+        for name, param in gpt.named_parameters():
+            state[global_name(gpt, name, model)] = param.detach().clone()
+        for name, buffer in gpt.named_buffers():
+            if name.endswith("expert_bias"):
+                state[global_name(gpt, name, model)] = buffer.detach().clone()
+    return state
+
+
+def steps_match_no_pipelining(pp: int, k: int, model: ModelSpec, data: DataSpec,
+                              steps: int = 3) -> list[str]:
+    """``steps`` Adam steps with Seq1F1B equal ``steps`` with no pipelining: every weight and
+    every router expert bias (aux-loss-free balancing updates it from the token counts)."""
+    world = torch.distributed.get_world_size()
+    batches = make_batches(model, data)
+    initial = reference(model, (data, world),
+                        make_batches(model, data, count=data.num_microbatches * world), False)
+    # Reference: pp=1; every data-parallel replica trains on the same micro-batches.
+    init_parallel()
+    config = make_config(model)
+    chunks = build_chunks(model, config)
+    copy_weights(chunks, initial, model)
+    models = wrap_ddp(chunks, config)
+    _train(models, batches, model, data, schedules.forward_backward_no_pipelining, steps)
+    expected = _trained_state(models, model)
+    # Seq1F1B on pp stages from the same initial weights.
+    init_parallel(1, pp)
+    config = make_config(model, pp=pp)
+    chunks = build_chunks(model, config)
+    copy_weights(chunks, initial, model)
+    s1.enable(chunks)
+    models = wrap_ddp(chunks, config)
+    _train(models, batches, model, data, s1.get_forward_backward_func(k, "balanced"), steps,
+           slicer=s1.slice_batch)
+    problems = []
+    actual = _trained_state(models, model)
+    biases = [name for name in actual if name.endswith("expert_bias")]
+    if not biases:
+        problems.append("no router expert bias on this rank")
+    if any(expected[name].abs().max().item() == 0 for name in biases):
+        problems.append("the reference never updated an expert bias: the test proves nothing")
+    for name, value in actual.items():
+        start = initial["state"].get(name)
+        moved = (expected[name] - start).abs().max().item() if start is not None else 1.0
+        err = (value - expected[name]).abs().max().item()
+        if err > 1e-5 * max(moved, expected[name].abs().max().item() * 1e-3, 1e-12):
+            problems.append(f"{name}: after {steps} steps off by {err:.2e} (moved {moved:.2e})")
+    return problems

@@ -87,3 +87,16 @@ def test_expert_parallel_pp2(ranks, tp, dispatcher):
                         data=DataSpec(num_microbatches=2), tp=tp, pp=2, sp=tp > 1, ep=2,
                         seq1f1b=dict(num_splits=2, partition="balanced"))
     _check(results)
+
+
+def test_three_adam_steps_with_expert_bias_equal_no_pipelining(ranks):
+    """Aux-loss-free balancing: the router's expert bias is updated from token counts after
+    every step; weights and biases after 3 steps equal no-pipelining training."""
+    import pipeline_cases
+
+    model = moe(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+                moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+                moe_router_bias_update_rate=0.01)
+    results = ranks.run(2, pipeline_cases.steps_match_no_pipelining, case="moe-expert-bias",
+                        pp=2, k=3, model=model, data=DataSpec(num_microbatches=2))
+    assert not [p for r in results for p in r], results
