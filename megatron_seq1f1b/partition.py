@@ -20,6 +20,8 @@ Cost model (forward FLOPs of a segment of ``s`` tokens ending at position
 
 with ``h`` hidden size, ``h_q = heads * kv_channels``,
 ``h_kv = query_groups * kv_channels``, ``f`` FFN size, ``V`` vocabulary.
+Mixture-of-experts layers count the router and the experts a token visits
+(``topk`` plus a shared expert; :func:`_mlp_weights`).
 Multi-latent attention replaces the QKV/output terms by its down- and
 up-projections and the pair term by ``2 heads (q_dim + v_dim)``
 (:func:`_attention_shape`).
@@ -74,11 +76,9 @@ class CostModel:
                     dense_attention: bool = False) -> "CostModel":
         """Coefficients from a Megatron ``TransformerConfig`` (whole model)."""
         h = config.hidden_size
-        ffn = config.ffn_hidden_size or 4 * h
-        gated = 2 if config.gated_linear_unit else 1
         attention_weights, pair_flops = _attention_shape(config)
-        per_layer = 2 * attention_weights + 2 * h * ffn * gated + 2 * ffn * h
-        per_token = config.num_layers * per_layer + 2 * h * (vocab_size or 0)
+        per_token = 2 * sum(attention_weights + _mlp_weights(config, moe)
+                            for moe in _moe_layers(config)) + 2 * h * (vocab_size or 0)
         windowed = windowed_layers(config)
         window = config.window_size[0] if windowed else None
         full = config.num_layers - windowed
@@ -160,6 +160,38 @@ def _attention_shape(config) -> tuple[int, int]:
     groups = config.num_query_groups or heads
     h_q, h_kv = heads * kv_channels, groups * kv_channels
     return h * (h_q + 2 * h_kv) + h_q * h, 4 * h_q
+
+
+def _moe_layers(config) -> list[bool]:
+    """Per layer: mixture of experts? (Megatron's ``moe_layer_freq`` rule.)"""
+    layers = config.num_layers
+    if not getattr(config, "num_moe_experts", None):
+        return [False] * layers
+    freq = getattr(config, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(layers)]
+    return [bool(x) for x in freq]
+
+
+def _mlp_weights(config, moe: bool) -> int:
+    """Weights one token goes through in a layer's MLP.
+
+    Dense: ``h f (1 + g) + f h``. Mixture of experts: the router ``h E``, the
+    ``topk`` experts it picks (``moe_ffn_hidden_size`` wide) and the shared
+    expert, if any: what a token costs, not what the layer holds.
+    """
+    h = config.hidden_size
+    gated = 2 if config.gated_linear_unit else 1
+
+    def mlp(width: int) -> int:
+        return h * width * gated + width * h
+
+    if not moe:
+        return mlp(config.ffn_hidden_size or 4 * h)
+    width = getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size or 4 * h
+    shared = getattr(config, "moe_shared_expert_intermediate_size", None) or 0
+    return (h * config.num_moe_experts + config.moe_router_topk * mlp(width)
+            + (mlp(shared) if shared else 0))
 
 
 def windowed_layers(config) -> int:

@@ -119,24 +119,31 @@ def test_balanced_with_sliding_window_equal_costs(k, skip):
 
 
 def _linear_weights_per_layer(spec_fields: dict) -> dict:
-    """Weights of one layer's linear layers in a real model vs CostModel's count (one rank)."""
+    """Mean weights of a layer's linear layers in a real model vs CostModel's count (one rank)."""
     from gpt import ModelSpec, build_chunks, init_parallel, make_config
 
     spec = ModelSpec(**spec_fields)
     init_parallel()
     config = make_config(spec)
     (gpt,) = build_chunks(spec, config)
-    layer = gpt.decoder.layers[0]
-    counted = sum(p.numel() for name, p in layer.named_parameters()
-                  if name.endswith("weight") and p.dim() == 2)
+    counted = sum(p.numel() for layer in gpt.decoder.layers
+                  for name, p in layer.named_parameters()
+                  if name.endswith("weight") and p.dim() == 2) / config.num_layers
     model = CostModel.from_config(config, spec.vocab_size)
     return {"model": counted, "cost_model": (model.per_token - 2 * config.hidden_size
                                              * spec.vocab_size) / config.num_layers / 2}
 
 
+# MoE with every expert active (topk = E): what a token visits is what the layers hold.
+MOE_ALL_ACTIVE = (("num_moe_experts", 2), ("moe_router_topk", 2), ("add_bias_linear", False),
+                  ("moe_layer_freq", 2), ("moe_ffn_hidden_size", 40),
+                  ("moe_shared_expert_intermediate_size", 24))
+
+
 @pytest.mark.parametrize("fields", [dict(num_query_groups=2, gated_linear_unit=True),
-                                    dict(mla=True, normalization="RMSNorm")],
-                         ids=["gqa-swiglu", "mla"])
+                                    dict(mla=True, normalization="RMSNorm"),
+                                    dict(gated_linear_unit=True, extra=MOE_ALL_ACTIVE)],
+                         ids=["gqa-swiglu", "mla", "moe-mixed-shared"])
 def test_cost_model_counts_the_linear_weights_a_layer_has(ranks, fields):
     (result,) = ranks.run(1, _linear_weights_per_layer, case=f"weights-{fields}",
                           spec_fields=fields)
