@@ -48,3 +48,48 @@ def megatron_core_version() -> str:
 
 
 __all__ = ["backward_step", "megatron_core_version"]
+
+
+def moe_loss_tracker() -> dict:
+    """Megatron's per-layer MoE loss tracker as {name: (values, reduce_group, avg_group)}.
+
+    0.19 keeps it in ``moe_logging.get_moe_metrics_tracker()``; earlier
+    versions in a dict from ``moe_utils.get_moe_layer_wise_logging_tracker()``.
+    """
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        return {n: (e["values"], e.get("reduce_group"), e.get("avg_group"))
+                for n, e in get_moe_layer_wise_logging_tracker().items()}
+    return {n: (e.values, e.reduce_group, e.avg_group)
+            for n, e in get_moe_metrics_tracker().metrics.items()}
+
+
+def moe_losses(reset: bool = False) -> dict:
+    """Each tracked MoE loss per layer, reduced as Megatron's report does (summed over its
+    reduce group, averaged over its average group); with ``reset``, the tracker is emptied."""
+    import torch
+
+    out = {}
+    tracker = moe_loss_tracker()
+    for name in sorted(tracker):
+        values, reduce_group, avg_group = tracker[name]
+        values = values.detach().clone()
+        if reduce_group is not None and reduce_group.size() > 1:
+            torch.distributed.all_reduce(values, group=reduce_group)
+        if avg_group is not None and avg_group.size() > 1:
+            torch.distributed.all_reduce(values, group=avg_group)
+            values /= avg_group.size()
+        out[name] = values
+    if reset:
+        try:
+            from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+        except ImportError:
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+            get_moe_layer_wise_logging_tracker().clear()
+        else:
+            destroy_moe_metrics_tracker()
+    return out

@@ -197,7 +197,7 @@ def args_problems(args: Any) -> list[str]:
             "--use-legacy-models: Seq1F1B prepares Megatron-Core GPTModel only; remove the flag"
         )
     if _flag(args, "num_experts"):
-        problems += _moe_flag_problems(args)
+        problems += moe_flag_problems(args)
     if _flag(args, "overlap_moe_expert_parallel_comm", False):
         problems.append(
             "--overlap-moe-expert-parallel-comm (combined 1F1B schedule) is not supported; "
@@ -369,7 +369,7 @@ def wrap_model_provider(model_provider: Callable) -> Callable:
     return provider
 
 
-def _moe_flag_problems(args: Any) -> list[str]:
+def moe_flag_problems(args: Any) -> list[str]:
     """MoE flags whose result depends on how many tokens share a forward (see checks.moe_problems)."""
     problems = []
     if _flag(args, "moe_expert_capacity_factor") is not None:

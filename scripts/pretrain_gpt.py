@@ -23,13 +23,25 @@ from megatron_seq1f1b.trainer.loop import pretrain
 
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
-    """A Megatron-Core GPTModel chunk with the local (Transformer-Engine-free) layer spec."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """A Megatron-Core GPTModel chunk with the local (Transformer-Engine-free) layer spec.
 
+    With --num-experts, Megatron's decoder block spec (MoE layers by --moe-layer-freq).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+
+    spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    if config.num_moe_experts:
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization=args.normalization,
+            vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        transformer_layer_spec=spec,
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

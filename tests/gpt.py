@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from harness import COMM_TIMEOUT_S
+from megatron_seq1f1b import compat
 
 RTOL = 1e-5
 SEED = 1234
@@ -110,41 +111,13 @@ def make_config(spec: ModelSpec, *, tp=1, pp=1, vpp=None, sp=False, **overrides)
 
 
 def moe_losses() -> dict:
-    """Megatron's MoE loss tracker as {name: per-layer tensor}, reduced as its report does
-    (summed over each entry's reduce group, averaged over its average group)."""
-    try:
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-    except ImportError:  # megatron-core < 0.19
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-        entries = {n: (e["values"], e.get("reduce_group"), e.get("avg_group"))
-                   for n, e in get_moe_layer_wise_logging_tracker().items()}
-    else:
-        entries = {n: (e.values, e.reduce_group, e.avg_group)
-                   for n, e in get_moe_metrics_tracker().metrics.items()}
-    out = {}
-    for name in sorted(entries):
-        values, reduce_group, avg_group = entries[name]
-        values = values.detach().clone()
-        if reduce_group is not None and reduce_group.size() > 1:
-            torch.distributed.all_reduce(values, group=reduce_group)
-        if avg_group is not None and avg_group.size() > 1:
-            torch.distributed.all_reduce(values, group=avg_group)
-            values /= avg_group.size()
-        out[name] = values
-    return out
+    """Megatron's MoE losses per layer, reduced as its report does."""
+    return compat.moe_losses()
 
 
 def clear_moe_losses() -> None:
     """Forget every tracked MoE loss (entries are sized by the model that created them)."""
-    try:
-        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-    except ImportError:
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-        get_moe_layer_wise_logging_tracker().clear()
-        return
-    destroy_moe_metrics_tracker()
+    compat.moe_losses(reset=True)
 
 
 def is_moe(spec: ModelSpec) -> bool:

@@ -51,16 +51,25 @@ def test_seq1f1b_and_1f1b_loss_curves_are_equal_pp4(tmp_path):
     assert len(ours["summary"]["peak_gib_per_stage"]) == 4
 
 
-def test_tensor_parallel_sequence_parallel_and_eval(tmp_path):
-    """TP2 + SP through the script's flags, segments without pipelining (pp=1), evaluation.
-    (TP2 + SP with pipelining is compared gradient by gradient in tests/test_pipeline.py.)"""
+def test_tensor_parallel_sequence_parallel_moe_and_eval(tmp_path):
+    """TP2 + SP through the script's flags with Megatron-LM's MoE flags (every 2nd layer MoE,
+    aux loss + z-loss), segments without pipelining (pp=1), evaluation. (TP2 + SP with
+    pipelining and MoE layouts are compared gradient by gradient in tests/test_pipeline.py
+    and tests/test_moe.py.)"""
     common = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-query-groups",
               "2", "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
-              "--position-embedding-type", "rope"]
+              "--position-embedding-type", "rope", "--num-experts", "4", "--moe-layer-freq", "2",
+              "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+              "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear"]
     ours, stdout = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "2")
     theirs, _ = train(tmp_path, "1f1b", 2, *common)
     _same(ours["summary"]["losses"], theirs["summary"]["losses"])
     assert "validation loss at iteration 3" in stdout
+    # Megatron's logged MoE losses, iteration by iteration
+    for a, b in zip(ours["iterations"], theirs["iterations"]):
+        names = ("load_balancing_loss", "z_loss")
+        _same([a["moe_losses"][n] for n in names], [b["moe_losses"][n] for n in names])
+    assert "load_balancing_loss:" in stdout
 
 
 def test_timelines_and_the_side_by_side_summary(tmp_path):

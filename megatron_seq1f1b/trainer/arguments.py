@@ -10,7 +10,7 @@ import argparse
 import importlib.util
 import math
 
-from megatron_seq1f1b.megatron_lm import AUTO, add_arguments
+from megatron_seq1f1b.megatron_lm import AUTO, add_arguments, moe_flag_problems
 from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.partition import split_sequence
 
@@ -51,6 +51,28 @@ def build_parser() -> argparse.ArgumentParser:
                             "1024 tokens before it")
     model.add_argument("--window-attn-skip-freq", type=int, default=None,
                        help="every N-th layer attends to the whole prefix (no window)")
+
+    model.add_argument("--disable-bias-linear", action="store_true",
+                       help="no biases in linear layers (as MoE models train)")
+    moe = p.add_argument_group("mixture of experts (Megatron-LM's flags)")
+    moe.add_argument("--num-experts", type=int, default=None)
+    moe.add_argument("--moe-router-topk", type=int, default=2)
+    moe.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    moe.add_argument("--moe-layer-freq", type=int, default=1,
+                     help="every N-th layer is MoE (the others dense)")
+    moe.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                     choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"])
+    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    moe.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    moe.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
+                     default="softmax")
+    moe.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    moe.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    moe.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
+                     default="allgather")
+    moe.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    moe.add_argument("--expert-model-parallel-size", type=int, default=1)
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--micro-batch-size", type=int, default=1)
@@ -125,6 +147,12 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         problems.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
                         f"{tp} x --pipeline-model-parallel-size {pp}")
     args.data_parallel_size = max(world_size // (tp * pp), 1)
+    ep = args.expert_model_parallel_size
+    if ep > 1 and (not args.num_experts or args.data_parallel_size * tp % ep
+                   or args.num_experts % ep):
+        problems.append(f"--expert-model-parallel-size {ep} needs --num-experts divisible by "
+                        f"it, and to divide data-parallel x tensor-parallel size "
+                        f"{args.data_parallel_size * tp}")
     if args.num_layers % pp:
         problems.append(f"--num-layers {args.num_layers} must divide by "
                         f"--pipeline-model-parallel-size {pp}")
@@ -198,6 +226,8 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
             split_sequence(args.seq_length, args.seq1f1b_splits, multiple_of=multiple)
         except ValueError as exc:
             problems.append(f"--seq-length / --seq1f1b-splits: {exc}")
+    if args.seq1f1b and args.num_experts:
+        problems += moe_flag_problems(args)
     if problems:
         raise SystemExit("pretrain_gpt.py: invalid arguments:\n" +
                          "\n".join(f"  - {p}" for p in problems))

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_seq1f1b import compat
 from megatron_seq1f1b.memory import PeakMemory
 from megatron_seq1f1b.megatron_lm import AUTO
 from megatron_seq1f1b.trainer import arguments, auto_plan, checkpoint, data, setup
@@ -64,6 +65,22 @@ def _write_timeline(args, recorder, title: str) -> dict:
             png = None
         stats.update(png=png, trace=trace)
     return stats
+
+
+def _moe_losses(args) -> dict:
+    """Each MoE loss of the iteration: mean over MoE layers of its per-micro-batch value
+    (stages hold different layers: summed over the pipeline first). Resets the tracker."""
+    from megatron.core import parallel_state
+
+    mine = {name: values.cpu() for name, values in compat.moe_losses(reset=True).items()}
+    stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, mine, group=parallel_state.get_pipeline_model_parallel_group())
+    losses = {}
+    for name in sorted({name for stage in stages for name in stage}):
+        values = sum(stage[name] for stage in stages if name in stage)
+        layers = max(int((values != 0).sum()), 1)
+        losses[name] = values.sum().item() / layers / args.num_microbatches
+    return losses
 
 
 def _reduce_losses(store: list, device) -> tuple[float, float]:
@@ -213,6 +230,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
             "ms_per_iter": elapsed * 1e3, "tokens_per_s": tokens_per_iter / elapsed,
             "peak_gib_per_stage": peaks,
         }
+        if args.num_experts:
+            record["moe_losses"] = _moe_losses(args)
         records.append(record)
         if recorder is not None:
             timeline = _write_timeline(args, recorder, schedule)
@@ -223,6 +242,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
                 f"elapsed time per iteration (ms): {elapsed * 1e3:.1f} | tokens/s: "
                 f"{tokens_per_iter / elapsed:.0f} | peak mem per stage (GiB): "
                 + " ".join(f"{p:.3f}" for p in peaks)
+                + "".join(f" | {name}: {value:.6E}"
+                          for name, value in record.get("moe_losses", {}).items())
             )
         if args.eval_interval and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, forward_backward, model, valid_ds, device, iteration)

@@ -38,6 +38,7 @@ def init_distributed(args) -> torch.device:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=timeout.total_seconds() / 60,
         create_gloo_process_groups=False,
     )
@@ -72,6 +73,8 @@ def transformer_config(args):
         attention_dropout=args.attention_dropout,
         window_size=args.window_size,
         window_attn_skip_freq=args.window_attn_skip_freq,
+        add_bias_linear=not args.disable_bias_linear,
+        **_moe_fields(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -99,6 +102,27 @@ def transformer_config(args):
         # On gloo, Megatron's overlapped sends can still read an output when it is
         # pseudo-freed; keep outputs there (no effect on results).
         deallocate_pipeline_outputs=not (interleaved and not torch.cuda.is_available()),
+    )
+
+
+def _moe_fields(args) -> dict:
+    """TransformerConfig fields of the MoE flags (none for a dense model)."""
+    if not args.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        moe_grouped_gemm=False,
     )
 
 
