@@ -65,7 +65,7 @@ def test_benchmark_reports_every_schedule(tmp_path):
 
 def test_benchmark_zero_bubble_rows(tmp_path):
     """Opt-in zero-bubble rows run beside Megatron 1F1B and Seq1F1B, compared with Seq1F1B
-    (on a sliding-window model: every schedule's loss must agree with Megatron's)."""
+    (on a sliding-window MoE model: every schedule's loss must agree with Megatron's)."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "zb"
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
@@ -77,11 +77,12 @@ def test_benchmark_zero_bubble_rows(tmp_path):
            "--vocab-size", "64", "--iters", "2", "--warmup", "1", "--timeline-runs", "1",
            "--calib-reps", "1", "--calib-mode", "isolated", "--predict-pp", "4",
            "--predict-microbatches", "4", "--schedules", "1f1b", "seq1f1b-balanced",
-           "seq1f1b-zb-h1", "seq1f1b-zb-h2", "--window-size", "10", "--out", str(out)]
+           "seq1f1b-zb-h1", "seq1f1b-zb-h2", "--window-size", "10", "--num-experts", "4",
+           "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
-    assert "sliding window 10" in (out / "results.md").read_text()
+    assert "sliding window 10, MoE 4 experts" in (out / "results.md").read_text()
     rows = {row["key"]: row for row in result["schedules"]}
     for key in ("seq1f1b-zb-h1", "seq1f1b-zb-h2"):
         versus = rows[key]["vs_seq1f1b"]

@@ -100,3 +100,13 @@ def test_three_adam_steps_with_expert_bias_equal_no_pipelining(ranks):
     results = ranks.run(2, pipeline_cases.steps_match_no_pipelining, case="moe-expert-bias",
                         pp=2, k=3, model=model, data=DataSpec(num_microbatches=2))
     assert not [p for r in results for p in r], results
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+def test_zero_bubble_moe(ranks, schedule):
+    """Deferred weight gradients of the experts' (and shared experts') linear layers."""
+    model = moe(moe_shared_expert_intermediate_size=48, moe_z_loss_coeff=0.01)
+    results = ranks.run(2, run_layout, case=f"moe-{schedule}", model=model,
+                        data=DataSpec(num_microbatches=3), pp=2,
+                        seq1f1b=dict(num_splits=3, partition="balanced", schedule=schedule))
+    _check(results)

@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(all schedules)")
     p.add_argument("--window-attn-skip-freq", type=int, default=None, metavar="N",
                    help="with --window-size: every N-th layer attends to the whole prefix")
+    p.add_argument("--num-experts", type=int, default=None, metavar="E",
+                   help="mixture of experts: E experts per layer (all schedules; no biases in "
+                        "linear layers, all-to-all dispatcher)")
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=0.01)
     p.add_argument("--bf16", action="store_true", help="GPU only")
     p.add_argument("--iters", type=int, default=6, help="measured runs per schedule")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured runs per schedule first")

@@ -59,6 +59,10 @@ def trainer_argv(args: argparse.Namespace, interleaved: bool) -> list[str]:
         argv.append("--bf16")
     if args.window_size is not None:
         argv += ["--window-size", f"({args.window_size}, 0)"]
+    if args.num_experts:
+        argv += ["--num-experts", str(args.num_experts), "--moe-router-topk",
+                 str(args.moe_router_topk), "--moe-aux-loss-coeff", str(args.moe_aux_loss_coeff),
+                 "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear"]
     if args.window_attn_skip_freq is not None:
         argv += ["--window-attn-skip-freq", str(args.window_attn_skip_freq)]
     if interleaved:

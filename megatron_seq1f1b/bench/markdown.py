@@ -23,6 +23,8 @@ def _header(args: argparse.Namespace, meta: dict) -> list[str]:
            else "")
         + (f" (every {args.window_attn_skip_freq}th layer full)"
            if getattr(args, "window_attn_skip_freq", None) else "")
+        + (f", MoE {args.num_experts} experts top-{args.moe_router_topk} (aux loss "
+           f"{args.moe_aux_loss_coeff})" if getattr(args, "num_experts", None) else "")
         + f"; sequence {args.seq_length}, micro-batch size "
         f"{args.micro_batch_size}, tp {args.tp}, dp {meta['dp']}. {meta['device']}, "
         f"{meta['world_size']} ranks, {meta['cpu_count']} CPU cores, "
