@@ -113,6 +113,12 @@ def moe_problems(config) -> list[str]:
             "fills each expert's capacity per forward, so a segment would drop other tokens "
             "than the full sequence; use dropless MoE (moe_expert_capacity_factor=None)"
         )
+    if get("moe_expert_rank_capacity_factor") is not None or get("moe_paged_stash"):
+        problems.append(
+            "per-rank expert capacity (moe_expert_rank_capacity_factor, moe_paged_stash) caps "
+            "tokens per forward, so segments would overflow differently than the full "
+            "sequence; disable it"
+        )
     if get("moe_z_loss_coeff") and get("calculate_per_token_loss"):
         problems.append(
             "the MoE z-loss (moe_z_loss_coeff) with calculate_per_token_loss would be reported "

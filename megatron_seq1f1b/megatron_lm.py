@@ -383,6 +383,12 @@ def moe_flag_problems(args: Any) -> list[str]:
             "--moe-z-loss-coeff with --calculate-per-token-loss: the z-loss would be reported "
             "per segment; drop one of them"
         )
+    if _flag(args, "moe_expert_rank_capacity_factor") is not None:
+        problems.append(
+            "--moe-expert-rank-capacity-factor: Megatron-LM wraps the schedule in "
+            "PagedStashRunner, which caps tokens per expert rank per forward (a segment would "
+            "overflow differently than the full sequence); remove it"
+        )
     coeff = _flag(args, "moe_aux_loss_coeff", 0) or 0
     coeffs = coeff if isinstance(coeff, (list, tuple)) else [coeff]
     losses = bool(_flag(args, "moe_z_loss_coeff")) or any(float(c) > 0 for c in coeffs)
