@@ -223,4 +223,7 @@ def install_forward(module, make_forward) -> bool:
 
 
 def is_te_attention(module) -> bool:
-    return any(cls.__name__ == "TEDotProductAttention" for cls in type(module).__mro__)
+    """TE's attention, or a core attention that declares TE's contract (``bottom_right_causal``:
+    takes ``attn_mask_type=causal_bottom_right`` and a K/V prefix)."""
+    return getattr(type(module), "bottom_right_causal", False) or any(
+        cls.__name__ == "TEDotProductAttention" for cls in type(module).__mro__)

@@ -119,11 +119,6 @@ def moe_problems(config) -> list[str]:
             "tokens per forward, so segments would overflow differently than the full "
             "sequence; disable it"
         )
-    if get("moe_z_loss_coeff") and get("calculate_per_token_loss"):
-        problems.append(
-            "the MoE z-loss (moe_z_loss_coeff) with calculate_per_token_loss would be reported "
-            "per segment, not per micro-batch; disable one of them"
-        )
     losses = bool(get("moe_z_loss_coeff")) or any(
         float(c) > 0 for c in (get("moe_aux_loss_coeff", 0) if isinstance(
             get("moe_aux_loss_coeff", 0), (list, tuple)) else [get("moe_aux_loss_coeff", 0) or 0]))

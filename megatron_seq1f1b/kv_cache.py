@@ -32,6 +32,8 @@ segment's graph: :class:`KVAppend` delivers gradients through the entry.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -126,12 +128,20 @@ class KVAppend(torch.autograd.Function):
         if write:
             entry.keys.data[info.start : info.end].copy_(key)
             entry.values.data[info.start : info.end].copy_(value)
-        ctx.store, ctx.entry, ctx.info, ctx.first_row = store, entry, info, first_row
+        # Weak: a graph that outlives the iteration (Megatron's MoE dispatcher keeps the last
+        # forward's tensors) must not keep the cache objects alive.
+        ctx.store, ctx.entry = weakref.ref(store), weakref.ref(entry)
+        ctx.info, ctx.first_row = info, first_row
         return entry.keys[first_row : info.end], entry.values[first_row : info.end]
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
-        entry, info, first_row = ctx.entry, ctx.info, ctx.first_row
+        entry, store, info, first_row = ctx.entry(), ctx.store(), ctx.info, ctx.first_row
+        if entry is None or store is None:
+            raise RuntimeError(
+                f"Seq1F1B: backward of micro-batch {info.microbatch}, segment {info.index} "
+                "after its iteration ended (its key/value cache is gone)"
+            )
         own = info.start - first_row
         if grad_keys is None:
             grad_keys = torch.zeros_like(entry.keys[first_row : info.end])
@@ -141,6 +151,5 @@ class KVAppend(torch.autograd.Function):
         if own > 0:
             entry.accumulate(first_row, grad_keys[:own], grad_values[:own], info.lengths)
         if info.index == 0:
-            ctx.store.release_entry(entry)
-        ctx.store = ctx.entry = None
+            store.release_entry(entry)
         return own_k, own_v, None, None, None, None, None

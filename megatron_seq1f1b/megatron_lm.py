@@ -378,11 +378,6 @@ def moe_flag_problems(args: Any) -> list[str]:
             "dropping fills each expert's capacity per forward, so a segment would drop other "
             "tokens than the full sequence; remove it (dropless MoE)"
         )
-    if _flag(args, "moe_z_loss_coeff") and _flag(args, "calculate_per_token_loss", False):
-        problems.append(
-            "--moe-z-loss-coeff with --calculate-per-token-loss: the z-loss would be reported "
-            "per segment; drop one of them"
-        )
     if _flag(args, "moe_expert_rank_capacity_factor") is not None:
         problems.append(
             "--moe-expert-rank-capacity-factor: Megatron-LM wraps the schedule in "

@@ -34,6 +34,7 @@ hands it the segment-exact value (per-instance wrappers installed by
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -197,6 +198,13 @@ def _global_share(run, router, info, ledger, stash, share, scores):
 
 
 def _z_loss_wrapper(router, original):
+    """The z-loss is a mean over the forward's tokens: a segment's share is its token fraction.
+
+    Without per-token loss both the value and the gradient scale by the fraction
+    (``z_loss_func`` is scaled for the call). With per-token loss Megatron
+    multiplies the z-loss by the forward's token count, which makes the gradient
+    per token and already exact: only the logged mean is scaled.
+    """
     from megatron.core.transformer.moe import router as router_module
 
     def apply_z_loss(logits, *args, **kwargs):
@@ -204,18 +212,40 @@ def _z_loss_wrapper(router, original):
         if current is None or router.config.moe_z_loss_coeff is None:
             return original(logits, *args, **kwargs)
         fraction = current.info.length / sum(current.info.lengths)
-        unscaled = router_module.z_loss_func
-
-        def scaled(*a, **k):
-            return unscaled(*a, **k) * fraction
-
-        router_module.z_loss_func = scaled  # only for this call: the mean is over the segment
-        try:
+        with _scaled_z_loss(router_module, fraction, router.config.calculate_per_token_loss):
             return original(logits, *args, **kwargs)
-        finally:
-            router_module.z_loss_func = unscaled
 
     return apply_z_loss
+
+
+@contextlib.contextmanager
+def _scaled_z_loss(router_module, fraction: float, per_token: bool):
+    """For one call of ``apply_z_loss``: scale the loss, or (per-token loss) its log entry."""
+    if not per_token:
+        name, unscaled = "z_loss_func", router_module.z_loss_func
+
+        def replacement(*a, **k):
+            return unscaled(*a, **k) * fraction
+    elif hasattr(router_module, "get_moe_metrics_tracker"):  # megatron-core 0.19
+        name, unscaled = "get_moe_metrics_tracker", router_module.get_moe_metrics_tracker
+
+        class _Scaled:
+            def record(self, metric, value, *a, **k):
+                return unscaled().record(metric, value * fraction, *a, **k)
+
+        def replacement():
+            return _Scaled()
+    else:
+        name, unscaled = "save_to_aux_losses_tracker", router_module.save_to_aux_losses_tracker
+
+        def replacement(metric, value, *a, **k):
+            return unscaled(metric, value * fraction, *a, **k)
+
+    setattr(router_module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(router_module, name, unscaled)
 
 
 def install(router) -> bool:

@@ -41,8 +41,12 @@ def _same(a, b, rtol=1e-5):
         assert abs(x - y) <= rtol * abs(y), (a, b)
 
 
-def test_seq1f1b_and_1f1b_loss_curves_are_equal_pp4(tmp_path):
-    common = ["--pipeline-model-parallel-size", "4", "--train-iters", "5"]
+def test_seq1f1b_and_1f1b_loss_curves_are_equal_pp4_mla(tmp_path):
+    """Megatron-LM's MLA flags (YaRN; the trainer's torch core attention for MLA)."""
+    common = ["--pipeline-model-parallel-size", "4", "--train-iters", "5",
+              "--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+              "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--rope-type", "yarn",
+              "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
     ours, stdout = train(tmp_path, "seq", 4, *common, "--seq1f1b", "--seq1f1b-splits", "4")
     theirs, _ = train(tmp_path, "1f1b", 4, *common)
     _same(ours["summary"]["losses"], theirs["summary"]["losses"])

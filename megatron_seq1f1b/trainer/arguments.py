@@ -54,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     model.add_argument("--disable-bias-linear", action="store_true",
                        help="no biases in linear layers (as MoE models train)")
+    mla = p.add_argument_group("multi-latent attention (Megatron-LM's flags)")
+    mla.add_argument("--multi-latent-attention", action="store_true",
+                     help="MLA; its core attention is megatron_seq1f1b.trainer.mla_attention "
+                          "(separate K/V widths, plain torch)")
+    mla.add_argument("--q-lora-rank", type=int, default=None)
+    mla.add_argument("--kv-lora-rank", type=int, default=32)
+    mla.add_argument("--qk-head-dim", type=int, default=128)
+    mla.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
+    mla.add_argument("--v-head-dim", type=int, default=128)
+    mla.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                     help="MLA's rotary embedding (Megatron's default for MLA: yarn)")
+    mla.add_argument("--rotary-scaling-factor", type=float, default=1.0)
     moe = p.add_argument_group("mixture of experts (Megatron-LM's flags)")
     moe.add_argument("--num-experts", type=int, default=None)
     moe.add_argument("--moe-router-topk", type=int, default=2)

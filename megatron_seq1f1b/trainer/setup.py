@@ -57,10 +57,20 @@ def shutdown() -> None:
 
 def transformer_config(args):
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     interleaved = args.virtual_pipeline_model_parallel_size is not None
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if args.multi_latent_attention:
+        config_class = MLATransformerConfig
+        mla = dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+                   qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+                   v_head_dim=args.v_head_dim, rope_type=args.rope_type or "yarn",
+                   rotary_scaling_factor=args.rotary_scaling_factor,
+                   original_max_position_embeddings=args.max_position_embeddings)
+    return config_class(
+        **mla,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
