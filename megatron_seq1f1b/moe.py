@@ -55,7 +55,6 @@ class Ledger:
     counts: torch.Tensor | None = None  # f(<=j), reduced like Megatron's
     scores: torch.Tensor | None = None  # P(<=j), this rank's tokens, no gradient
     forwarded: set = field(default_factory=set)
-    weights: torch.Tensor | None = None  # what the gradient multiplies (global: an average)
 
     def add(self, index: int, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Record segment `index`; returns its share of ``P . f`` (the bilinear pairs)."""
@@ -115,7 +114,7 @@ def _apply_wrapper(router, name, original):
         current = _segment()
         if current is None or router.get_aux_loss_coeff(kind) == 0:
             return original(probs, scores_for_aux_loss, routing_map, *args, **kwargs)
-        if kwargs.get("with_padding_mask") or (args and args[-1] is True):
+        if kwargs.get("with_padding_mask"):
             raise ValueError("Seq1F1B: MoE load-balancing losses with a padding mask are not "
                              "supported; train on unpadded sequences")
         stash = {"kind": kind, "scores": scores_for_aux_loss, "routing_map": routing_map,
@@ -186,7 +185,8 @@ def _global_share(run, router, info, ledger, stash, share, scores):
     earlier = [_ledgers(run)[key] for key in mine if key[0] < info.microbatch]
     if len(earlier) != info.microbatch:
         raise RuntimeError("Seq1F1B: global_aux_loss needs micro-batches forwarded in order")
-    before = start["sum"] + sum((e.complete_counts() for e in earlier), torch.zeros_like(start["sum"]))
+    before = start["sum"] + sum((e.complete_counts() for e in earlier),
+                                torch.zeros_like(start["sum"]))
     steps = start["steps"] + info.microbatch + 1
     # P . (before + F) / steps: F's part is the segment's bilinear share
     value = (before @ scores.sum(dim=0).detach().float() + share) / steps
