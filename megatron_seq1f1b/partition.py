@@ -126,7 +126,8 @@ class CostModel:
         if self.per_window_pair:
             return _length_by_bisection(self.segment)(share, end)
         if self.dense_attention or c == 0:
-            return share / (a + c * end)  # a s + c s end = share
+            per_token_here = a + c * end  # a s + c s end = share
+            return share / per_token_here if per_token_here > 0 else end
         # a s + c (s end - s^2/2 + s/2) = share -> (c/2) s^2 - (a + c end + c/2) s + share = 0
         b = a + c * end + c / 2
         return (b - math.sqrt(max(b * b - 2 * c * share, 0.0))) / c

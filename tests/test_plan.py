@@ -303,6 +303,17 @@ def test_measured_partition_of_a_flop_model_is_the_balanced_one():
             split_sequence(32768, k, "balanced", config=CONFIG, vocab_size=VOCAB, multiple_of=8)
 
 
+@pytest.mark.parametrize("dense", [True, False])
+def test_measured_partition_of_attention_only_costs(dense):
+    """A noisy fit can leave no per-token cost; the split must still come out (CI once
+    divided by zero here, with the rectangle quadratic, once a segment reached position 0)."""
+    model = CostModel(0.0, 1.0, dense_attention=dense)
+    for k in (2, 3, 4, 8):
+        lengths = split_sequence(512, k, "measured", cost=model, multiple_of=8)
+        assert sum(lengths) == 512 and all(n > 0 for n in lengths)
+        assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+
+
 def test_measured_partition_errors():
     message = r"partition 'measured' needs calibrated costs \(cost=\.\.\.\)"
     with pytest.raises(ValueError, match=message):
