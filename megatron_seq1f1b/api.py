@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 from megatron_seq1f1b.checks import raise_if
 from megatron_seq1f1b.partition import METHODS
 from megatron_seq1f1b.schedule import SCHEDULES
+from megatron_seq1f1b.zero_bubble import segment_cost_problems
 
 # Modules that hold a reference to Megatron's getter under this name.
 _GETTER_HOLDERS = (
@@ -28,6 +29,7 @@ def get_forward_backward_func(
     split_lengths: Sequence[int] | None = None,
     recorder=None,
     schedule: str = "1f1b",
+    segment_costs: Sequence[Sequence[float]] | None = None,
 ) -> Callable:
     """A function with Megatron-Core's forward-backward signature that runs Seq1F1B.
 
@@ -36,9 +38,11 @@ def get_forward_backward_func(
     given. Several model chunks select the interleaved schedule. ``schedule``:
     ``"1f1b"`` (Seq1F1B), or ``"zb-h1"`` / ``"zb-h2"`` to run weight gradients
     as separate ``W`` actions in the bubbles (:mod:`megatron_seq1f1b.zero_bubble`).
-    ``recorder``
-    (a :class:`~megatron_seq1f1b.trace.TimelineRecorder`) collects per-action
-    timings.
+    ``segment_costs``: per segment (F, B, W), relative, that place a
+    zero-bubble schedule's W and receives (``choose_plan(...).plan.segment_costs``,
+    so what runs is what the planner simulated); default: the model's FLOPs.
+    ``recorder`` (a :class:`~megatron_seq1f1b.trace.TimelineRecorder`) collects
+    per-action timings.
     """
     problems = []
     if not isinstance(num_splits, int) or num_splits < 1:
@@ -53,8 +57,12 @@ def get_forward_backward_func(
                         "split_sequence(..., 'measured', cost=calibration))")
     if split_lengths is not None and isinstance(num_splits, int) and len(split_lengths) != num_splits:
         problems.append(f"split_lengths has {len(split_lengths)} entries, num_splits is {num_splits}")
+    if segment_costs is not None and isinstance(num_splits, int):
+        problems += segment_cost_problems(segment_costs, num_splits)
     raise_if(problems)
     lengths = tuple(split_lengths) if split_lengths is not None else None
+    costs = (tuple(tuple(float(x) for x in row) for row in segment_costs)
+             if segment_costs is not None else None)
 
     def forward_backward_func(
         *,
@@ -83,7 +91,7 @@ def get_forward_backward_func(
             first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
             p2p_communicator=p2p_communicator, pg_collection=pg_collection,
             force_all_reduce=force_all_reduce, num_splits=num_splits, partition=partition,
-            split_lengths=lengths, recorder=recorder, schedule=schedule,
+            split_lengths=lengths, recorder=recorder, schedule=schedule, segment_costs=costs,
         )
 
     forward_backward_func.num_splits = num_splits

@@ -42,7 +42,7 @@ from megatron_seq1f1b.p2p import InFlight, Peers, PipelineCommError, exchange
 from megatron_seq1f1b.partition import METHODS, CostModel, split_sequence
 from megatron_seq1f1b.replay import replay
 from megatron_seq1f1b.validate import check_link_order
-from megatron_seq1f1b.zero_bubble import segment_cost_fn
+from megatron_seq1f1b.zero_bubble import segment_cost_fn, segment_cost_problems
 from megatron_seq1f1b.schedule import SCHEDULES, Action, build_schedule, splits_backward
 from megatron_seq1f1b.segments import SegmentData, SegmentRun
 
@@ -439,6 +439,7 @@ def forward_backward(
     split_lengths=None,
     recorder=None,
     schedule: str = "1f1b",
+    segment_costs=None,
 ) -> list:
     """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options)."""
     from megatron.core.pipeline_parallel.schedules import (
@@ -460,6 +461,8 @@ def forward_backward(
         raise_if([f"unknown partition {partition!r}; choose one of {METHODS}"])
     if schedule not in SCHEDULES:
         raise_if([f"unknown schedule {schedule!r}; choose one of {SCHEDULES}"])
+    if segment_costs is not None:
+        raise_if(segment_cost_problems(segment_costs, num_splits))
     try:
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
@@ -487,7 +490,10 @@ def forward_backward(
 
     costs = None
     if schedule != "1f1b" and not forward_only:
-        costs = zero_bubble_costs(lengths, chunks, config, vocab_size)
+        # the planner's measured costs place W as it predicted; else this model's FLOPs
+        costs = (tuple(tuple(float(x) for x in row) for row in segment_costs)
+                 if segment_costs is not None
+                 else zero_bubble_costs(lengths, chunks, config, vocab_size))
     if pp_size > 1:
         _agree_across_stages(pg_collection.pp, num_microbatches, lengths, len(chunks),
                              forward_only, schedule, costs)

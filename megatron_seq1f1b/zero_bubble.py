@@ -65,6 +65,24 @@ def unit_cost(action: Action, rank: int) -> float:
 SegmentCosts = Sequence[tuple[float, float, float]]  # per segment: (F, B, W)
 
 
+def segment_cost_problems(costs: SegmentCosts, num_splits: int) -> list[str]:
+    """Given per-segment costs that cannot place W: wrong count, or not positive numbers."""
+    try:
+        rows = [tuple(float(x) for x in row) for row in costs]
+    except (TypeError, ValueError):
+        return [f"segment_costs must be one (F, B, W) triple of numbers per segment, got "
+                f"{costs!r}"]
+    problems = []
+    if len(rows) != num_splits:
+        problems.append(f"segment_costs has {len(rows)} entries but num_splits is {num_splits}")
+    bad = [j for j, row in enumerate(rows)
+           if len(row) != 3 or not all(0 < x < float("inf") for x in row)]
+    if bad:
+        problems.append(f"segment_costs of segments {bad} are not three positive finite numbers "
+                        "(F, B, W)")
+    return problems
+
+
 def segment_cost_fn(costs: SegmentCosts) -> CostFn:
     """cost(action, rank) from per-segment (F, B, W) costs, the same on every rank."""
     index = {FORWARD: 0, "B": 1, WEIGHT: 2}

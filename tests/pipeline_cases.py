@@ -292,6 +292,28 @@ def zero_bubble_defers(pp: int, k: int, drop_weight_grads: bool, model: ModelSpe
     return dict(result, weight_gemms=counts)
 
 
+def zero_bubble_with_costs(pp: int, k: int, costs, model: ModelSpec, data: DataSpec) -> dict:
+    """A zero-bubble run given the planner's per-segment costs: the results, and the costs
+    that placed the steps this rank ran."""
+    from megatron_seq1f1b import executor
+    from gpt import run_layout
+
+    original, used = executor.rank_steps, []
+
+    def recording(*args):
+        used.append(args[-1])  # costs
+        return original(*args)
+
+    executor.rank_steps = recording
+    try:
+        result = run_layout(model=model, data=data, pp=pp,
+                            seq1f1b=dict(num_splits=k, partition="uniform", schedule="zb-h1",
+                                         segment_costs=costs))
+    finally:
+        executor.rank_steps = original
+    return dict(result, costs_used=used)
+
+
 def fault_in_user_code(stage: int, action: str, where: str, model: ModelSpec,
                        timeout_s: float) -> dict:
     """pp=4: the user's code raises on one stage in one action; every rank's error, timed.

@@ -203,6 +203,36 @@ def test_interleaved_zero_bubble_equals_no_pipelining(ranks, vpp, k):
     _check(results)
 
 
+# W twice as costly on the first segment as FLOPs say: its W moves to another slot
+GIVEN_COSTS = ((1.3, 1.1, 2.4), (1.0, 1.2, 0.4), (0.7, 1.5, 0.3))
+
+
+def test_given_segment_costs_place_w_and_stay_exact(ranks):
+    """The planner's segment costs (not the FLOP model's) place W: the steps that run are
+    the ones it simulated, and the gradients stay exact."""
+    from megatron_seq1f1b.executor import pipeline_steps
+
+    assert pipeline_steps(2, 3, 3, 1, False, "zb-h1", GIVEN_COSTS) != \
+        pipeline_steps(2, 3, 3, 1, False, "zb-h1", ((1.0, 1.0, 1.0),) * 3)  # costs matter
+    results = ranks.run(2, cases.zero_bubble_with_costs, case="zb-given-costs", pp=2, k=3,
+                        costs=GIVEN_COSTS, model=ROPE, data=DataSpec(num_microbatches=3))
+    _check(results)
+    assert all(r["costs_used"] == [GIVEN_COSTS] for r in results), results
+
+
+@pytest.mark.parametrize("costs,match", [
+    (((1.0, 1.0, 1.0),), "1 entries but num_splits is 2"),
+    (((1.0, 1.0, 1.0), (1.0, 0.0, 1.0)), r"segments \[1\] are not three positive"),
+    (((1.0, 1.0), (1.0, 1.0, 1.0)), r"segments \[0\]"),
+    ("fast", "one \\(F, B, W\\) triple"),
+])
+def test_bad_segment_costs_are_refused(costs, match):
+    import megatron_seq1f1b as s1
+
+    with pytest.raises(s1.ConfigError, match=match):
+        s1.get_forward_backward_func(2, schedule="zb-h1", segment_costs=costs)
+
+
 def test_weight_gradients_really_wait_for_w(ranks):
     """Each W runs the unit's linear weight GEMMs; a W that drops them breaks the gradients."""
     spec = ModelSpec()

@@ -53,6 +53,7 @@ class BenchSchedule:
     prediction: dict | None = None
     recompute: bool = False  # full activation recompute (Megatron's, one layer at a time)
     schedule: str = "1f1b"  # Seq1F1B's variant: "1f1b", or zero bubble "zb-h1" / "zb-h2"
+    segment_costs: tuple | None = None  # W placement (the auto plan's); None: the FLOP model
 
     @contextlib.contextmanager
     def options(self) -> Iterator[None]:
@@ -136,8 +137,10 @@ def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout], vocab_s
                 label = f"{name} k={k}" + (f" {partition}" if k > 1 else "") + v
                 label += f" {variant.upper()}" if variant != "1f1b" else ""
             sched = BenchSchedule(key, label, layout, False, k, partition, lengths,
-                                  schedule=variant)
+                                  schedule=variant,
+                                  segment_costs=plan.segment_costs if key == AUTO_KEY else None)
             sched.fb = s1.get_forward_backward_func(k, partition, split_lengths=lengths,
-                                                    schedule=variant)
+                                                    schedule=variant,
+                                                    segment_costs=sched.segment_costs)
         made.append(sched)
     return made

@@ -33,7 +33,8 @@ def record_timeline(sched: BenchSchedule, batches: list, args: argparse.Namespac
                      on_start=lambda: recorder.begin(dist.get_rank()))
     else:
         fb = s1.get_forward_backward_func(sched.k, sched.partition, split_lengths=sched.lengths,
-                                          recorder=recorder, schedule=sched.schedule)
+                                          recorder=recorder, schedule=sched.schedule,
+                                          segment_costs=sched.segment_costs)
         run_once(sched, batches, args, forward_step, memory, fb=fb)
     return recorder.gather(-1, group=group)
 

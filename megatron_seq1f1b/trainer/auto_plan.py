@@ -71,5 +71,6 @@ def choose(args, model: list, forward_step_func: Callable, train_ds):
     plan = choice.plan
     args.seq1f1b_splits, args.seq1f1b_partition = plan.num_splits, plan.partition
     args.seq1f1b_schedule, args.seq1f1b_split_lengths = plan.schedule, list(plan.lengths)
+    args.seq1f1b_segment_costs = plan.segment_costs  # W placed as the planner simulated it
     dist.barrier()
     return choice
