@@ -12,14 +12,14 @@ segments with the same :func:`time_segments`.
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-# One row [length, end, forward_s, backward_s] per segment.
+# One row [length, end, forward_s, backward_s(, weight_s)] per segment.
 Rows = list[list[float]]
 
 
@@ -28,17 +28,66 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def time_segments(chunk, chunk_index: int, lengths: Sequence[int], batch: dict,
+class HeldActivations:
+    """Bytes that one micro-batch's forwards leave alive for its backwards, on one chunk.
+
+    CUDA: the caching allocator's growth over the forwards (real allocations).
+    CPU: the resident set cannot tell (glibc reuses freed pages without
+    returning them), so the storages autograd saved plus the outputs, each
+    storage once, parameters excluded. Either way an estimate for planning:
+    what a stage holds per token, times the tokens a schedule keeps in flight.
+    """
+
+    def __init__(self, chunk):
+        self.on_gpu = torch.cuda.is_available()
+        self.parameters = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+        self.bytes: int | None = None
+        self._storages: dict[int, int] = {}
+        self._before = 0
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.parameters:
+            self._storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @contextlib.contextmanager
+    def forwards(self, outputs: list):
+        """Around the forwards; ``outputs`` (filled inside) are held too."""
+        if self.on_gpu:
+            torch.cuda.synchronize()
+            self._before = torch.cuda.memory_allocated()
+            yield
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.memory_allocated() - self._before
+            return
+        self._storages = {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+            yield
+        for output in outputs:
+            self._pack(output)
+        self.bytes = sum(self._storages.values())
+        self._storages = {}
+
+
+def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterator | None,
                   forward_step: Callable, config, micro_batch_size: int, pre: bool,
-                  post: bool) -> Rows:
+                  post: bool, split_weights: bool = False,
+                  held: HeldActivations | None = None) -> Rows:
     """Forward segments 0..k-1 then backward k-1..0 of one micro-batch on one chunk.
 
-    Inputs of non-first chunks are random activations of the segment's shape;
+    ``data``: what ``forward_step`` reads its micro-batch from (one element,
+    repeated). Inputs of non-first chunks are random activations of the segment's shape;
     outputs of non-last chunks get random gradients; the last chunk's loss is
-    the first value its ``loss_func`` returns.
+    the first value its ``loss_func`` returns. ``split_weights``: the linear
+    layers defer their weight gradients (:mod:`megatron_seq1f1b.wgrad`, as a
+    zero-bubble schedule runs them) and each row gets a fifth column, the
+    weight-gradient part W, timed apart (the backward column stays B + W).
+    ``held`` measures the bytes the forwards leave for the backwards.
     """
     from megatron.core.utils import get_attr_wrapped_model
 
+    from megatron_seq1f1b import wgrad
     from megatron_seq1f1b.segments import SegmentRun
 
     run = SegmentRun(list(lengths), config=config)
@@ -47,49 +96,76 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], batch: dict,
         else torch.device("cpu")
     shape = (micro_batch_size, config.hidden_size)
     dtype = config.pipeline_dtype or torch.float32
-    data = itertools.repeat(batch)
     set_input = get_attr_wrapped_model(chunk, "set_input_tensor")
+    store = wgrad.WeightGradStore([chunk]) if split_weights else None
     outputs, grads, rows = [], [], []
     end = 0
-    for j, length in enumerate(lengths):
-        end += length
-        inp = None if pre else torch.randn(length // tp, *shape, device=device, dtype=dtype,
-                                           requires_grad=True)
-        grads.append(None if post else torch.randn(length // tp, *shape, device=device,
-                                                   dtype=dtype))
-        _synchronize()
-        start = time.perf_counter()
-        set_input([inp])
-        with run.forward(0, j, chunk_index):
-            output, loss_func = forward_step(data, chunk)
-        if post:
-            output = loss_func(output)[0]
-        _synchronize()
-        rows.append([length, end, time.perf_counter() - start, 0.0])
-        outputs.append(output)
+    with (held.forwards(outputs) if held else contextlib.nullcontext()), \
+            (wgrad.deferring() if split_weights else contextlib.nullcontext()):
+        for j, length in enumerate(lengths):
+            end += length
+            inp = None if pre else torch.randn(length // tp, *shape, device=device, dtype=dtype,
+                                               requires_grad=True)
+            grads.append(None if post else torch.randn(length // tp, *shape, device=device,
+                                                       dtype=dtype))
+            _synchronize()
+            start = time.perf_counter()
+            set_input([inp])
+            with run.forward(0, j, chunk_index):
+                output, loss_func = forward_step(data, chunk)
+            if post:
+                output = loss_func(output)[0]
+            _synchronize()
+            rows.append([length, end, time.perf_counter() - start, 0.0]
+                        + [0.0] * split_weights)
+            outputs.append(output)
     for j in reversed(range(len(lengths))):
+        unit = (0, j, chunk_index)
         _synchronize()
         start = time.perf_counter()
-        with run.backward(0, j, chunk_index):
+        with run.backward(*unit), (store.input_grads_only(unit) if store
+                                   else contextlib.nullcontext()):
             torch.autograd.backward(outputs[j], grad_tensors=grads[j])
         _synchronize()
         rows[j][3] = time.perf_counter() - start
         outputs[j] = None
+        if store is not None:
+            start = time.perf_counter()
+            store.run(unit)
+            _synchronize()
+            rows[j][4] = time.perf_counter() - start
+            rows[j][3] += rows[j][4]
     run.close()
+    if store is not None:
+        store.close()
     return rows
 
 
-def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], batch: dict,
+def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], data: Iterator | None,
                forward_step: Callable, config, micro_batch_size: int, pre: bool, post: bool,
-               reps: int) -> Rows:
-    """Every case's segments, the fastest of ``reps`` repetitions after one warm-up."""
-    rows = []
-    for lengths in cases:
-        samples = [time_segments(chunk, chunk_index, lengths, batch, forward_step, config,
-                                 micro_batch_size, pre, post) for _ in range(reps + 1)][1:]
-        rows += [[lengths[j], samples[0][j][1], min(s[j][2] for s in samples),
-                  min(s[j][3] for s in samples)] for j in range(len(lengths))]
-    return rows
+               reps: int, split_weights: bool = False) -> tuple[Rows, int | None]:
+    """Every case's segments, the fastest of ``reps`` repetitions after one warm-up; and the
+    bytes the first case's forwards held (the fewest of the repetitions)."""
+    rows, held_bytes = [], None
+    for index, lengths in enumerate(cases):
+        samples = []
+        for rep in range(reps + 1):
+            held = HeldActivations(chunk) if index == 0 else None
+            got = time_segments(chunk, chunk_index, lengths, data, forward_step, config,
+                                micro_batch_size, pre, post, split_weights, held)
+            if rep:
+                samples.append(got)
+                if held is not None:
+                    held_bytes = held.bytes if held_bytes is None else min(held_bytes, held.bytes)
+        rows += fastest(samples)
+    return rows, held_bytes
+
+
+def fastest(samples: list[Rows]) -> Rows:
+    """Per segment, each timed column's minimum over repetitions (interference only adds)."""
+    return [samples[0][j][:2] + [min(s[j][col] for s in samples)
+                                 for col in range(2, len(samples[0][j]))]
+            for j in range(len(samples[0]))]
 
 
 def calibration_cases(seq_length: int, multiple_of: int, min_segment_length: int
@@ -105,18 +181,22 @@ def calibration_cases(seq_length: int, multiple_of: int, min_segment_length: int
     return cases
 
 
-def measure_calibration(chunks: Sequence, forward_step: Callable, batch: dict, seq_length: int,
-                        micro_batch_size: int, *, min_segment_length: int = 128,
-                        reps: int = 2):
+def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator | None,
+                        seq_length: int, micro_batch_size: int, *,
+                        min_segment_length: int = 128, reps: int = 2):
     """This pipeline's calibration, identical on every rank (collective over the world).
 
-    ``chunks``: this rank's model chunks (Seq1F1B-enabled); ``batch``: one
-    micro-batch as ``forward_step``'s data iterator yields it. Gradients the
-    timing leaves are zeroed (``zero_grad_buffer``).
+    ``chunks``: this rank's model chunks (Seq1F1B-enabled); ``data``: an
+    iterator that yields one micro-batch, repeatedly, as ``forward_step`` reads
+    it. Gradients the timing leaves are zeroed (``zero_grad_buffer``). Weight gradients are
+    timed apart where a zero-bubble schedule could defer them; the
+    calibration's ``bytes_per_token`` is the most activation bytes any stage
+    (all its chunks) holds per token of one sample.
     """
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
+    from megatron_seq1f1b import wgrad
     from megatron_seq1f1b.checks import segment_multiple
     from megatron_seq1f1b.model import unwrap
     from megatron_seq1f1b.planner import Calibration
@@ -125,20 +205,27 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, batch: dict, s
     cases = calibration_cases(seq_length, segment_multiple(config), min_segment_length)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    mine = {}
+    split_weights = not wgrad.deferral_problems(chunks)
+    if split_weights:
+        wgrad.install()
+    mine, held = {}, 0
     for index, chunk in enumerate(chunks):
         gpt = unwrap(chunk)
-        mine[(pp_rank, index)] = time_cases(chunk, index, cases, batch, forward_step, config,
-                                            micro_batch_size, gpt.pre_process, gpt.post_process,
-                                            reps)
+        mine[(pp_rank, index)], chunk_held = time_cases(
+            chunk, index, cases, data, forward_step, config, micro_batch_size,
+            gpt.pre_process, gpt.post_process, reps, split_weights)
+        held += chunk_held or 0
         if hasattr(chunk, "zero_grad_buffer"):
             chunk.zero_grad_buffer()
         chunk.zero_grad(set_to_none=True)
     gathered = [None] * pp
-    dist.all_gather_object(gathered, mine,
+    dist.all_gather_object(gathered, (mine, held),
                            group=parallel_state.get_pipeline_model_parallel_group())
-    samples = {key: rows for part in gathered for key, rows in part.items()}
-    calibration = [Calibration.from_samples(samples, source=f"measured at start-up, cases "
-                                                             f"{cases}")]
+    samples = {key: rows for part, _ in gathered for key, rows in part.items()}
+    bytes_per_token = max(h for _, h in gathered) / (seq_length * micro_batch_size)
+    calibration = [Calibration.from_samples(
+        samples, source=f"measured at start-up, cases {cases}"
+                        + (", W timed apart" if split_weights else ""),
+        bytes_per_token=bytes_per_token or None)]
     dist.broadcast_object_list(calibration, src=0)
     return calibration[0]

@@ -46,6 +46,7 @@ DEFAULT_PARTITION = "balanced"
 FLAG_PARTITIONS = tuple(m for m in METHODS if m != "measured")
 DEFAULT_SCHEDULE = "1f1b"
 AUTO = "auto"  # --seq1f1b-splits auto: the planner decides
+DEFAULT_MIN_SEGMENT = 128
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -62,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--seq1f1b-splits", type=splits_value, default=DEFAULT_SPLITS, metavar="N|auto",
-        help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}); 'auto' "
-             "(scripts/pretrain_gpt.py only, so far): measure the model at start-up and let "
+        help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}); 'auto': "
+             "time segments of the first micro-batch on the real model and let "
              "megatron_seq1f1b.planner pick the splits, partition and schedule.",
     )
     group.add_argument(
@@ -76,6 +77,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--seq1f1b-partition", choices=FLAG_PARTITIONS, default=DEFAULT_PARTITION,
         help="How to cut the sequence: 'uniform' (equal tokens) or 'balanced' (equal "
              f"estimated FLOPs, longer early segments). Default {DEFAULT_PARTITION}.",
+    )
+    group.add_argument(
+        "--seq1f1b-memory-budget", type=float, default=None, metavar="GIB",
+        help="With --seq1f1b-splits auto: most activation memory per pipeline stage the plan "
+             "may hold, in GiB (bytes per token measured at start-up).",
+    )
+    group.add_argument(
+        "--seq1f1b-memory-budget-microbatches", type=float, default=None, metavar="N",
+        help="With --seq1f1b-splits auto: the same budget in micro-batches of a stage "
+             "(Megatron's 1F1B holds p on the first stage).",
+    )
+    group.add_argument(
+        "--seq1f1b-min-segment-length", type=int, default=DEFAULT_MIN_SEGMENT,
+        help=f"With --seq1f1b-splits auto: shortest segment a plan may use (tokens; default "
+             f"{DEFAULT_MIN_SEGMENT}).",
     )
     return parser
 
@@ -112,6 +128,27 @@ def _flag(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def auto_flag_problems(args: Any) -> list[str]:
+    """The flags that steer ``--seq1f1b-splits auto``: only with it, and positive."""
+    problems = []
+    gib = _flag(args, "seq1f1b_memory_budget")
+    microbatches = _flag(args, "seq1f1b_memory_budget_microbatches")
+    shortest = _flag(args, "seq1f1b_min_segment_length", DEFAULT_MIN_SEGMENT)
+    steered = gib is not None or microbatches is not None or shortest != DEFAULT_MIN_SEGMENT
+    if steered and not (_flag(args, "seq1f1b", False)
+                        and _flag(args, "seq1f1b_splits", DEFAULT_SPLITS) == AUTO):
+        problems.append("--seq1f1b-memory-budget(-microbatches) / --seq1f1b-min-segment-length "
+                        "steer --seq1f1b-splits auto; add --seq1f1b --seq1f1b-splits auto")
+    if gib is not None and not gib > 0:
+        problems.append(f"--seq1f1b-memory-budget must be > 0 (GiB), got {gib}")
+    if microbatches is not None and not microbatches > 0:
+        problems.append("--seq1f1b-memory-budget-microbatches must be > 0 (micro-batches of a "
+                        f"stage), got {microbatches}")
+    if shortest is not None and shortest < 1:
+        problems.append(f"--seq1f1b-min-segment-length must be >= 1, got {shortest}")
+    return problems
+
+
 def args_problems(args: Any) -> list[str]:
     """Every reason Seq1F1B cannot run with these Megatron-LM arguments (empty if fine).
 
@@ -122,11 +159,8 @@ def args_problems(args: Any) -> list[str]:
         return []
     problems: list[str] = []
     splits = _flag(args, "seq1f1b_splits", DEFAULT_SPLITS)
+    problems += auto_flag_problems(args)
     if splits == AUTO:
-        problems.append(
-            "--seq1f1b-splits auto is implemented in scripts/pretrain_gpt.py only so far; give a "
-            "number (plan offline: python -m megatron_seq1f1b.planner --calibration ...)"
-        )
         splits = None
     elif isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
         problems.append(f"--seq1f1b-splits must be a positive integer, got {splits!r}")
@@ -350,8 +384,14 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     from megatron_seq1f1b.model import enable
 
     enable(model)
-    install(args.seq1f1b_splits, args.seq1f1b_partition,
-            schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE))
+    if args.seq1f1b_splits == AUTO:  # planned on the first forward-backward call
+        install(AUTO, memory_budget_gib=_flag(args, "seq1f1b_memory_budget"),
+                memory_budget_microbatches=_flag(args, "seq1f1b_memory_budget_microbatches"),
+                min_segment_length=_flag(args, "seq1f1b_min_segment_length",
+                                         DEFAULT_MIN_SEGMENT))
+    else:
+        install(args.seq1f1b_splits, args.seq1f1b_partition,
+                schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE))
     return model
 
 

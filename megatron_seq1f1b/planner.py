@@ -35,6 +35,7 @@ Calibration file (JSON, :func:`save_calibration` / :func:`load_calibration`)::
      "quadratic": "causal_pairs",      # or "rectangle" (len * end: non-flash attention)
      "weight_fraction": 0.5,           # W's share of B where a stage has no "W" fit
      "source": "free text",
+     "bytes_per_token": 65536,         # optional: activation bytes per token of a stage
      "stages": [                       # pipeline order; 1 entry = the same on every stage
         {"F": {"a": 1e-6, "c": 2e-11, "d": 3e-4},   # forward of one segment
          "B": {"a": 2e-6, "c": 4e-11, "d": 5e-4},   # whole backward (input + weight grads)
@@ -114,8 +115,9 @@ class Calibration:
     (first and last kept, the rest a middle one); a stage's fit holds for its
     layers, so plan the virtual pipeline size it was measured with.
     Zero-bubble schedules give ``W`` the ``weight`` fit, else
-    ``weight_fraction`` of the backward (measured backwards are whole: B and W
-    are not timed apart).
+    ``weight_fraction`` of the backward. ``bytes_per_token``: activation bytes
+    one token of one sample leaves on the most loaded stage (measured at
+    start-up), which turns the plans' memory into bytes.
     """
 
     stages: tuple[StageCosts, ...]
@@ -123,6 +125,7 @@ class Calibration:
     weight_fraction: float = 0.5
     unit: str = "s"
     source: str = ""
+    bytes_per_token: float | None = None
 
     def __post_init__(self):
         if not self.stages:
@@ -132,6 +135,8 @@ class Calibration:
                              f"{tuple(QUADRATIC)}")
         if not 0.0 <= self.weight_fraction <= 1.0:
             raise ValueError(f"weight_fraction must be in [0, 1], got {self.weight_fraction}")
+        if self.bytes_per_token is not None and not self.bytes_per_token > 0:
+            raise ValueError(f"bytes_per_token must be > 0, got {self.bytes_per_token}")
 
     def stage_costs(self, num_stages: int) -> list[StageCosts]:
         """One entry per virtual stage of a pipeline with ``num_stages`` of them."""
@@ -172,27 +177,31 @@ class Calibration:
 
     @classmethod
     def from_fits(cls, ordered_fits: Sequence[dict], quadratic: str, source: str = "fits",
-                  weight_fraction: float = 0.5, unit: str = "s") -> "Calibration":
+                  weight_fraction: float = 0.5, unit: str = "s",
+                  bytes_per_token: float | None = None) -> "Calibration":
         """From :mod:`bench.fit` entries in pipeline order: ``{"F": {a, c, d}, "B": ...}``."""
         def fit(entry):
             return Fit(float(entry["a"]), float(entry.get("c", 0.0)), float(entry.get("d", 0.0)))
 
         stages = tuple(StageCosts(fit(e["F"]), fit(e["B"]), fit(e["W"]) if e.get("W") else None)
                        for e in ordered_fits)
-        return cls(stages, quadratic, weight_fraction, unit, source)
+        return cls(stages, quadratic, weight_fraction, unit, source, bytes_per_token)
 
     @classmethod
     def from_samples(cls, samples: dict, quadratic: str | None = None,
-                     source: str = "measured") -> "Calibration":
-        """Fit timed segments ``{(stage, chunk): [[length, end, forward_s, backward_s], ...]}``
-        (:mod:`bench.calibration`'s format); the better quadratic unless given."""
+                     source: str = "measured", bytes_per_token: float | None = None
+                     ) -> "Calibration":
+        """Fit timed segments ``{(stage, chunk): [[length, end, forward_s, backward_s(,
+        weight_s)], ...]}`` (:mod:`megatron_seq1f1b.measure`'s format); the better
+        quadratic unless given."""
         from megatron_seq1f1b.bench.fit import best_quadratic, fit_costs
 
         if quadratic is None:
             quadratic, _ = best_quadratic({"samples": samples})
         fits = fit_costs(samples, quadratic)
         order = sorted(fits, key=lambda key: (key[1], key[0]))  # chunk-major: pipeline order
-        return cls.from_fits([fits[key] for key in order], quadratic, source)
+        return cls.from_fits([fits[key] for key in order], quadratic, source,
+                             bytes_per_token=bytes_per_token)
 
     def to_dict(self) -> dict:
         def fit(f: Fit) -> dict:
@@ -206,7 +215,7 @@ class Calibration:
             stages.append(entry)
         return {"format": FORMAT, "version": 1, "unit": self.unit, "quadratic": self.quadratic,
                 "weight_fraction": self.weight_fraction, "source": self.source,
-                "stages": stages}
+                "bytes_per_token": self.bytes_per_token, "stages": stages}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Calibration":
@@ -215,7 +224,7 @@ class Calibration:
                              f"format={data.get('format')!r}, version={data.get('version')!r}")
         return cls.from_fits(data["stages"], data.get("quadratic", "causal_pairs"),
                              data.get("source", ""), float(data.get("weight_fraction", 0.5)),
-                             data.get("unit", "s"))
+                             data.get("unit", "s"), data.get("bytes_per_token"))
 
 
 def save_calibration(calibration: Calibration, path: str | Path) -> None:
@@ -326,7 +335,7 @@ class Plan:
 
     def memory_text(self) -> str:
         text = f"{self.memory:.2f} mb"
-        return text + (f" ({self.memory_bytes / GIB:.2f} GiB)" if self.memory_bytes else "")
+        return text + (f" ({bytes_text(self.memory_bytes)})" if self.memory_bytes else "")
 
 
 @dataclass(frozen=True)
@@ -336,6 +345,7 @@ class PlanChoice:
     plan: Plan
     candidates: tuple[Plan, ...]
     reason: str
+    source: str = ""  # where the costs came from (the calibration's source)
 
     def table(self) -> str:
         return format_table(self.candidates, self.plan)
@@ -347,6 +357,11 @@ class BudgetError(ValueError):
     def __init__(self, message: str, smallest: Plan):
         super().__init__(message)
         self.smallest = smallest
+
+
+def bytes_text(count: float) -> str:
+    """GiB, or MiB below a tenth of one (small models, tests)."""
+    return f"{count / GIB:.2f} GiB" if count >= 0.1 * GIB else f"{count / 2**20:.2f} MiB"
 
 
 def _q(x: float) -> float:
@@ -399,7 +414,7 @@ def choose_plan(
     ``config`` + ``vocab_size``), which the ``"balanced"`` partition needs
     too. ``memory_budget``: peak activations per stage in micro-batches of a
     stage; ``memory_budget_bytes`` needs ``bytes_per_token`` (activation bytes
-    one token of one sample leaves on a stage). ``k`` runs from 1 to the
+    one token of one sample leaves on a stage; default: the calibration's). ``k`` runs from 1 to the
     largest with segments of at least ``min_segment_length`` tokens (at most
     ``max_splits``), or over ``splits``. ``send_slack``: 0 for NCCL, 1 for
     gloo (see the module docstring). Deterministic: ties go to less
@@ -407,6 +422,8 @@ def choose_plan(
     :class:`BudgetError` if nothing fits.
     """
     p, m, v = num_stages, num_microbatches, num_model_chunks
+    if bytes_per_token is None and calibration is not None:
+        bytes_per_token = calibration.bytes_per_token
     if v > 1 and p < 2:
         raise ValueError("interleaving (several model chunks) needs num_stages >= 2")
     if memory_budget_bytes is not None and not bytes_per_token:
@@ -456,14 +473,14 @@ def choose_plan(
     if not feasible:
         smallest = min(ranked, key=_memory_key)
         budget = " and ".join(
-            [f"{memory_budget:.2f} micro-batches"] * (memory_budget is not None)
-            + [f"{(memory_budget_bytes or 0) / GIB:.2f} GiB"] * (memory_budget_bytes is not None))
+            ([f"{memory_budget:.2f} micro-batches"] if memory_budget is not None else [])
+            + ([bytes_text(memory_budget_bytes)] if memory_budget_bytes is not None else []))
         raise BudgetError(
             f"no plan fits the activation-memory budget of {budget} per stage: the smallest "
             f"reachable is {smallest.memory_text()}, by {smallest.describe()} (lengths "
             f"{list(smallest.lengths)}); raise the budget, or allow more splits "
             f"(max_splits={max_splits}, min_segment_length={min_segment_length})", smallest)
-    return PlanChoice(feasible[0], ranked, explain(ranked, feasible[0]))
+    return PlanChoice(feasible[0], ranked, explain(ranked, feasible[0]), calibration.source)
 
 
 def _options(partitions, schedules, have_flops: bool, chunks: int) -> tuple[list, list]:
@@ -550,12 +567,12 @@ def format_table(candidates: Sequence[Plan], chosen: Plan) -> str:
     best = ranked[0].time
     with_bytes = any(c.memory_bytes for c in ranked)
     header = (f"  {'k':>3} {'partition':<9} {'schedule':<8} {'time':>14} {'vs best':>8} "
-              f"{'bubble':>7} {'memory (mb)':>12}" + (f" {'GiB':>7}" if with_bytes else "")
+              f"{'bubble':>7} {'memory (mb)':>12}" + (f" {'bytes':>10}" if with_bytes else "")
               + f" {'budget':>6}  lengths")
     lines = [header, "-" * len(header)]
     for c in ranked:
         budget = {None: "-", True: "ok", False: "over"}[c.within_budget]
-        gib = f" {c.memory_bytes / GIB:>7.2f}" if with_bytes and c.memory_bytes else ""
+        gib = f" {bytes_text(c.memory_bytes):>10}" if with_bytes and c.memory_bytes else ""
         lines.append(
             f"{'*' if c == chosen else ' '} {c.num_splits:>3} {c.partition:<9} {c.schedule:<8} "
             f"{_time_text(c.time, c.unit):>14} {c.time / best - 1:>+8.1%} {c.bubble:>7.1%} "

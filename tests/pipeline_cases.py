@@ -314,6 +314,27 @@ def zero_bubble_with_costs(pp: int, k: int, costs, model: ModelSpec, data: DataS
     return dict(result, costs_used=used)
 
 
+def auto_plan(pp: int, model: ModelSpec, data: DataSpec, vpp: int | None = None,
+              **budget) -> dict:
+    """The auto forward-backward function (what Megatron-LM's --seq1f1b-splits auto installs):
+    planned on its first call, then exact; or the error a budget nothing fits gives."""
+    from megatron_seq1f1b.auto import auto_forward_backward_func
+    from megatron_seq1f1b.checks import ConfigError
+    from gpt import run_layout
+
+    logged = []
+    func = auto_forward_backward_func(min_segment_length=4, log=logged.append, **budget)
+    try:
+        result = run_layout(model=model, data=data, pp=pp, vpp=vpp, forward_backward=func,
+                            prepare=s1.enable, slicer=s1.slice_batch)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    plan = func.choice.plan
+    return dict(result, plan=[plan.num_splits, plan.partition, list(plan.lengths),
+                              plan.schedule], logged=logged,
+                bytes_per_token=func.choice.plan.memory_bytes)
+
+
 def fault_in_user_code(stage: int, action: str, where: str, model: ModelSpec,
                        timeout_s: float) -> dict:
     """pp=4: the user's code raises on one stage in one action; every rank's error, timed.

@@ -14,7 +14,7 @@ from megatron_seq1f1b.bench.fit import (
 from megatron_seq1f1b.bench.predict import matching_mode, predict, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.sharing import pipeline_replay
 from megatron_seq1f1b.bench.summary import summarize
-from megatron_seq1f1b.schedule import B, F, build_schedule
+from megatron_seq1f1b.schedule import B, F, W, build_schedule
 from megatron_seq1f1b.simulate import simulate, uniform_cost
 
 
@@ -84,6 +84,21 @@ def test_fitted_cost_virtual_stages_and_recompute():
     assert cost(B(0, 1, 0), 0) == 2.0 * 1 + 0.5
     with_recompute = fitted_cost(ordered, [3, 1], 2, "rectangle", recompute=True)
     assert with_recompute(B(0, 1, 0), 0) == 2.0 * 1 + 0.5 + 1.0 * 1
+
+
+def test_weight_gradients_timed_apart_get_their_own_fit():
+    """Rows with a fifth column (W timed apart, zero-bubble deferral) fit W; zero-bubble
+    costs then split the backward by it instead of halving it."""
+    rows = [r + [0.25 * r[3]] for r in _samples("causal_pairs", a=2e-6, c=3e-9, d=1e-3,
+                                                 cases=CASES)]
+    fits = fit_costs({(0, 0): rows}, "causal_pairs")
+    weight = fits[(0, 0)]["W"]
+    assert (weight["a"], weight["c"], weight["d"]) == pytest.approx((1e-6, 1.5e-9, 5e-4))
+    cost = fitted_cost([fits[(0, 0)]], [512, 512], 1, "causal_pairs", split_backward=True)
+    whole = fitted_cost([fits[(0, 0)]], [512, 512], 1, "causal_pairs")(B(0, 1), 0)
+    assert cost(W(0, 1), 0) == pytest.approx(0.25 * whole)
+    assert cost(B(0, 1), 0) == pytest.approx(0.75 * whole)
+    assert "W" not in fit_costs({(0, 0): [r[:4] for r in rows]}, "causal_pairs")[(0, 0)]
 
 
 def test_extrapolated_fits_keep_first_and_last():

@@ -781,6 +781,31 @@ def test_prepare_model(monkeypatch):
     assert not hasattr(holder.get_forward_backward_func, "seq1f1b")
 
 
+def test_prepare_model_with_auto_installs_the_planning_function(monkeypatch):
+    """--seq1f1b-splits auto: the installed function plans on its first call (tested on
+    ranks in tests/test_auto.py) with the budget flags given."""
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    import megatron_seq1f1b.auto as auto_mod
+    import megatron_seq1f1b.model as model_mod
+
+    monkeypatch.setattr(model_mod, "enable", lambda model: model)
+    made = []
+    original = auto_mod.auto_forward_backward_func
+    monkeypatch.setattr(auto_mod, "auto_forward_backward_func",
+                        lambda **kw: made.append(kw) or original(**kw))
+    try:
+        megatron_lm.prepare_model([object()], megatron_args(
+            seq1f1b_splits="auto", seq1f1b_memory_budget=40.0, seq1f1b_min_segment_length=256))
+        func = pipeline_parallel.get_forward_backward_func()
+        assert func.num_splits == "auto" and func.choice is None
+        assert made == [dict(memory_budget_gib=40.0, memory_budget_microbatches=None,
+                             min_segment_length=256)]
+    finally:
+        import megatron_seq1f1b as s1
+
+        s1.uninstall()
+
+
 def test_prepare_model_off_and_rejected(monkeypatch):
     import megatron_seq1f1b.api as api_mod
     import megatron_seq1f1b.model as model_mod

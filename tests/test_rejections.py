@@ -110,7 +110,9 @@ def _lm(**flags: Any) -> LocalTrigger:
 
 MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-splits-not-positive": _lm(seq1f1b_splits=-1),
-    "lm-splits-auto": _lm(seq1f1b_splits="auto"),
+    "lm-memory-budget-without-auto": _lm(seq1f1b_memory_budget=2.0),
+    "lm-memory-budget-microbatches-positive": _lm(seq1f1b_splits="auto",
+                                                  seq1f1b_memory_budget_microbatches=0.0),
     "lm-partition-unknown": _lm(seq1f1b_partition="random"),
     "lm-partition-measured": _lm(seq1f1b_partition="measured"),
     "lm-schedule-unknown": _lm(seq1f1b_schedule="zb-h3"),

@@ -117,16 +117,19 @@ def test_virtual_pipeline_with_sliding_window(tmp_path):
 
 def test_auto_plan_measures_chooses_within_budget_and_trains_like_1f1b(tmp_path):
     """--seq1f1b-splits auto: a start-up measurement, the candidates' table, a plan within
-    --seq1f1b-memory-budget (1.3 stage micro-batches rules out k=1, which holds 2 at pp=2),
-    and the same losses as Megatron's 1F1B."""
+    --seq1f1b-memory-budget-microbatches (1.3 stage micro-batches rules out k=1, which holds
+    2 at pp=2), memory in bytes from measured bytes per token, and the same losses as
+    Megatron's 1F1B."""
     common = ["--pipeline-model-parallel-size", "2", "--train-iters", "3", "--seq-length", "256"]
     ours, stdout = train(tmp_path, "auto", 2, *common, "--seq1f1b", "--seq1f1b-splits", "auto",
-                         "--seq1f1b-min-segment-length", "32", "--seq1f1b-memory-budget", "1.3")
+                         "--seq1f1b-min-segment-length", "32",
+                         "--seq1f1b-memory-budget-microbatches", "1.3")
     theirs, _ = train(tmp_path, "1f1b", 2, *common)
     _same(ours["summary"]["losses"], theirs["summary"]["losses"])
     assert "Seq1F1B plan (--seq1f1b-splits auto" in stdout and " wins: " in stdout, stdout
     # every partition is a candidate: FLOP-balanced (the model's config) and measured
     assert all(f" {p} " in stdout for p in ("uniform", "balanced", "measured")), stdout
+    assert " MiB " in stdout and "W timed apart" in stdout, stdout
     chosen = re.search(r"Seq1F1B k=(\d+)", ours["summary"]["schedule"])
     assert chosen and int(chosen.group(1)) >= 3, ours["summary"]["schedule"]
 

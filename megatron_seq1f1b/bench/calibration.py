@@ -11,6 +11,7 @@ Everything here is collective; :mod:`.fit` turns the samples into costs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,11 +25,12 @@ from megatron_seq1f1b.bench.lineup import segment_lengths
 from megatron_seq1f1b.bench.ranks import local_device, say, synchronize
 from megatron_seq1f1b.checks import segment_multiple
 from megatron_seq1f1b.measure import calibration_cases as startup_cases
-from megatron_seq1f1b.measure import time_segments
+from megatron_seq1f1b.measure import time_cases
 from megatron_seq1f1b.megatron_lm import AUTO
 from megatron_seq1f1b.partition import split_sequence
 
-# Per (stage, chunk): one row [length, end, forward_s, backward_s] per segment of every case.
+# Per (stage, chunk): one row [length, end, forward_s, backward_s(, weight_s)] per segment of
+# every case.
 StageSamples = dict[tuple[int, int], list[list[float]]]
 
 
@@ -60,12 +62,9 @@ def calibration_cases(args: argparse.Namespace, layout: Layout, vocab_size: int)
     return cases
 
 
-def _time_microbatch(chunk, chunk_index: int, lengths: list[int], batch: dict,
-                     forward_step: Callable, config, args: argparse.Namespace,
-                     pre: bool, post: bool) -> list[list[float]]:
-    """[(length, end, forward_s, backward_s)] per segment of one micro-batch on one chunk."""
-    return time_segments(chunk, chunk_index, lengths, batch, forward_step, config,
-                         args.micro_batch_size, pre, post)
+def splits_weights(args: argparse.Namespace) -> bool:
+    """Time W apart when a zero-bubble schedule runs or the planner chooses (it weighs them)."""
+    return args.splits == AUTO or any("zb" in name for name in (args.schedules or ()))
 
 
 def calibrate_layout(layout: Layout, cases: list[list[int]], batch: dict, forward_step: Callable,
@@ -78,27 +77,17 @@ def calibrate_layout(layout: Layout, cases: list[list[int]], batch: dict, forwar
     layout.activate()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     config = layout.config
+    split_weights = splits_weights(args) and not s1.wgrad.deferral_problems(layout.model)
+    if split_weights:
+        s1.wgrad.install()
     mine: dict = {}
 
     def measure():
         for c, chunk in enumerate(layout.model):
             gpt = s1.model.unwrap(chunk)
-            rows = []
-            for lengths in cases:
-                samples = []
-                for rep in range(args.calib_reps + 1):
-                    got = _time_microbatch(chunk, c, lengths, batch, forward_step, config, args,
-                                           gpt.pre_process, gpt.post_process)
-                    if rep:
-                        samples.append(got)
-                for j in range(len(lengths)):
-                    rows.append([
-                        lengths[j], samples[0][j][1],
-                        # min: on a shared machine interference only ever adds time
-                        min(s[j][2] for s in samples),
-                        min(s[j][3] for s in samples),
-                    ])
-            mine[(pp_rank, c)] = rows
+            mine[(pp_rank, c)], _ = time_cases(
+                chunk, c, cases, itertools.repeat(batch), forward_step, config, args.micro_batch_size,
+                gpt.pre_process, gpt.post_process, args.calib_reps, split_weights)
             chunk.zero_grad_buffer()
 
     if mode == "concurrent":

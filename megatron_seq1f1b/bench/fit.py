@@ -48,13 +48,15 @@ def nonneg_lstsq(features: Sequence[Sequence[float]], target: Sequence[float]) -
 
 
 def fit_costs(rows_by_stage: dict, quadratic: str) -> dict:
-    """time = a*len + c*quad(len, end) + d per (stage, chunk), forward and backward."""
+    """time = a*len + c*quad(len, end) + d per (stage, chunk): forward, whole backward, and
+    the weight-gradient part where every row has it timed (a fifth column)."""
     quad = QUADRATIC[quadratic]
     fits = {}
     for key, rows in rows_by_stage.items():
-        features = [[length, quad(length, end), 1.0] for length, end, _, _ in rows]
+        features = [[r[0], quad(r[0], r[1]), 1.0] for r in rows]
         entry = {}
-        for name, col in (("F", 2), ("B", 3)):
+        columns = (("F", 2), ("B", 3)) + ((("W", 4),) if all(len(r) > 4 for r in rows) else ())
+        for name, col in columns:
             target = [r[col] for r in rows]
             coef = nonneg_lstsq(features, target)
             pred = [sum(c * x for c, x in zip(coef, f)) for f in features]
@@ -110,10 +112,9 @@ def fitted_cost(ordered_fits: list[dict], lengths: list[int], p: int, quadratic:
                 recompute: bool = False, split_backward: bool = False) -> CostFn:
     """cost(action, rank) from the fits; with full recompute a backward re-runs the forward.
 
-    ``split_backward`` (zero-bubble schedules): B and W each take half of the fitted
-    backward, an assumption (the calibration times whole backwards): W is the linear
-    layers' weight GEMMs, about half of their backward, while attention's backward is
-    all in B.
+    ``split_backward`` (zero-bubble schedules): W is its own fit where the calibration
+    timed it apart, else half of the fitted backward (an assumption: W is the linear
+    layers' weight GEMMs, about half of their backward; attention's backward is all in B).
     """
     quad = QUADRATIC[quadratic]
     ends = list(itertools.accumulate(lengths))
@@ -129,7 +130,9 @@ def fitted_cost(ordered_fits: list[dict], lengths: list[int], p: int, quadratic:
         backward = one(fits["B"], length, end)
         if split_backward:
             recomputed = one(fits["F"], length, end) if recompute and action.is_backward else 0.0
-            return backward / 2 + recomputed
+            weight = (min(one(fits["W"], length, end), backward) if fits.get("W")
+                      else backward / 2)
+            return (weight if action.is_weight else backward - weight) + recomputed
         return backward + (one(fits["F"], length, end) if recompute else 0.0)
 
     return cost

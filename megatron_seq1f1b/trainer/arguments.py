@@ -10,7 +10,7 @@ import argparse
 import importlib.util
 import math
 
-from megatron_seq1f1b.megatron_lm import AUTO, add_arguments, moe_flag_problems
+from megatron_seq1f1b.megatron_lm import AUTO, add_arguments, auto_flag_problems, moe_flag_problems
 from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.partition import split_sequence
 
@@ -141,13 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--vocab-size", type=int, default=None)
     data.add_argument("--data-cache-path", default=None)
 
-    add_arguments(p)  # --seq1f1b, --seq1f1b-splits, --seq1f1b-partition (as Megatron-LM)
-    auto = p.add_argument_group("seq1f1b --seq1f1b-splits auto")
-    auto.add_argument("--seq1f1b-memory-budget", type=float, default=None, metavar="MB",
-                      help="largest activation memory per stage the plan may hold, in "
-                           "micro-batches of a stage (1F1B holds p on the first stage)")
-    auto.add_argument("--seq1f1b-min-segment-length", type=int, default=128,
-                      help="shortest segment the plan may use (tokens)")
+    add_arguments(p)  # --seq1f1b... flags, as in Megatron-LM (auto's budget flags too)
     return p
 
 
@@ -221,14 +215,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     auto = args.seq1f1b_splits == AUTO
     if args.seq1f1b and not auto and args.seq1f1b_splits < 1:
         problems.append("--seq1f1b-splits must be >= 1")
-    if (args.seq1f1b_memory_budget is not None or args.seq1f1b_min_segment_length != 128) \
-            and not (args.seq1f1b and auto):
-        problems.append("--seq1f1b-memory-budget / --seq1f1b-min-segment-length steer "
-                        "--seq1f1b-splits auto; add --seq1f1b --seq1f1b-splits auto")
-    if args.seq1f1b_memory_budget is not None and args.seq1f1b_memory_budget <= 0:
-        problems.append("--seq1f1b-memory-budget must be > 0 (micro-batches of a stage)")
-    if args.seq1f1b_min_segment_length < 1:
-        problems.append("--seq1f1b-min-segment-length must be >= 1")
+    problems += auto_flag_problems(args)
     if args.seq1f1b and args.seq1f1b_schedule == "zb-h2" \
             and args.virtual_pipeline_model_parallel_size is not None:
         problems.append(f"--seq1f1b-schedule zb-h2 with virtual pipelining: {ZB_H2_PROBLEM}")

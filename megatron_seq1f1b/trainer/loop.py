@@ -176,8 +176,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
     )
     if args.seq1f1b and args.seq1f1b_splits == AUTO:
         choice = auto_plan.choose(args, model, forward_step_func, train_ds)
-        _print(f"> Seq1F1B plan (--seq1f1b-splits auto, costs {choice.plan.unit} measured at "
-               f"start-up):\n{choice.table()}")
+        _print(f"> Seq1F1B plan (--seq1f1b-splits auto; costs: {choice.source}):\n"
+               f"{choice.table()}")
     train_iter = _iterators(args, train_ds, model, iteration * args.num_microbatches)
     forward_backward = _forward_backward_func(args)
     memory = PeakMemory(device)
