@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-# One row [length, end, forward_s, backward_s(, weight_s)] per segment.
+# One row [length, end, forward_s, backward_s(, weight_s, input_grad_s)] per segment.
 Rows = list[list[float]]
 
 
@@ -81,8 +81,8 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
     outputs of non-last chunks get random gradients; the last chunk's loss is
     the first value its ``loss_func`` returns. ``split_weights``: the linear
     layers defer their weight gradients (:mod:`megatron_seq1f1b.wgrad`, as a
-    zero-bubble schedule runs them) and each row gets a fifth column, the
-    weight-gradient part W, timed apart (the backward column stays B + W).
+    zero-bubble schedule runs them); the backward column is then B alone and a
+    fifth column holds W.
     ``held`` measures the bytes the forwards leave for the backwards.
     """
     from megatron.core.utils import get_attr_wrapped_model
@@ -134,7 +134,6 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
             store.run(unit)
             _synchronize()
             rows[j][4] = time.perf_counter() - start
-            rows[j][3] += rows[j][4]
     run.close()
     if store is not None:
         store.close()
@@ -145,19 +144,33 @@ def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], data: It
                forward_step: Callable, config, micro_batch_size: int, pre: bool, post: bool,
                reps: int, split_weights: bool = False) -> tuple[Rows, int | None]:
     """Every case's segments, the fastest of ``reps`` repetitions after one warm-up; and the
-    bytes the first case's forwards held (the fewest of the repetitions)."""
+    bytes the first case's forwards held (the fewest of the repetitions).
+
+    With ``split_weights`` each repetition runs twice, whole backward and W deferred, and
+    rows are ``[length, end, F, B whole, W, B with W deferred]`` (deferring costs a little:
+    the weight GEMMs read the saved tensors again later).
+    """
     rows, held_bytes = [], None
     for index, lengths in enumerate(cases):
-        samples = []
+        whole, split = [], []
         for rep in range(reps + 1):
             held = HeldActivations(chunk) if index == 0 else None
             got = time_segments(chunk, chunk_index, lengths, data, forward_step, config,
-                                micro_batch_size, pre, post, split_weights, held)
+                                micro_batch_size, pre, post, False, held)
+            deferred = (time_segments(chunk, chunk_index, lengths, data, forward_step, config,
+                                      micro_batch_size, pre, post, True)
+                        if split_weights else None)
             if rep:
-                samples.append(got)
+                whole.append(got)
+                if deferred is not None:
+                    split.append(deferred)
                 if held is not None:
                     held_bytes = held.bytes if held_bytes is None else min(held_bytes, held.bytes)
-        rows += fastest(samples)
+        best = fastest(whole)
+        if split_weights:
+            best_split = fastest(split)
+            best = [row + [s[4], s[3]] for row, s in zip(best, best_split)]
+        rows += best
     return rows, held_bytes
 
 

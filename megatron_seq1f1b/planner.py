@@ -39,7 +39,8 @@ Calibration file (JSON, :func:`save_calibration` / :func:`load_calibration`)::
      "stages": [                       # pipeline order; 1 entry = the same on every stage
         {"F": {"a": 1e-6, "c": 2e-11, "d": 3e-4},   # forward of one segment
          "B": {"a": 2e-6, "c": 4e-11, "d": 5e-4},   # whole backward (input + weight grads)
-         "W": {"a": 1e-6, "c": 0.0, "d": 1e-4}},    # optional: the weight-gradient part
+         "W": {"a": 1e-6, "c": 0.0, "d": 1e-4},     # optional: the weight-gradient part
+         "Bi": {"a": 1.1e-6, ...}},                 # optional: B with W deferred (zero bubble)
         ...]}
 
 :func:`load_calibration` also reads a benchmark's ``results.json`` (its
@@ -99,11 +100,14 @@ class Fit:
 
 @dataclass(frozen=True)
 class StageCosts:
-    """A virtual stage's forward and whole backward, and optionally its weight-gradient part."""
+    """A virtual stage's forward and whole backward; optionally its weight-gradient part W
+    and the input-gradient part B as a zero-bubble schedule runs it (W deferred costs a
+    little more than the whole backward: two passes over the saved tensors)."""
 
     forward: Fit
     backward: Fit
     weight: Fit | None = None
+    input: Fit | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,14 @@ class Calibration:
                   else self.weight_fraction * backward)
         return forward, backward, min(weight, backward)
 
+    def zero_bubble_times(self, stage: StageCosts, length: float, end: float
+                          ) -> tuple[float, float, float]:
+        """(F, B, W) of a segment on `stage` in a zero-bubble schedule: B measured with W
+        deferred where the calibration has it, else the whole backward less W."""
+        forward, backward, weight = self.times(stage, length, end)
+        split = stage.input.time(length, end, self.quadratic) if stage.input else None
+        return forward, (split if split is not None else backward - weight), weight
+
     def __call__(self, length: float, end: float) -> float:
         """Forward + backward of a segment summed over the calibrated stages."""
         return sum(sum(self.times(s, length, end)[:2]) for s in self.stages)
@@ -183,7 +195,8 @@ class Calibration:
         def fit(entry):
             return Fit(float(entry["a"]), float(entry.get("c", 0.0)), float(entry.get("d", 0.0)))
 
-        stages = tuple(StageCosts(fit(e["F"]), fit(e["B"]), fit(e["W"]) if e.get("W") else None)
+        stages = tuple(StageCosts(fit(e["F"]), fit(e["B"]), fit(e["W"]) if e.get("W") else None,
+                                  fit(e["Bi"]) if e.get("Bi") else None)
                        for e in ordered_fits)
         return cls(stages, quadratic, weight_fraction, unit, source, bytes_per_token)
 
@@ -212,6 +225,8 @@ class Calibration:
             entry = {"F": fit(s.forward), "B": fit(s.backward)}
             if s.weight is not None:
                 entry["W"] = fit(s.weight)
+            if s.input is not None:
+                entry["Bi"] = fit(s.input)
             stages.append(entry)
         return {"format": FORMAT, "version": 1, "unit": self.unit, "quadratic": self.quadratic,
                 "weight_fraction": self.weight_fraction, "source": self.source,
@@ -252,9 +267,12 @@ def action_cost(calibration: Calibration, lengths: Sequence[int], num_stages: in
     table = {}
     for vs, stage in enumerate(stages):
         for j, (length, end) in enumerate(zip(lengths, ends)):
-            forward, backward, weight = calibration.times(stage, length, end)
-            table[vs, j] = ({"F": forward, "B": backward - weight, "W": weight} if split_backward
-                            else {"F": forward, "B": backward, "W": 0.0})
+            if split_backward:
+                forward, backward, weight = calibration.zero_bubble_times(stage, length, end)
+                table[vs, j] = {"F": forward, "B": backward, "W": weight}
+            else:
+                forward, backward, _ = calibration.times(stage, length, end)
+                table[vs, j] = {"F": forward, "B": backward, "W": 0.0}
     return lambda action, rank: table[action.chunk * num_stages + rank, action.segment][action.kind]
 
 
@@ -266,9 +284,8 @@ def placement_costs(calibration: Calibration, lengths: Sequence[int], num_stages
     per = calibration.stage_costs(num_stages)
     rows = []
     for length, end in zip(lengths, itertools.accumulate(lengths)):
-        times = [calibration.times(s, length, end) for s in per]
-        f, b, w = (sum(t[i] for t in times) / len(times) for i in range(3))
-        rows.append((f, b - w, w))
+        times = [calibration.zero_bubble_times(s, length, end) for s in per]
+        rows.append(tuple(sum(t[i] for t in times) / len(times) for i in range(3)))
     mean = sum(r[0] for r in rows) / len(rows)
     return tuple(tuple(round(x / mean, 4) for x in r) for r in rows)
 

@@ -89,15 +89,20 @@ def test_fitted_cost_virtual_stages_and_recompute():
 def test_weight_gradients_timed_apart_get_their_own_fit():
     """Rows with a fifth column (W timed apart, zero-bubble deferral) fit W; zero-bubble
     costs then split the backward by it instead of halving it."""
-    rows = [r + [0.25 * r[3]] for r in _samples("causal_pairs", a=2e-6, c=3e-9, d=1e-3,
-                                                 cases=CASES)]
+    rows = [r + [0.25 * r[3], 0.8 * r[3]] for r in _samples("causal_pairs", a=2e-6, c=3e-9,
+                                                             d=1e-3, cases=CASES)]
     fits = fit_costs({(0, 0): rows}, "causal_pairs")
     weight = fits[(0, 0)]["W"]
     assert (weight["a"], weight["c"], weight["d"]) == pytest.approx((1e-6, 1.5e-9, 5e-4))
-    cost = fitted_cost([fits[(0, 0)]], [512, 512], 1, "causal_pairs", split_backward=True)
     whole = fitted_cost([fits[(0, 0)]], [512, 512], 1, "causal_pairs")(B(0, 1), 0)
+    cost = fitted_cost([fits[(0, 0)]], [512, 512], 1, "causal_pairs", split_backward=True)
+    # deferring W costs extra: B (W deferred) + W = 1.05 of the whole backward
     assert cost(W(0, 1), 0) == pytest.approx(0.25 * whole)
-    assert cost(B(0, 1), 0) == pytest.approx(0.75 * whole)
+    assert cost(B(0, 1), 0) == pytest.approx(0.8 * whole)
+    without_b = {(0, 0): [r[:5] for r in rows]}
+    cost = fitted_cost([fit_costs(without_b, "causal_pairs")[(0, 0)]], [512, 512], 1,
+                       "causal_pairs", split_backward=True)
+    assert cost(B(0, 1), 0) == pytest.approx(0.75 * whole)  # whole less W
     assert "W" not in fit_costs({(0, 0): [r[:4] for r in rows]}, "causal_pairs")[(0, 0)]
 
 

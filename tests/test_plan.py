@@ -7,6 +7,7 @@ executor would plan (receives placed with the zero-bubble costs).
 """
 
 import functools
+from dataclasses import replace
 import itertools
 import json
 import subprocess
@@ -326,9 +327,28 @@ def test_measured_partition_errors():
 # ------------------------------------------------------------------ calibration files
 
 
+def test_deferral_overhead_measured_for_b_can_cost_zero_bubble_the_win():
+    """B timed with W deferred (``input``) is what zero-bubble plans pay; where deferring
+    costs enough, 1f1b (whole backward) wins instead."""
+    base = table(**TABLES["zero_bubble"])
+
+    def schedule(calibration):
+        return plan("zero_bubble", calibration=calibration, splits=[4],
+                    partitions=["uniform"]).plan.schedule
+
+    assert schedule(base) != "1f1b"
+    costly = Calibration(tuple(replace(s, input=Fit(1.6, 0.0, 0.0)) for s in base.stages),
+                         source="synthetic")  # B 1.6 + W 1.0 vs the whole backward's 2.0
+    assert schedule(costly) == "1f1b"
+    cheap = Calibration(tuple(replace(s, input=Fit(1.0, 0.0, 0.0)) for s in base.stages),
+                        source="synthetic")
+    assert schedule(cheap) != "1f1b"
+
+
 def test_calibration_round_trip(tmp_path):
     cal = table(**TABLES["zero_bubble"], skew=[1.2, 1.0, 1.0, 0.9])
-    cal = Calibration(cal.stages, "rectangle", 0.4, "s", "round trip")
+    stages = (replace(cal.stages[0], input=Fit(1.1, 0.0, 0.01)),) + cal.stages[1:]
+    cal = Calibration(stages, "rectangle", 0.4, "s", "round trip", bytes_per_token=3e4)
     path = tmp_path / "calib.json"
     save_calibration(cal, path)
     assert load_calibration(path) == cal

@@ -29,8 +29,8 @@ from megatron_seq1f1b.measure import time_cases
 from megatron_seq1f1b.megatron_lm import AUTO
 from megatron_seq1f1b.partition import split_sequence
 
-# Per (stage, chunk): one row [length, end, forward_s, backward_s(, weight_s)] per segment of
-# every case.
+# Per (stage, chunk): one row [length, end, forward_s, backward_s(, weight_s, input_grad_s)]
+# per segment of every case.
 StageSamples = dict[tuple[int, int], list[list[float]]]
 
 

@@ -48,14 +48,16 @@ def nonneg_lstsq(features: Sequence[Sequence[float]], target: Sequence[float]) -
 
 
 def fit_costs(rows_by_stage: dict, quadratic: str) -> dict:
-    """time = a*len + c*quad(len, end) + d per (stage, chunk): forward, whole backward, and
-    the weight-gradient part where every row has it timed (a fifth column)."""
+    """time = a*len + c*quad(len, end) + d per (stage, chunk): forward (F), whole backward
+    (B), and where every row has them (:func:`megatron_seq1f1b.measure.time_cases` with
+    ``split_weights``) the weight-gradient part W and the input-gradient part Bi that a
+    zero-bubble schedule runs with W deferred."""
     quad = QUADRATIC[quadratic]
     fits = {}
     for key, rows in rows_by_stage.items():
         features = [[r[0], quad(r[0], r[1]), 1.0] for r in rows]
         entry = {}
-        columns = (("F", 2), ("B", 3)) + ((("W", 4),) if all(len(r) > 4 for r in rows) else ())
+        columns = [("F", 2), ("B", 3), ("W", 4), ("Bi", 5)][:min(len(r) for r in rows) - 2]
         for name, col in columns:
             target = [r[col] for r in rows]
             coef = nonneg_lstsq(features, target)
@@ -132,7 +134,10 @@ def fitted_cost(ordered_fits: list[dict], lengths: list[int], p: int, quadratic:
             recomputed = one(fits["F"], length, end) if recompute and action.is_backward else 0.0
             weight = (min(one(fits["W"], length, end), backward) if fits.get("W")
                       else backward / 2)
-            return (weight if action.is_weight else backward - weight) + recomputed
+            if action.is_weight:
+                return weight
+            split = one(fits["Bi"], length, end) if fits.get("Bi") else backward - weight
+            return split + recomputed
         return backward + (one(fits["F"], length, end) if recompute else 0.0)
 
     return cost
