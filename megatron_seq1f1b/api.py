@@ -102,22 +102,19 @@ def get_forward_backward_func(
     return forward_backward_func
 
 
-def install(num_splits: int | str, partition: str = "uniform", **kwargs) -> Callable:
+def install(num_splits: int | Callable, partition: str = "uniform", **kwargs) -> Callable:
     """Make Megatron-Core's ``get_forward_backward_func()`` return Seq1F1B's function.
 
-    ``num_splits="auto"``: :func:`megatron_seq1f1b.auto.auto_forward_backward_func`
-    (``kwargs``: its budget options), which plans on its first call.
+    ``num_splits`` may also be a ready forward-backward function, e.g.
+    :func:`megatron_seq1f1b.auto.auto_forward_backward_func`'s, which plans on its
+    first call.
 
     Patches ``megatron.core.pipeline_parallel.get_forward_backward_func``, the
     same name in ``...pipeline_parallel.schedules`` and, when imported,
     Megatron-LM's ``megatron.training.training``. Returns the function.
     """
-    if num_splits == "auto":
-        from megatron_seq1f1b.auto import auto_forward_backward_func
-
-        ours = auto_forward_backward_func(**kwargs)
-    else:
-        ours = get_forward_backward_func(num_splits, partition, **kwargs)
+    ours = (num_splits if callable(num_splits)
+            else get_forward_backward_func(num_splits, partition, **kwargs))
 
     def getter(pp_size=None, vp_size=None, schedule_pg_collection=None):
         # schedule_pg_collection: Megatron-Core 0.19 (Megatron-LM's train() and evaluate() pass it)

@@ -385,10 +385,12 @@ def prepare_model(model: Any, args: Any = None) -> Any:
 
     enable(model)
     if args.seq1f1b_splits == AUTO:  # planned on the first forward-backward call
-        install(AUTO, memory_budget_gib=_flag(args, "seq1f1b_memory_budget"),
-                memory_budget_microbatches=_flag(args, "seq1f1b_memory_budget_microbatches"),
-                min_segment_length=_flag(args, "seq1f1b_min_segment_length",
-                                         DEFAULT_MIN_SEGMENT))
+        from megatron_seq1f1b.auto import auto_forward_backward_func
+
+        install(auto_forward_backward_func(
+            memory_budget_gib=_flag(args, "seq1f1b_memory_budget"),
+            memory_budget_microbatches=_flag(args, "seq1f1b_memory_budget_microbatches"),
+            min_segment_length=_flag(args, "seq1f1b_min_segment_length", DEFAULT_MIN_SEGMENT)))
     else:
         install(args.seq1f1b_splits, args.seq1f1b_partition,
                 schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE))
