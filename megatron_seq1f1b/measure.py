@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -194,6 +195,67 @@ def calibration_cases(seq_length: int, multiple_of: int, min_segment_length: int
     return cases
 
 
+def measure_p2p(micro_batch_size: int, config, token_counts: Sequence[int],
+                reps: int = 5) -> list[list[float]]:
+    """One-way time of a pipeline message per size: ping-pong between neighbouring stages.
+
+    One neighbour pair at a time (the others wait at a barrier), the median of
+    ``reps`` after a warm-up. Returns [[bytes, seconds], ...] from every pair
+    (collective over the world).
+    """
+    import statistics
+
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    pp_rank, p = group.rank(), group.size()
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    rows = []
+    for stage in range(p - 1):
+        dist.barrier()
+        if pp_rank not in (stage, stage + 1):
+            continue
+        peer = dist.get_global_rank(group, stage + 1 if pp_rank == stage else stage)
+        for tokens in token_counts:
+            tensor = torch.zeros(tokens // tp, micro_batch_size, config.hidden_size,
+                                 dtype=config.pipeline_dtype or torch.float32, device=device)
+            samples = []
+            for rep in range(reps + 1):
+                _synchronize()
+                start = time.perf_counter()
+                if pp_rank == stage:
+                    dist.send(tensor, peer)
+                    dist.recv(tensor, peer)
+                else:
+                    dist.recv(tensor, peer)
+                    dist.send(tensor, peer)
+                _synchronize()
+                if rep:
+                    samples.append((time.perf_counter() - start) / 2)
+            if pp_rank == stage:
+                rows.append([float(tensor.numel() * tensor.element_size()),
+                             statistics.median(samples)])
+    dist.barrier()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows)
+    return [row for part in gathered for row in part]
+
+
+def message_fit(rows: list[list[float]], micro_batch_size: int, config):
+    """Seconds per message as a :class:`~megatron_seq1f1b.planner.Fit` in tokens of a
+    segment (``a`` per token, ``d`` fixed), from :func:`measure_p2p`'s [bytes, seconds]."""
+    from megatron_seq1f1b.bench.fit import fit_p2p
+    from megatron_seq1f1b.planner import Fit
+
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    element = torch.empty((), dtype=config.pipeline_dtype or torch.float32).element_size()
+    bytes_per_token = micro_batch_size * config.hidden_size * element / tp
+    fit = fit_p2p(rows)
+    return Fit(fit["beta"] * bytes_per_token, 0.0, fit["alpha"])
+
+
 def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator | None,
                         seq_length: int, micro_batch_size: int, *,
                         min_segment_length: int = 128, reps: int = 2):
@@ -236,9 +298,15 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
                            group=parallel_state.get_pipeline_model_parallel_group())
     samples = {key: rows for part, _ in gathered for key, rows in part.items()}
     bytes_per_token = max(h for _, h in gathered) / (seq_length * micro_batch_size)
-    calibration = [Calibration.from_samples(
+    message = None
+    if pp > 1:
+        tokens = sorted({n for case in cases for n in case})
+        message = message_fit(measure_p2p(micro_batch_size, config, tokens), micro_batch_size,
+                              config)
+    calibration = [replace(Calibration.from_samples(
         samples, source=f"measured at start-up, cases {cases}"
-                        + (", W timed apart" if split_weights else ""),
-        bytes_per_token=bytes_per_token or None)]
+                        + (", W timed apart" if split_weights else "")
+                        + (", messages timed" if message else ""),
+        bytes_per_token=bytes_per_token or None), message=message)]
     dist.broadcast_object_list(calibration, src=0)
     return calibration[0]

@@ -20,7 +20,8 @@ their receives placed from the plan's per-segment costs
 (:attr:`Plan.segment_costs`, as the executor's ``pipeline_steps`` does with
 its costs), and every rank's steps are replayed with rendezvous messages
 (``send_slack=0``: NCCL, where a step waits for all its transfers; 1: gloo,
-where sends finish a step later, see :mod:`megatron_seq1f1b.p2p`). Plans the
+where sends finish a step later, see :mod:`megatron_seq1f1b.p2p`), a step
+that exchanges tensors paying the calibration's message time. Plans the
 executor would refuse (deadlock, link order) are left out.
 
 Memory is the peak of activations held on a stage, in micro-batches of that
@@ -36,6 +37,7 @@ Calibration file (JSON, :func:`save_calibration` / :func:`load_calibration`)::
      "weight_fraction": 0.5,           # W's share of B where a stage has no "W" fit
      "source": "free text",
      "bytes_per_token": 65536,         # optional: activation bytes per token of a stage
+     "message": {"a": 2e-9, "d": 5e-5},  # optional: one-way message time of a segment
      "stages": [                       # pipeline order; 1 entry = the same on every stage
         {"F": {"a": 1e-6, "c": 2e-11, "d": 3e-4},   # forward of one segment
          "B": {"a": 2e-6, "c": 4e-11, "d": 5e-4},   # whole backward (input + weight grads)
@@ -121,7 +123,10 @@ class Calibration:
     Zero-bubble schedules give ``W`` the ``weight`` fit, else
     ``weight_fraction`` of the backward. ``bytes_per_token``: activation bytes
     one token of one sample leaves on the most loaded stage (measured at
-    start-up), which turns the plans' memory into bytes.
+    start-up), which turns the plans' memory into bytes. ``message``: one-way
+    time of a pipeline message of a segment (``a`` per token, ``d`` fixed);
+    each candidate is replayed with its segments' mean as the latency of every
+    step that exchanges tensors.
     """
 
     stages: tuple[StageCosts, ...]
@@ -130,6 +135,7 @@ class Calibration:
     unit: str = "s"
     source: str = ""
     bytes_per_token: float | None = None
+    message: Fit | None = None
 
     def __post_init__(self):
         if not self.stages:
@@ -155,6 +161,12 @@ class Calibration:
         weight = (stage.weight.time(length, end, self.quadratic) if stage.weight
                   else self.weight_fraction * backward)
         return forward, backward, min(weight, backward)
+
+    def message_latency(self, lengths: Sequence[int]) -> float:
+        """Mean one-way message time of these segments (0 without a ``message`` fit)."""
+        if self.message is None:
+            return 0.0
+        return sum(self.message.a * n + self.message.d for n in lengths) / len(lengths)
 
     def zero_bubble_times(self, stage: StageCosts, length: float, end: float
                           ) -> tuple[float, float, float]:
@@ -230,16 +242,21 @@ class Calibration:
             stages.append(entry)
         return {"format": FORMAT, "version": 1, "unit": self.unit, "quadratic": self.quadratic,
                 "weight_fraction": self.weight_fraction, "source": self.source,
-                "bytes_per_token": self.bytes_per_token, "stages": stages}
+                "bytes_per_token": self.bytes_per_token,
+                "message": fit(self.message) if self.message else None, "stages": stages}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Calibration":
         if data.get("format") != FORMAT or data.get("version") != 1:
             raise ValueError(f"not a calibration (format {FORMAT!r}, version 1): "
                              f"format={data.get('format')!r}, version={data.get('version')!r}")
-        return cls.from_fits(data["stages"], data.get("quadratic", "causal_pairs"),
-                             data.get("source", ""), float(data.get("weight_fraction", 0.5)),
-                             data.get("unit", "s"), data.get("bytes_per_token"))
+        calibration = cls.from_fits(
+            data["stages"], data.get("quadratic", "causal_pairs"), data.get("source", ""),
+            float(data.get("weight_fraction", 0.5)), data.get("unit", "s"),
+            data.get("bytes_per_token"))
+        message = data.get("message")
+        return replace(calibration, message=Fit(float(message["a"]), 0.0, float(message["d"]))
+                       ) if message else calibration
 
 
 def save_calibration(calibration: Calibration, path: str | Path) -> None:
@@ -292,14 +309,15 @@ def placement_costs(calibration: Calibration, lengths: Sequence[int], num_stages
 
 def predict(schedule: Schedule, num_model_chunks: int, cost: CostFn,
             costs: Sequence[tuple[float, float, float]] | None = None,
-            send_slack: int = 0) -> tuple[float, float]:
+            send_slack: int = 0, comm_latency: float = 0.0) -> tuple[float, float]:
     """(makespan, bubble) of the executor's steps: receives placed with ``costs`` (zero
-    bubble) or unit costs, replayed with ``cost``; ScheduleError where it would refuse."""
+    bubble) or unit costs, replayed with ``cost`` and ``comm_latency`` per exchanging
+    step; ScheduleError where it would refuse."""
     steps = plan_steps(schedule, num_model_chunks,
                        cost=segment_cost_fn(costs) if costs is not None else None)
     if costs is not None:
         check_link_order(steps)
-    timeline = replay(steps, cost, send_slack=send_slack)
+    timeline = replay(steps, cost, comm_latency=comm_latency, send_slack=send_slack)
     busy = sum(iv.end - iv.start for rank in timeline.compute for iv in rank)
     total = timeline.makespan * len(schedule)
     return timeline.makespan, (1.0 - busy / total if total else 0.0)
@@ -526,7 +544,7 @@ def _evaluate(calibration: Calibration, p: int, m: int, v: int, partition: str,
     schedule = build_schedule(p, m, len(lengths), v, schedule=name, costs=costs)
     try:
         time, bubble = predict(schedule, v, action_cost(calibration, lengths, p, v, zero_bubble),
-                               costs, send_slack)
+                               costs, send_slack, calibration.message_latency(lengths))
     except ScheduleError:
         return None
     return Plan(len(lengths), partition, lengths, name, time, bubble,
@@ -637,6 +655,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--splits", type=int, nargs="+", help="only these k")
     parser.add_argument("--partitions", nargs="+", choices=METHODS)
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES)
+    parser.add_argument("--message-latency", type=float, default=None, metavar="SECONDS",
+                        help="one-way time of a pipeline message (default: the calibration's "
+                             "message fit, else 0)")
     parser.add_argument("--send-slack", type=int, choices=(0, 1), default=0,
                         help="0: NCCL (a step waits for all its transfers); 1: gloo (sends "
                              "finish a step later)")
@@ -671,6 +692,8 @@ def main(argv=None) -> int:
         calibration = Calibration.from_cost_model(
             CostModel.from_config(config, args.vocab_size, args.dense_attention),
             args.pp * args.vpp)
+    if args.message_latency is not None:
+        calibration = replace(calibration, message=Fit(0.0, 0.0, args.message_latency))
     try:
         choice = choose_plan(
             args.seq_length, args.pp, args.microbatches, num_model_chunks=args.vpp,

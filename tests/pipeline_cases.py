@@ -332,7 +332,7 @@ def auto_plan(pp: int, model: ModelSpec, data: DataSpec, vpp: int | None = None,
     plan = func.choice.plan
     return dict(result, plan=[plan.num_splits, plan.partition, list(plan.lengths),
                               plan.schedule], logged=logged,
-                bytes_per_token=func.choice.plan.memory_bytes)
+                bytes_per_token=func.choice.plan.memory_bytes, source=func.choice.source)
 
 
 def fault_in_user_code(stage: int, action: str, where: str, model: ModelSpec,

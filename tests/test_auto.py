@@ -30,6 +30,8 @@ def test_auto_plans_on_the_first_call_and_equals_no_pipelining(ranks, vpp):
     logged = [r["logged"] for r in results if r["rank"] == 0][0]
     assert len(logged) == 1 and " wins: " in logged[0] and " MiB" in logged[0], logged
     assert all(r["bytes_per_token"] > 0 for r in results)  # measured activation bytes
+    assert all("W timed apart" in r["source"] and "messages timed" in r["source"]
+               for r in results), results[0]["source"]
 
 
 def test_auto_budget_nothing_fits_is_one_clear_error_on_every_rank(ranks):

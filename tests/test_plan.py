@@ -345,10 +345,23 @@ def test_deferral_overhead_measured_for_b_can_cost_zero_bubble_the_win():
     assert schedule(cheap) != "1f1b"
 
 
+def test_message_latency_favours_fewer_segments():
+    """Every step that exchanges tensors pays the message time: more segments, more steps."""
+    base = table(**TABLES["attention"])
+    free = plan("attention", calibration=base, schedules=["1f1b"]).plan
+    slow = plan("attention", calibration=replace(base, message=Fit(0.0, 0.0, SEQ / 8)),
+                schedules=["1f1b"]).plan
+    assert slow.num_splits < free.num_splits, (slow.describe(), free.describe())
+    assert slow.time > free.time
+    per_token = replace(base, message=Fit(0.5, 0.0, 2.0))
+    assert per_token.message_latency([6, 2]) == pytest.approx(0.5 * 4 + 2.0)
+
+
 def test_calibration_round_trip(tmp_path):
     cal = table(**TABLES["zero_bubble"], skew=[1.2, 1.0, 1.0, 0.9])
     stages = (replace(cal.stages[0], input=Fit(1.1, 0.0, 0.01)),) + cal.stages[1:]
-    cal = Calibration(stages, "rectangle", 0.4, "s", "round trip", bytes_per_token=3e4)
+    cal = Calibration(stages, "rectangle", 0.4, "s", "round trip", bytes_per_token=3e4,
+                      message=Fit(2e-9, 0.0, 5e-5))
     path = tmp_path / "calib.json"
     save_calibration(cal, path)
     assert load_calibration(path) == cal

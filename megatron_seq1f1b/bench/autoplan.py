@@ -9,11 +9,13 @@ checks the planner's choice against a measured sweep of k in the same processes.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from megatron_seq1f1b.bench.calibration import CalibrationSamples
 from megatron_seq1f1b.bench.predict import matching_mode
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.checks import segment_multiple
+from megatron_seq1f1b.measure import message_fit
 from megatron_seq1f1b.planner import BudgetError, Calibration, Plan, choose_plan
 
 
@@ -27,6 +29,9 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
     mode = matching_mode(samples.modes, shared_cores)
     calibration = Calibration.from_samples(
         samples.raw[mode]["plain"], source=f"benchmark calibration ({mode}), cases {samples.cases}")
+    if samples.p2p_rows:  # messages timed as the start-up measurement times them
+        calibration = replace(calibration, message=message_fit(
+            samples.p2p_rows, args.micro_batch_size, config))
     try:
         choice = choose_plan(
             args.seq_length, args.pp, args.microbatches, micro_batch_size=args.micro_batch_size,

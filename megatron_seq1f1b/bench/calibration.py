@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from megatron_seq1f1b.bench.layouts import Layout
 from megatron_seq1f1b.bench.lineup import segment_lengths
-from megatron_seq1f1b.bench.ranks import local_device, say, synchronize
+from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.checks import segment_multiple
 from megatron_seq1f1b.measure import calibration_cases as startup_cases
-from megatron_seq1f1b.measure import time_cases
+from megatron_seq1f1b.measure import measure_p2p, time_cases
 from megatron_seq1f1b.megatron_lm import AUTO
 from megatron_seq1f1b.partition import split_sequence
 
@@ -109,50 +106,6 @@ def calibrate_layout(layout: Layout, cases: list[list[int]], batch: dict, forwar
     return merged
 
 
-def measure_p2p(args: argparse.Namespace, config, token_counts: list[int],
-                reps: int = 5) -> list[list[float]]:
-    """One-way time of a pipeline message per size: ping-pong between neighbouring stages.
-
-    One neighbour pair at a time (the others wait at a barrier). Returns
-    [[bytes, seconds], ...] from every pair (collective).
-    """
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_pipeline_model_parallel_group()
-    pp_rank, p = group.rank(), group.size()
-    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    device = local_device()
-    rows = []
-    for stage in range(p - 1):
-        dist.barrier()
-        if pp_rank not in (stage, stage + 1):
-            continue
-        peer = dist.get_global_rank(group, stage + 1 if pp_rank == stage else stage)
-        for tokens in token_counts:
-            tensor = torch.zeros(tokens // tp, args.micro_batch_size, config.hidden_size,
-                                 dtype=config.pipeline_dtype, device=device)
-            samples = []
-            for rep in range(reps + 1):
-                synchronize()
-                start = time.perf_counter()
-                if pp_rank == stage:
-                    dist.send(tensor, peer)
-                    dist.recv(tensor, peer)
-                else:
-                    dist.recv(tensor, peer)
-                    dist.send(tensor, peer)
-                synchronize()
-                if rep:
-                    samples.append((time.perf_counter() - start) / 2)
-            if pp_rank == stage:
-                rows.append([float(tensor.numel() * tensor.element_size()),
-                             statistics.median(samples)])
-    dist.barrier()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rows)
-    return [row for part in gathered for row in part]
-
-
 def calibrate(args: argparse.Namespace, layouts: dict[str, Layout], batch: dict,
               forward_step: Callable) -> CalibrationSamples:
     """Segment costs of every layout in each --calib-mode, then (pp > 1) message times.
@@ -172,5 +125,5 @@ def calibrate(args: argparse.Namespace, layouts: dict[str, Layout], batch: dict,
     p2p_rows = None
     if args.pp > 1:
         token_counts = sorted({n for case in cases for n in case})
-        p2p_rows = measure_p2p(args, layouts["plain"].config, token_counts)
+        p2p_rows = measure_p2p(args.micro_batch_size, layouts["plain"].config, token_counts)
     return CalibrationSamples(cases, modes, raw, p2p_rows)
