@@ -179,7 +179,7 @@ def auto_plan_lines(auto: dict) -> list[str]:
              f"Chosen (from the {plan['calibration_mode']} calibration, send slack "
              f"{plan['send_slack']}): k={plan['k']} {plan['partition']} {plan['schedule']}, "
              f"segments {'/'.join(map(str, plan['lengths']))}; predicted "
-             f"{plan['predicted_s'] * 1e3:.0f} ms (the planner's replay, no p2p latency), "
+             f"{plan['predicted_s'] * 1e3:.0f} ms (the planner's replay, with its message time), "
              f"measured median {auto['auto_median_s'] * 1e3:.0f} ms: prediction error "
              f"**{auto['prediction_error']:+.1%}**.", ""]
     if auto["best_key"] is None:
