@@ -26,8 +26,6 @@ import torch
 
 from megatron_seq1f1b.checks import ConfigError
 
-GIB = 2.0 ** 30
-
 
 @contextlib.contextmanager
 def _untouched_state(chunks: list):
@@ -72,7 +70,7 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
     from megatron_seq1f1b.checks import segment_multiple
     from megatron_seq1f1b.measure import measure_calibration
     from megatron_seq1f1b.model import dense_attention
-    from megatron_seq1f1b.planner import BudgetError, choose_plan
+    from megatron_seq1f1b.planner import GIB, BudgetError, choose_plan
 
     config = get_model_config(chunks[0])
     try:
