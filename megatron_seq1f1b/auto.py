@@ -70,7 +70,7 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
     from megatron_seq1f1b.checks import segment_multiple
     from megatron_seq1f1b.measure import measure_calibration
     from megatron_seq1f1b.model import dense_attention
-    from megatron_seq1f1b.planner import GIB, BudgetError, choose_plan
+    from megatron_seq1f1b.planner import GIB, MEASURED_TIE_TOLERANCE, BudgetError, choose_plan
 
     config = get_model_config(chunks[0])
     try:
@@ -91,6 +91,7 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
             dense_attention=dense_attention(chunks), min_segment_length=min_segment_length,
             multiple_of=segment_multiple(config),
             send_slack=0 if torch.cuda.is_available() else 1,  # NCCL steps wait for sends
+            tie_tolerance=MEASURED_TIE_TOLERANCE,  # closer predictions are within its noise
         )
     except BudgetError as exc:  # the same on every rank: all stop, none waits
         raise ConfigError([f"--seq1f1b-splits auto: {exc}"]) from None

@@ -80,8 +80,8 @@ GIB = 2.0 ** 30
 
 __all__ = [
     "Fit", "StageCosts", "Calibration", "Plan", "PlanChoice", "BudgetError", "choose_plan",
-    "format_table", "explain", "save_calibration", "load_calibration", "activation_peak",
-    "action_cost", "placement_costs", "predict", "main",
+    "format_table", "explain", "MEASURED_TIE_TOLERANCE", "save_calibration",
+    "load_calibration", "activation_peak", "action_cost", "placement_costs", "predict", "main",
 ]
 
 
@@ -383,7 +383,7 @@ class PlanChoice:
     source: str = ""  # where the costs came from (the calibration's source)
 
     def table(self) -> str:
-        return format_table(self.candidates, self.plan)
+        return format_table(self.candidates, self.plan, self.reason)
 
 
 class BudgetError(ValueError):
@@ -414,6 +414,24 @@ def _memory_key(plan: Plan) -> tuple:
     return (_q(plan.memory),) + _rank_key(plan)
 
 
+# Within the tie tolerance, the plan that leans least on the cost model: the 1F1B schedule
+# (zero bubble's win rests on B/W split and W placement), then the FLOP-balanced partition
+# (machine-independent), then the fitted one; among those the fastest prediction.
+PREFERRED_PARTITIONS = ("balanced", "measured", "uniform")
+MEASURED_TIE_TOLERANCE = 0.02  # measured costs: predictions this close are a tie
+
+
+def _robust_key(plan: Plan) -> tuple:
+    return (SCHEDULES.index(plan.schedule), PREFERRED_PARTITIONS.index(plan.partition)
+            if plan.num_splits > 1 else 0) + _rank_key(plan)
+
+
+def _pick(feasible: Sequence[Plan], tie_tolerance: float) -> Plan:
+    """The fastest plan, or with a tolerance, the most robust one predicted that close to it."""
+    limit = feasible[0].time * (1 + tie_tolerance)
+    return min((c for c in feasible if _q(c.time) <= _q(limit)), key=_robust_key)
+
+
 def _split_counts(seq_length: int, multiple_of: int, min_segment_length: int,
                   max_splits: int) -> list[int]:
     limit = min(max_splits, seq_length // max(min_segment_length, 1), seq_length // multiple_of)
@@ -442,6 +460,7 @@ def choose_plan(
     partitions: Sequence[str] | None = None,
     schedules: Sequence[str] | None = None,
     send_slack: int = 0,
+    tie_tolerance: float = 0.0,
 ) -> PlanChoice:
     """The fastest (k, partition, schedule) within the memory budget, and all candidates.
 
@@ -453,9 +472,15 @@ def choose_plan(
     largest with segments of at least ``min_segment_length`` tokens (at most
     ``max_splits``), or over ``splits``. ``send_slack``: 0 for NCCL, 1 for
     gloo (see the module docstring). Deterministic: ties go to less
-    memory, fewer splits, then METHODS and SCHEDULES order. Raises
+    memory, fewer splits, then METHODS and SCHEDULES order. ``tie_tolerance``
+    (relative; :data:`MEASURED_TIE_TOLERANCE` for measured costs): plans
+    predicted within it of the fastest count as equally fast, and the one
+    that leans least on the cost model wins (1F1B over zero bubble, then the
+    balanced, measured, uniform partition; then the fastest). Raises
     :class:`BudgetError` if nothing fits.
     """
+    if not 0 <= tie_tolerance < 1:
+        raise ValueError(f"tie_tolerance must be in [0, 1), got {tie_tolerance}")
     p, m, v = num_stages, num_microbatches, num_model_chunks
     if bytes_per_token is None and calibration is not None:
         bytes_per_token = calibration.bytes_per_token
@@ -515,7 +540,8 @@ def choose_plan(
             f"reachable is {smallest.memory_text()}, by {smallest.describe()} (lengths "
             f"{list(smallest.lengths)}); raise the budget, or allow more splits "
             f"(max_splits={max_splits}, min_segment_length={min_segment_length})", smallest)
-    return PlanChoice(feasible[0], ranked, explain(ranked, feasible[0]), calibration.source)
+    chosen = _pick(feasible, tie_tolerance)
+    return PlanChoice(chosen, ranked, explain(ranked, chosen, tie_tolerance), calibration.source)
 
 
 def _options(partitions, schedules, have_flops: bool, chunks: int) -> tuple[list, list]:
@@ -562,10 +588,20 @@ def _tie_reason(chosen: Plan, other: Plan) -> str:
     return f"schedule order {SCHEDULES}"
 
 
-def explain(candidates: Sequence[Plan], chosen: Plan) -> str:
+def explain(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float = 0.0) -> str:
     """One line: why `chosen` won over the others."""
     ranked = sorted(candidates, key=_rank_key)
     faster = [c for c in ranked if _rank_key(c) < _rank_key(chosen)]
+    over = [c for c in faster if c.within_budget is False]
+    budget = (f"; {len(over)} faster plan(s) exceed the memory budget, e.g. "
+              f"{over[0].describe()} (needs {over[0].memory_text()})" if over else "")
+    fastest = next(c for c in ranked if c.within_budget is not False)
+    if fastest != chosen:
+        return (f"{chosen.describe()} wins: predicted {chosen.time / fastest.time - 1:.1%} "
+                f"slower than the fastest{' within the budget' if over else ''}, "
+                f"{fastest.describe()}, which is within the tie tolerance of "
+                f"{tie_tolerance:.0%}, and it leans less on the cost model "
+                f"({_robust_reason(chosen, fastest)}){budget}")
     rest = [c for c in ranked if _rank_key(c) > _rank_key(chosen)
             and c.within_budget is not False]
     if rest:
@@ -586,6 +622,12 @@ def explain(candidates: Sequence[Plan], chosen: Plan) -> str:
             f"{best.memory_text()}); {versus}")
 
 
+def _robust_reason(chosen: Plan, fastest: Plan) -> str:
+    if chosen.schedule != fastest.schedule:
+        return f"{chosen.schedule} rather than {fastest.schedule}"
+    return f"the {chosen.partition} partition rather than the {fastest.partition} one"
+
+
 def _time_text(value: float, unit: str) -> str:
     return f"{value * 1e3:.2f} ms" if unit == "s" else f"{value:.4g} {unit}"
 
@@ -596,7 +638,7 @@ def _lengths_text(lengths: Sequence[int]) -> str:
     return f"{lengths[0]},{lengths[1]},..,{lengths[-1]}"
 
 
-def format_table(candidates: Sequence[Plan], chosen: Plan) -> str:
+def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = None) -> str:
     """All candidates, fastest first (``*`` = chosen), then why the winner won."""
     ranked = sorted(candidates, key=_rank_key)
     best = ranked[0].time
@@ -612,7 +654,7 @@ def format_table(candidates: Sequence[Plan], chosen: Plan) -> str:
             f"{'*' if c == chosen else ' '} {c.num_splits:>3} {c.partition:<9} {c.schedule:<8} "
             f"{_time_text(c.time, c.unit):>14} {c.time / best - 1:>+8.1%} {c.bubble:>7.1%} "
             f"{c.memory:>12.2f}{gib} {budget:>6}  {_lengths_text(c.lengths)}")
-    lines.append(explain(ranked, chosen))
+    lines.append(reason or explain(ranked, chosen))
     return "\n".join(lines)
 
 
@@ -661,6 +703,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--send-slack", type=int, choices=(0, 1), default=0,
                         help="0: NCCL (a step waits for all its transfers); 1: gloo (sends "
                              "finish a step later)")
+    parser.add_argument("--tie-tolerance", type=float, default=None, metavar="FRACTION",
+                        help="plans predicted this close to the fastest count as a tie, won by "
+                             "1F1B over zero bubble, then balanced/measured/uniform (default: "
+                             f"{MEASURED_TIE_TOLERANCE} with --calibration, measured costs; 0 "
+                             "with FLOP costs)")
     parser.add_argument("--json", help="write the choice and all candidates here")
     parser.add_argument("--save-calibration", help="write the costs used as a calibration file")
     return parser.parse_args(argv)
@@ -703,7 +750,9 @@ def main(argv=None) -> int:
             memory_budget_bytes=args.memory_budget_gib * GIB if args.memory_budget_gib else None,
             bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,
             max_splits=args.max_splits, multiple_of=args.multiple_of, splits=args.splits,
-            partitions=args.partitions, schedules=args.schedules, send_slack=args.send_slack)
+            partitions=args.partitions, schedules=args.schedules, send_slack=args.send_slack,
+            tie_tolerance=(args.tie_tolerance if args.tie_tolerance is not None else
+                           MEASURED_TIE_TOLERANCE if args.calibration else 0.0))
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(f"seq_length {args.seq_length}, p={args.pp}, v={args.vpp}, m={args.microbatches}, "

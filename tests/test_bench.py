@@ -1,5 +1,6 @@
 """The pure parts of megatron_seq1f1b.bench: fits, cost functions, replay with shared cores."""
 
+import statistics
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -201,6 +202,65 @@ def test_splits_auto_adds_the_sweep_and_auto_rows():
     assert "seq1f1b-auto" not in fixed.schedules and "seq1f1b-balanced" in fixed.schedules
     for bad in (["--splits", "auto", "--no-calibration"], ["--memory-budget", "2"],
                 ["--splits", "0"], ["--splits", "many"], ["--sweep-splits", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_confirmation_rounds_decide_against_the_closest_rivals(monkeypatch):
+    import math
+
+    from megatron_seq1f1b.bench import runner
+    from megatron_seq1f1b.bench.cli import parse_args
+    from megatron_seq1f1b.bench.markdown import confirmation_lines
+    from megatron_seq1f1b.bench.summary import (
+        auto_vs_sweep, closest_rivals, confirmation, ratio_interval,
+    )
+
+    sweep = [_measured(f"seq1f1b-k{k}", [t, t], [1]) for k, t in ((2, 3.0), (4, 1.0), (8, 1.5))]
+    auto = _measured("seq1f1b-auto", [1.2, 1.2], [1])
+    assert [s.key for s in closest_rivals([auto, *sweep], 2)] == ["seq1f1b-k4", "seq1f1b-k8"]
+
+    order = []  # mirrored: auto first, then auto last
+    monkeypatch.setattr(runner, "say", lambda text: None)
+    monkeypatch.setattr(runner, "run_once", lambda s, *a, **kw: order.append(s.key) or
+                        {"time": {"seq1f1b-auto": 1.0, "seq1f1b-k4": 0.99,
+                                  "seq1f1b-k8": 1.05}[s.key]})
+    times = runner.confirm_rounds(auto, sweep[1:], 2, [], None, None, None, 8)
+    assert order == ["seq1f1b-auto", "seq1f1b-k4", "seq1f1b-k8",
+                     "seq1f1b-k8", "seq1f1b-k4", "seq1f1b-auto"]
+    assert times == {"seq1f1b-auto": [1.0, 1.0], "seq1f1b-k4": [0.99, 0.99],
+                     "seq1f1b-k8": [1.05, 1.05]}
+
+    mean, low, high = ratio_interval([0.9, 1.1])
+    assert mean == pytest.approx(math.sqrt(0.99))
+    assert low < mean < high and math.log(high / mean) == pytest.approx(
+        12.71 * statistics.stdev([math.log(0.9), math.log(1.1)]) / math.sqrt(2))
+    jitter = [1.0, 1.01, 0.99, 1.0]
+    sure = confirmation({"seq1f1b-auto": [1.0] * 4, "seq1f1b-k4": [0.99 * j for j in jitter],
+                         "seq1f1b-k8": [1.05] * 4})
+    assert sure["against"] == "seq1f1b-k4" and sure["ratio"] == pytest.approx(0.99, rel=1e-3)
+    assert sure["verdict"] == "hit" and sure["hit"] and sure["interval"][0] > 0.97
+    far = confirmation({"seq1f1b-auto": [1.0] * 4, "seq1f1b-k4": [0.9 * j for j in jitter]})
+    assert far["verdict"] == "miss" and not far["hit"]
+    noisy = confirmation({"seq1f1b-auto": [1.0] * 4, "seq1f1b-k4": [0.9, 1.1, 0.93, 1.05]})
+    assert noisy["verdict"].endswith("within noise")
+    text = "\n".join(confirmation_lines(sure, 0.97))
+    assert "auto / seq1f1b-k4 = **0.990**" in text and "**hit**" in text and "seq1f1b-k8" in text
+
+    rows = summarize([_measured("seq1f1b-k4", [1.0], [1]), _measured("seq1f1b-auto", [1.2], [1])],
+                     tokens_per_iter=8)
+    plan = {"predicted_s": 1.0}
+    assert auto_vs_sweep(rows, plan)["hit"] is False  # the sweep's runs alone: 0.83
+    confirmed = auto_vs_sweep(rows, plan, confirmed=sure)
+    assert confirmed["hit"] is True and confirmed["ratio"] == pytest.approx(1 / 1.2)
+
+    assert parse_args(["--splits", "auto", "--sweep-splits", "2"]).confirm_rounds == 8
+    assert parse_args(["--splits", "auto"]).confirm_rounds == 0
+    assert parse_args(["--splits", "auto", "--sweep-splits", "2", "--confirm-rounds", "0"]
+                      ).confirm_rounds == 0
+    for bad in (["--confirm-rounds", "4"], ["--splits", "auto", "--confirm-rounds", "4"],
+                ["--splits", "auto", "--sweep-splits", "2", "--confirm-rounds", "-1"],
+                ["--splits", "auto", "--sweep-splits", "2", "--confirm-rivals", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

@@ -112,7 +112,7 @@ def test_benchmark_auto_plan_beside_a_sweep(tmp_path):
            "--num-layers", "2", "--num-attention-heads", "2", "--vocab-size", "64",
            "--iters", "2", "--warmup", "1", "--no-timelines", "--calib-reps", "1",
            "--calib-mode", "concurrent", "--predict-pp", "2", "--predict-microbatches", "2",
-           "--out", str(out)]
+           "--confirm-rounds", "2", "--confirm-rivals", "1", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "first-iteration loss" in done.stdout and "OK)" in done.stdout, done.stdout[-3000:]
@@ -135,8 +135,15 @@ def test_benchmark_auto_plan_beside_a_sweep(tmp_path):
     best = max(rows["seq1f1b-k1"]["tokens_per_s"], rows["seq1f1b-k2"]["tokens_per_s"])
     assert auto["best_tokens_per_s"] == best
     assert auto["ratio"] == pytest.approx(rows["seq1f1b-auto"]["tokens_per_s"] / best)
-    assert auto["paired_ratio"] > 0 and auto["hit"] == (auto["ratio"] >= 0.97)
+    assert auto["paired_ratio"] > 0
+    confirmed = auto["confirmation"]  # new runs of auto and the fastest sweep row decide
+    assert confirmed["rounds"] == 2 and confirmed["against"] in ("seq1f1b-k1", "seq1f1b-k2")
+    assert list(confirmed["rivals"]) == [confirmed["against"]]
+    assert len(confirmed["rivals"][confirmed["against"]]["ratios"]) == 2
+    assert auto["hit"] == (confirmed["ratio"] >= 0.97)
+    assert "[confirm 2/2]" in done.stdout
     assert "seq1f1b-auto" in result["predictions"][0]["schedules"]
     text = (out / "results.md").read_text()
     assert "## Automatic plan vs a sweep of k" in text and "prediction error" in text
+    assert "Confirmation (2 more rounds" in text
     assert "Automatic plan vs a sweep of k" in done.stdout  # results.md is printed

@@ -432,3 +432,58 @@ def test_cli_module_runs_from_flops():
          "--num-attention-heads", "8", "--vocab-size", "32000", "--max-splits", "3"],
         capture_output=True, text=True, check=True, timeout=60)
     assert "FLOP" in done.stdout and "chosen:" in done.stdout
+
+
+# ------------------------------------------------------------------ tie tolerance
+
+PREFERRED = ("balanced", "measured", "uniform")  # the planner's order for near-ties
+
+
+def brute_tolerant(name, tolerance, budget=None):
+    """Among brute-force plans within `tolerance` of the fastest (within the budget): 1F1B
+    before zero bubble, then balanced, measured, uniform, then the usual ranking."""
+    _, found = brute_force(name)
+    named = {}  # the same lengths under several partition names: the first in METHODS order
+    for f in sorted(found, key=lambda f: METHODS.index(f[5])):
+        named.setdefault((f[2], f[7], f[6]), f)
+    feasible = [f for f in named.values() if budget is None or f[1] <= budget + 1e-9]
+    fastest = min(f[0] for f in feasible)
+    close = [f for f in feasible if f[0] <= fastest * (1 + tolerance) * (1 + 1e-12)]
+    return min(close, key=lambda f: (SCHEDULES.index(f[6]), PREFERRED.index(f[5]) if f[2] > 1
+                                     else 0, round(f[0], 6), round(f[1], 6), f[2],
+                                     METHODS.index(f[5]), SCHEDULES.index(f[6])))
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+@pytest.mark.parametrize("tolerance", [0.01, 0.05])
+def test_tie_tolerance_choice_equals_brute_force(name, tolerance):
+    f = brute_tolerant(name, tolerance)
+    got = plan(name, tie_tolerance=tolerance).plan
+    assert (got.num_splits, got.partition, got.schedule, got.lengths) == (f[2], f[5], f[6], f[7])
+
+
+def test_tie_tolerance_takes_1f1b_over_a_zero_bubble_win_inside_it():
+    exact = plan("zero_bubble")
+    fastest = exact.plan
+    assert fastest.schedule != "1f1b"
+    best_1f1b = min(c.time for c in exact.candidates if c.schedule == "1f1b")
+    gap = best_1f1b / fastest.time - 1
+    assert 0 < gap < 0.5
+    assert plan("zero_bubble", tie_tolerance=0.0) == exact
+    below = plan("zero_bubble", tie_tolerance=gap * 0.99).plan
+    assert below.schedule != "1f1b"
+    inside = plan("zero_bubble", tie_tolerance=gap * 1.01)
+    assert inside.plan.schedule == "1f1b" and inside.plan.time <= fastest.time * (1 + gap * 1.01)
+    assert "tie tolerance" in inside.reason and fastest.describe() in inside.reason
+    assert inside.table().splitlines()[-1] == inside.reason
+
+
+def test_tie_tolerance_keeps_the_budget():
+    free = plan("attention").plan
+    budget = free.memory * 0.9
+    f = brute_tolerant("attention", 0.05, budget)
+    got = plan("attention", memory_budget=budget, tie_tolerance=0.05)
+    assert got.plan.memory <= budget
+    assert (got.plan.num_splits, got.plan.partition, got.plan.schedule) == (f[2], f[5], f[6])
+    with pytest.raises(ValueError, match="tie_tolerance"):
+        plan("attention", tie_tolerance=-0.1)

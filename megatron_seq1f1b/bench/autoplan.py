@@ -16,7 +16,9 @@ from megatron_seq1f1b.bench.predict import matching_mode
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.checks import segment_multiple
 from megatron_seq1f1b.measure import message_fit
-from megatron_seq1f1b.planner import BudgetError, Calibration, Plan, choose_plan
+from megatron_seq1f1b.planner import (
+    MEASURED_TIE_TOLERANCE, BudgetError, Calibration, Plan, choose_plan,
+)
 
 
 def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
@@ -40,6 +42,7 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
             dense_attention=dense_attention,
             min_segment_length=args.min_segment_length, multiple_of=segment_multiple(config),
             send_slack=0 if on_gpu else 1,  # NCCL steps wait for their sends; gloo's finish later
+            tie_tolerance=MEASURED_TIE_TOLERANCE,  # as the start-up measurement's plan
         )
     except BudgetError as exc:  # the same on every rank: all stop
         raise SystemExit(f"--memory-budget {args.memory_budget}: {exc}") from None

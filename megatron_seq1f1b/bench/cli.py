@@ -32,8 +32,10 @@ from megatron_seq1f1b.bench.pictures import (
 )
 from megatron_seq1f1b.bench.predict import calibrated_predictions, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.ranks import rank0, say
-from megatron_seq1f1b.bench.runner import measure_rounds, profile_runs
-from megatron_seq1f1b.bench.summary import auto_vs_sweep, summarize
+from megatron_seq1f1b.bench.runner import confirm_rounds, measure_rounds, profile_runs
+from megatron_seq1f1b.bench.summary import (
+    auto_vs_sweep, closest_rivals, confirmation, summarize,
+)
 from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm import AUTO, splits_value
 from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT, PeakMemory
@@ -62,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="add rows seq1f1b-k<K> (balanced, 1F1B schedule) for each K")
     p.add_argument("--min-segment-length", type=int, default=128,
                    help="--splits auto: shortest segment the plan may use (tokens)")
+    p.add_argument("--confirm-rounds", type=int, default=None, metavar="N",
+                   help="--splits auto with --sweep-splits: after the measured rounds, N more "
+                        "rounds of the auto row and its closest sweep rivals alone decide the "
+                        "verdict (default 8; 0: the sweep's own runs decide)")
+    p.add_argument("--confirm-rivals", type=int, default=3, metavar="N",
+                   help="the N fastest sweep rows run in the confirmation rounds")
     p.add_argument("--memory-budget", type=float, default=None, metavar="MB",
                    help="--splits auto: most activations per stage the plan may hold, in "
                         "micro-batches of a stage")
@@ -139,6 +147,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--memory-budget / --min-segment-length steer --splits auto")
     if args.min_segment_length < 1 or (args.memory_budget is not None and args.memory_budget <= 0):
         p.error("--min-segment-length must be >= 1 and --memory-budget > 0")
+    if args.confirm_rounds is not None and not (args.splits == AUTO and args.sweep_splits):
+        p.error("--confirm-rounds checks --splits auto against --sweep-splits: give both")
+    if (args.confirm_rounds or 0) < 0 or args.confirm_rivals < 1:
+        p.error("--confirm-rounds must be >= 0 and --confirm-rivals >= 1")
+    if args.confirm_rounds is None:
+        args.confirm_rounds = 8 if args.splits == AUTO and args.sweep_splits else 0
     if any(k < 1 or k > args.seq_length for k in args.sweep_splits or ()):
         p.error(f"--sweep-splits: every K must be in 1..{args.seq_length} (--seq-length)")
     added = [sweep_key(k) for k in sorted(set(args.sweep_splits or ()))]
@@ -213,6 +227,14 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
     loadavg_start = os.getloadavg()[0]
     if not measure_rounds(schedules, batches, args, forward_step, memory, tokens_per_iter):
         return 2
+    confirmed = None
+    if plan is not None and args.confirm_rounds:  # rivals alike on every rank (max times)
+        auto_row = next(s for s in schedules if s.key == AUTO_KEY)
+        rivals = closest_rivals(schedules, args.confirm_rivals)
+        say(f"> confirmation: {args.confirm_rounds} rounds of {auto_row.key} against "
+            + ", ".join(s.key for s in rivals))
+        confirmed = confirmation(confirm_rounds(auto_row, rivals, args.confirm_rounds, batches,
+                                                args, forward_step, memory, tokens_per_iter))
     if args.profile:
         profile_runs(schedules, batches, args, forward_step, memory, out)
     if not args.no_timelines:
@@ -232,7 +254,7 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
 
     rows = summarize(schedules, tokens_per_iter)
     # printed with results.md (section "Automatic plan vs a sweep of k")
-    auto = auto_vs_sweep(rows, plan_record) if plan_record else None
+    auto = auto_vs_sweep(rows, plan_record, confirmed=confirmed) if plan_record else None
     meta = {
         "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()[0],
         "world_size": world, "dp": dp, "device": "GPU/NCCL" if on_gpu else "CPU/gloo",

@@ -186,14 +186,31 @@ def auto_plan_lines(auto: dict) -> list[str]:
         lines.append(f"Auto: {auto['auto_tokens_per_s']:.0f} tokens/s; no sweep row "
                      "(--sweep-splits) to compare with.")
     else:
-        verdict = "hit" if auto["hit"] else "miss"
+        verdict = "hit" if auto["ratio"] >= auto["target"] else "miss"  # of the sweep's runs
         lines.append(
             f"Auto {auto['auto_tokens_per_s']:.0f} tokens/s, best measured k={auto['best_k']} "
             f"({auto['best_key']}) {auto['best_tokens_per_s']:.0f} tokens/s: auto / best = "
             f"**{auto['ratio']:.3f}** (paired {auto['paired_ratio']:.3f}); target ≥ "
             f"{auto['target']:.2f}: **{verdict}**. Sweep tokens/s: "
             + ", ".join(f"k={k} {t:.0f}" for k, t in auto["sweep"]) + ".")
+    if auto.get("confirmation"):
+        lines += [""] + confirmation_lines(auto["confirmation"], auto["target"])
     lines += ["", "```", plan["table"], "```"]
+    return lines
+
+
+def confirmation_lines(confirmed: dict, target: float) -> list[str]:
+    """The confirmation rounds: auto / rival per rival, and the verdict they give."""
+    low, high = confirmed["interval"]
+    lines = [f"Confirmation ({confirmed['rounds']} more rounds of auto and its closest rivals "
+             f"alone, mirrored order): auto / {confirmed['against']} = "
+             f"**{confirmed['ratio']:.3f}** (95 % interval {low:.3f}–{high:.3f}); target ≥ "
+             f"{target:.2f}: **{confirmed['verdict']}**.", "",
+             "| rival | median ms | auto / rival (geometric mean) | 95 % interval |",
+             "|---|---:|---:|---|"]
+    for key, r in confirmed["rivals"].items():
+        lines.append(f"| {key} | {r['median_s'] * 1e3:.0f} | {r['ratio']:.3f} | "
+                     f"{r['low']:.3f}–{r['high']:.3f} |")
     return lines
 
 

@@ -142,3 +142,22 @@ def profile_runs(schedules: list[BenchSchedule], batches: list, args: argparse.N
             path = out / f"profile_{s.key}_rank{args.profile_rank}.txt"
             path.write_text(text.getvalue())
             print(f"> cProfile of {s.key} on rank {args.profile_rank}: {path}", flush=True)
+
+
+def confirm_rounds(auto: BenchSchedule, rivals: list[BenchSchedule], rounds: int,
+                   batches: list, args: argparse.Namespace, forward_step: Callable,
+                   memory: PeakMemory, tokens_per_iter: int) -> dict[str, list[float]]:
+    """More runs of the auto row and its closest rivals only; times per key.
+
+    Picking the best of many noisy rows and measuring it with the same runs favours it
+    (a maximum over samples); these runs are new samples of the few rows that matter, in
+    mirrored order (auto first, then auto last), so a drift across two rounds cancels.
+    """
+    times: dict[str, list[float]] = {s.key: [] for s in [auto, *rivals]}
+    for i in range(rounds):
+        for s in [auto, *rivals] if i % 2 == 0 else [*reversed(rivals), auto]:
+            result = run_once(s, batches, args, forward_step, memory)
+            times[s.key].append(result["time"])
+            say(f"  [confirm {i + 1}/{rounds}] {s.label:<36} {result['time'] * 1e3:8.1f} ms  "
+                f"{tokens_per_iter / result['time']:8.0f} tokens/s")
+    return times
