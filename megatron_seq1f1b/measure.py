@@ -2,8 +2,10 @@
 
 Each rank runs forward of segments 0..k-1, then backward k-1..0, of one
 micro-batch by hand (:class:`~megatron_seq1f1b.segments.SegmentRun`) on its own
-model chunks, for a few partitions; the fastest repetition counts (on a shared
-machine interference only ever adds time). The pipeline's samples are
+model chunks, for a few partitions; per segment the median repetition counts
+(the pipeline runs under the same interference; the fastest of a few was
+biased low for short segments, whose timings scatter more, so fits made many
+segments look cheap). The pipeline's samples are
 gathered, fitted (:meth:`Calibration.from_samples`) and global rank 0's
 calibration is broadcast, so every rank plans from the same numbers.
 The benchmark's calibration (:mod:`megatron_seq1f1b.bench.calibration`) times
@@ -13,6 +15,7 @@ segments with the same :func:`time_segments`.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Sequence
@@ -144,7 +147,7 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
 def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], data: Iterator | None,
                forward_step: Callable, config, micro_batch_size: int, pre: bool, post: bool,
                reps: int, split_weights: bool = False) -> tuple[Rows, int | None]:
-    """Every case's segments, the fastest of ``reps`` repetitions after one warm-up; and the
+    """Every case's segments, the median of ``reps`` repetitions after one warm-up; and the
     bytes the first case's forwards held (the fewest of the repetitions).
 
     With ``split_weights`` each repetition runs twice, whole backward and W deferred, and
@@ -167,32 +170,35 @@ def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], data: It
                     split.append(deferred)
                 if held is not None:
                     held_bytes = held.bytes if held_bytes is None else min(held_bytes, held.bytes)
-        best = fastest(whole)
+        best = typical(whole)
         if split_weights:
-            best_split = fastest(split)
+            best_split = typical(split)
             best = [row + [s[4], s[3]] for row, s in zip(best, best_split)]
         rows += best
     return rows, held_bytes
 
 
-def fastest(samples: list[Rows]) -> Rows:
-    """Per segment, each timed column's minimum over repetitions (interference only adds)."""
-    return [samples[0][j][:2] + [min(s[j][col] for s in samples)
+def typical(samples: list[Rows]) -> Rows:
+    """Per segment, each timed column's median over repetitions (what a pipeline step sees
+    on the same machine; a minimum favours the short segments, whose timings scatter more)."""
+    return [samples[0][j][:2] + [statistics.median(s[j][col] for s in samples)
                                  for col in range(2, len(samples[0][j]))]
             for j in range(len(samples[0]))]
 
 
-def calibration_cases(seq_length: int, multiple_of: int, min_segment_length: int
-                      ) -> list[list[int]]:
-    """The full sequence and uniform splits into 2, 4 and 8 (as far as segments stay long):
-    lengths and prefix ends spread enough to separate per-token, attention and fixed costs."""
+def calibration_cases(seq_length: int, multiple_of: int, min_segment_length: int,
+                      max_splits: int | None = None) -> list[list[int]]:
+    """The full sequence and uniform splits into 2, 4, 8, ... segments, down to the most the
+    planner may choose (``split_counts``): lengths and prefix ends spread enough to separate
+    per-token, attention and fixed costs, and no plan's segments shorter than a timed one
+    (a fit extrapolated to shorter segments misses their lower efficiency)."""
     from megatron_seq1f1b.partition import split_sequence
+    from megatron_seq1f1b.planner import MAX_SPLITS, split_counts
 
-    cases = [[seq_length]]
-    for k in (2, 4, 8):
-        if seq_length // k >= max(min_segment_length, multiple_of):
-            cases.append(split_sequence(seq_length, k, "uniform", multiple_of=multiple_of))
-    return cases
+    ks = split_counts(seq_length, multiple_of, min_segment_length, max_splits or MAX_SPLITS)
+    timed = [k for k in ks if k & (k - 1) == 0]  # powers of two
+    timed += [ks[-1]] if ks[-1] not in timed else []
+    return [split_sequence(seq_length, k, "uniform", multiple_of=multiple_of) for k in timed]
 
 
 def measure_p2p(micro_batch_size: int, config, token_counts: Sequence[int],
@@ -203,8 +209,6 @@ def measure_p2p(micro_batch_size: int, config, token_counts: Sequence[int],
     ``reps`` after a warm-up. Returns [[bytes, seconds], ...] from every pair
     (collective over the world).
     """
-    import statistics
-
     from megatron.core import parallel_state
 
     group = parallel_state.get_pipeline_model_parallel_group()
@@ -246,19 +250,16 @@ def measure_p2p(micro_batch_size: int, config, token_counts: Sequence[int],
 def message_fit(rows: list[list[float]], micro_batch_size: int, config):
     """Seconds per message as a :class:`~megatron_seq1f1b.planner.Fit` in tokens of a
     segment (``a`` per token, ``d`` fixed), from :func:`measure_p2p`'s [bytes, seconds]."""
-    from megatron_seq1f1b.bench.fit import fit_p2p
+    from megatron_seq1f1b.bench.fit import fit_p2p, message_bytes_per_token
     from megatron_seq1f1b.planner import Fit
 
-    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    element = torch.empty((), dtype=config.pipeline_dtype or torch.float32).element_size()
-    bytes_per_token = micro_batch_size * config.hidden_size * element / tp
     fit = fit_p2p(rows)
-    return Fit(fit["beta"] * bytes_per_token, 0.0, fit["alpha"])
+    return Fit(fit["beta"] * message_bytes_per_token(micro_batch_size, config), 0.0, fit["alpha"])
 
 
 def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator | None,
                         seq_length: int, micro_batch_size: int, *,
-                        min_segment_length: int = 128, reps: int = 2):
+                        min_segment_length: int = 128, reps: int = 3):
     """This pipeline's calibration, identical on every rank (collective over the world).
 
     ``chunks``: this rank's model chunks (Seq1F1B-enabled); ``data``: an

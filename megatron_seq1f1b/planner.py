@@ -415,15 +415,16 @@ def _memory_key(plan: Plan) -> tuple:
 
 
 # Within the tie tolerance, the plan that leans least on the cost model: the 1F1B schedule
-# (zero bubble's win rests on B/W split and W placement), then the FLOP-balanced partition
-# (machine-independent), then the fitted one; among those the fastest prediction.
+# (zero bubble's win rests on the B/W split and W placement), then the FLOP-balanced
+# partition (machine-independent), then the fitted one; then the fewest segments (fewer
+# steps, messages and small kernels: what per-segment fits capture worst).
 PREFERRED_PARTITIONS = ("balanced", "measured", "uniform")
 MEASURED_TIE_TOLERANCE = 0.02  # measured costs: predictions this close are a tie
 
 
 def _robust_key(plan: Plan) -> tuple:
     return (SCHEDULES.index(plan.schedule), PREFERRED_PARTITIONS.index(plan.partition)
-            if plan.num_splits > 1 else 0) + _rank_key(plan)
+            if plan.num_splits > 1 else 0, plan.num_splits) + _rank_key(plan)
 
 
 def _pick(feasible: Sequence[Plan], tie_tolerance: float) -> Plan:
@@ -432,8 +433,12 @@ def _pick(feasible: Sequence[Plan], tie_tolerance: float) -> Plan:
     return min((c for c in feasible if _q(c.time) <= _q(limit)), key=_robust_key)
 
 
-def _split_counts(seq_length: int, multiple_of: int, min_segment_length: int,
-                  max_splits: int) -> list[int]:
+MAX_SPLITS = 16  # the most segments a plan tries (and the start-up measurement times)
+
+
+def split_counts(seq_length: int, multiple_of: int, min_segment_length: int,
+                 max_splits: int = MAX_SPLITS) -> list[int]:
+    """The k a plan may use: 1 up to the most whose segments keep min_segment_length."""
     limit = min(max_splits, seq_length // max(min_segment_length, 1), seq_length // multiple_of)
     return list(range(1, max(limit, 1) + 1))
 
@@ -454,7 +459,7 @@ def choose_plan(
     memory_budget_bytes: float | None = None,
     bytes_per_token: float | None = None,
     min_segment_length: int = 128,
-    max_splits: int = 16,
+    max_splits: int = MAX_SPLITS,
     multiple_of: int | None = None,
     splits: Sequence[int] | None = None,
     partitions: Sequence[str] | None = None,
@@ -476,7 +481,7 @@ def choose_plan(
     (relative; :data:`MEASURED_TIE_TOLERANCE` for measured costs): plans
     predicted within it of the fastest count as equally fast, and the one
     that leans least on the cost model wins (1F1B over zero bubble, then the
-    balanced, measured, uniform partition; then the fastest). Raises
+    balanced, measured, uniform partition, then the fewest splits). Raises
     :class:`BudgetError` if nothing fits.
     """
     if not 0 <= tie_tolerance < 1:
@@ -498,8 +503,8 @@ def choose_plan(
         calibration = Calibration.from_cost_model(flops, p * v)
     partitions, schedules = _options(partitions, schedules, flops is not None, v)
     multiple = multiple_of or (segment_multiple(config) if config is not None else 1)
-    ks = sorted(set(splits)) if splits else _split_counts(seq_length, multiple,
-                                                          min_segment_length, max_splits)
+    ks = sorted(set(splits)) if splits else split_counts(seq_length, multiple,
+                                                         min_segment_length, max_splits)
     costs_of = {"balanced": flops, "measured": calibration}
     budgeted = memory_budget is not None or memory_budget_bytes is not None
 
@@ -625,7 +630,9 @@ def explain(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float = 0.0
 def _robust_reason(chosen: Plan, fastest: Plan) -> str:
     if chosen.schedule != fastest.schedule:
         return f"{chosen.schedule} rather than {fastest.schedule}"
-    return f"the {chosen.partition} partition rather than the {fastest.partition} one"
+    if chosen.partition != fastest.partition and chosen.num_splits > 1:
+        return f"the {chosen.partition} partition rather than the {fastest.partition} one"
+    return f"{chosen.num_splits} segments rather than {fastest.num_splits}"
 
 
 def _time_text(value: float, unit: str) -> str:

@@ -441,7 +441,8 @@ PREFERRED = ("balanced", "measured", "uniform")  # the planner's order for near-
 
 def brute_tolerant(name, tolerance, budget=None):
     """Among brute-force plans within `tolerance` of the fastest (within the budget): 1F1B
-    before zero bubble, then balanced, measured, uniform, then the usual ranking."""
+    before zero bubble, then balanced, measured, uniform, then fewer splits, then the usual
+    ranking."""
     _, found = brute_force(name)
     named = {}  # the same lengths under several partition names: the first in METHODS order
     for f in sorted(found, key=lambda f: METHODS.index(f[5])):
@@ -450,7 +451,7 @@ def brute_tolerant(name, tolerance, budget=None):
     fastest = min(f[0] for f in feasible)
     close = [f for f in feasible if f[0] <= fastest * (1 + tolerance) * (1 + 1e-12)]
     return min(close, key=lambda f: (SCHEDULES.index(f[6]), PREFERRED.index(f[5]) if f[2] > 1
-                                     else 0, round(f[0], 6), round(f[1], 6), f[2],
+                                     else 0, f[2], round(f[0], 6), round(f[1], 6),
                                      METHODS.index(f[5]), SCHEDULES.index(f[6])))
 
 

@@ -2,7 +2,7 @@
 
 Every rank runs, on its own model chunks, forward of segments 0..k-1 then
 backward k-1..0 of one micro-batch by hand (``SegmentRun``), for a few
-partitions; the fastest of ``--calib-reps`` repetitions counts. *Isolated*
+partitions; per segment the median of ``--calib-reps`` repetitions counts. *Isolated*
 runs one stage at a time (no CPU contention), *concurrent* all at once. A
 ping-pong between neighbouring stages times the pipeline messages.
 Everything here is collective; :mod:`.fit` turns the samples into costs.

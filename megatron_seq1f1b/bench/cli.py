@@ -105,8 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-calibration", action="store_true",
                    help="skip per-segment cost calibration and calibrated predictions")
     p.add_argument("--calib-reps", type=int, default=3,
-                   help="timed repetitions per calibration case (after one warm-up); the "
-                        "fastest counts")
+                   help="timed repetitions per calibration case (after one warm-up); per "
+                        "segment the median counts")
     p.add_argument("--calib-mode", choices=("isolated", "concurrent", "both"), default="both",
                    help="isolated: one pipeline stage at a time (no CPU contention); "
                         "concurrent: all stages at once")

@@ -86,15 +86,21 @@ def fit_p2p(rows: list[list[float]]) -> dict:
     return {"alpha": coef[0], "beta": coef[1], "samples": rows}
 
 
-def message_latency(p2p_fit: dict, lengths: Sequence[int], micro_batch_size: int,
-                    config) -> float:
-    """Mean one-way time of one schedule's messages (all segments occur equally often)."""
+def message_bytes_per_token(micro_batch_size: int, config) -> float:
+    """Bytes one token of a segment adds to a pipeline message (a tp shard with sequence
+    parallelism)."""
     import torch
 
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    element = torch.empty((), dtype=config.pipeline_dtype).element_size()
-    sizes = [n // tp * micro_batch_size * config.hidden_size * element for n in lengths]
-    return sum(p2p_fit["alpha"] + p2p_fit["beta"] * b for b in sizes) / len(sizes)
+    element = torch.empty((), dtype=config.pipeline_dtype or torch.float32).element_size()
+    return micro_batch_size * config.hidden_size * element / tp
+
+
+def message_latency(p2p_fit: dict, lengths: Sequence[int], micro_batch_size: int,
+                    config) -> float:
+    """Mean one-way time of one schedule's messages (all segments occur equally often)."""
+    per_token = message_bytes_per_token(micro_batch_size, config)
+    return sum(p2p_fit["alpha"] + p2p_fit["beta"] * per_token * n for n in lengths) / len(lengths)
 
 
 def virtual_fits(fits: dict, p: int, v: int) -> list[dict]:
