@@ -168,7 +168,8 @@ def _measured(key, times, peaks, vpp=None):
     return SimpleNamespace(key=key, label=key, megatron=key.startswith("1f1b"), k=1,
                            partition=None, lengths=[8], layout=SimpleNamespace(vpp=vpp),
                            times=times, peaks=[peaks] * len(times), cpu=[[1.0, 1.0]] * len(times),
-                           first_loss=1.0, timeline=None, prediction=None)
+                           first_loss=1.0, timeline=None, prediction=None, schedule="1f1b",
+                           recompute=False)
 
 
 def test_summarize_ratios_against_megatron():
@@ -254,7 +255,7 @@ def test_confirmation_rounds_decide_against_the_closest_rivals(monkeypatch):
     confirmed = auto_vs_sweep(rows, plan, confirmed=sure)
     assert confirmed["hit"] is True and confirmed["ratio"] == pytest.approx(1 / 1.2)
 
-    assert parse_args(["--splits", "auto", "--sweep-splits", "2"]).confirm_rounds == 8
+    assert parse_args(["--splits", "auto", "--sweep-splits", "2"]).confirm_rounds == 12
     assert parse_args(["--splits", "auto"]).confirm_rounds == 0
     assert parse_args(["--splits", "auto", "--sweep-splits", "2", "--confirm-rounds", "0"]
                       ).confirm_rounds == 0
@@ -263,6 +264,42 @@ def test_confirmation_rounds_decide_against_the_closest_rivals(monkeypatch):
                 ["--splits", "auto", "--sweep-splits", "2", "--confirm-rivals", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_confirmation_uses_the_sweep_row_that_runs_the_auto_plan_as_a_control():
+    import math
+
+    from megatron_seq1f1b.bench.markdown import confirmation_lines
+    from megatron_seq1f1b.bench.summary import closest_rivals, confirmation, sweep_twin
+
+    auto = _measured("seq1f1b-auto", [1.2, 1.2], [1])
+    sweep = [_measured(f"seq1f1b-k{k}", [t, t], [1]) for k, t in ((4, 1.0), (5, 1.1), (8, 1.5))]
+    sweep[1].lengths = auto.lengths = [600, 424]
+    assert sweep_twin([auto, *sweep], auto) is sweep[1]
+    # The twin is the second fastest, but beating itself is noise: not a rival.
+    assert [s.key for s in closest_rivals([auto, *sweep], 2, auto)] == ["seq1f1b-k4",
+                                                                         "seq1f1b-k8"]
+    sweep[1].schedule = "zb-h1"  # same segments, another schedule: a rival, not a twin
+    assert sweep_twin([auto, *sweep], auto) is None
+    assert len(closest_rivals([auto, *sweep], 3, auto)) == 3
+
+    # Auto's runs were unlucky (slow rounds 1 and 3); the twin's were not: pooling the two
+    # samples of one plan halves auto's noise, and the control shows how large it was.
+    times = {"seq1f1b-auto": [1.10, 1.00, 1.10, 1.00], "seq1f1b-k5": [1.00, 1.00, 1.00, 1.00],
+             "seq1f1b-k4": [1.02, 0.98, 1.02, 0.98]}
+    alone = confirmation({k: v for k, v in times.items() if k != "seq1f1b-k5"})
+    pooled = confirmation(times, twin="seq1f1b-k5")
+    assert "seq1f1b-k5" not in pooled["rivals"] and pooled["against"] == "seq1f1b-k4"
+    control = pooled["same_plan"]
+    assert control["key"] == "seq1f1b-k5"
+    assert control["ratio"] == pytest.approx(math.sqrt(1 / 1.1))  # geometric mean of 1/1.1, 1
+    assert pooled["ratio"] == pytest.approx(
+        math.exp(statistics.fmean(math.log(r / math.sqrt(a)) for a, r in
+                                  zip([1.1, 1.0, 1.1, 1.0], [1.02, 0.98, 1.02, 0.98]))))
+    assert alone["ratio"] < pooled["ratio"] < 1.0
+    assert alone["same_plan"] is None
+    text = "\n".join(confirmation_lines(pooled, 0.97))
+    assert "seq1f1b-k5 (same plan as auto: control, true ratio 1)" in text
 
 
 def test_auto_vs_sweep_ratio_and_prediction_error():

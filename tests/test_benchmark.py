@@ -140,6 +140,9 @@ def test_benchmark_auto_plan_beside_a_sweep(tmp_path):
     assert confirmed["rounds"] == 2 and confirmed["against"] in ("seq1f1b-k1", "seq1f1b-k2")
     assert list(confirmed["rivals"]) == [confirmed["against"]]
     assert len(confirmed["rivals"][confirmed["against"]]["ratios"]) == 2
+    twin = next((key for key in ("seq1f1b-k1", "seq1f1b-k2")  # runs auto's own plan
+                 if rows[key]["lengths"] == plan["lengths"] and plan["schedule"] == "1f1b"), None)
+    assert (confirmed["same_plan"] or {}).get("key") == twin and confirmed["against"] != twin
     assert auto["hit"] == (confirmed["ratio"] >= 0.97)
     assert "[confirm 2/2]" in done.stdout
     assert "seq1f1b-auto" in result["predictions"][0]["schedules"]

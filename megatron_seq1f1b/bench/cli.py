@@ -34,7 +34,7 @@ from megatron_seq1f1b.bench.predict import calibrated_predictions, shared_cores_
 from megatron_seq1f1b.bench.ranks import rank0, say
 from megatron_seq1f1b.bench.runner import confirm_rounds, measure_rounds, profile_runs
 from megatron_seq1f1b.bench.summary import (
-    auto_vs_sweep, closest_rivals, confirmation, summarize,
+    auto_vs_sweep, closest_rivals, confirmation, summarize, sweep_twin,
 )
 from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm import AUTO, splits_value
@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--confirm-rounds", type=int, default=None, metavar="N",
                    help="--splits auto with --sweep-splits: after the measured rounds, N more "
                         "rounds of the auto row and its closest sweep rivals alone decide the "
-                        "verdict (default 8; 0: the sweep's own runs decide)")
+                        "verdict (default 12; 0: the sweep's own runs decide); a sweep row that "
+                        "runs the auto plan itself joins them as a control")
     p.add_argument("--confirm-rivals", type=int, default=3, metavar="N",
                    help="the N fastest sweep rows run in the confirmation rounds")
     p.add_argument("--memory-budget", type=float, default=None, metavar="MB",
@@ -152,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if (args.confirm_rounds or 0) < 0 or args.confirm_rivals < 1:
         p.error("--confirm-rounds must be >= 0 and --confirm-rivals >= 1")
     if args.confirm_rounds is None:
-        args.confirm_rounds = 8 if args.splits == AUTO and args.sweep_splits else 0
+        args.confirm_rounds = 12 if args.splits == AUTO and args.sweep_splits else 0
     if any(k < 1 or k > args.seq_length for k in args.sweep_splits or ()):
         p.error(f"--sweep-splits: every K must be in 1..{args.seq_length} (--seq-length)")
     added = [sweep_key(k) for k in sorted(set(args.sweep_splits or ()))]
@@ -230,11 +231,14 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
     confirmed = None
     if plan is not None and args.confirm_rounds:  # rivals alike on every rank (max times)
         auto_row = next(s for s in schedules if s.key == AUTO_KEY)
-        rivals = closest_rivals(schedules, args.confirm_rivals)
+        twin = sweep_twin(schedules, auto_row)
+        rivals = closest_rivals(schedules, args.confirm_rivals, auto_row)
         say(f"> confirmation: {args.confirm_rounds} rounds of {auto_row.key} against "
-            + ", ".join(s.key for s in rivals))
-        confirmed = confirmation(confirm_rounds(auto_row, rivals, args.confirm_rounds, batches,
-                                                args, forward_step, memory, tokens_per_iter))
+            + ", ".join(s.key for s in rivals)
+            + (f"; {twin.key} runs the same plan (control)" if twin else ""))
+        times = confirm_rounds(auto_row, ([twin] if twin else []) + rivals, args.confirm_rounds,
+                               batches, args, forward_step, memory, tokens_per_iter)
+        confirmed = confirmation(times, twin=twin.key if twin else None)
     if args.profile:
         profile_runs(schedules, batches, args, forward_step, memory, out)
     if not args.no_timelines:

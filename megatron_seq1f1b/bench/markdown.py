@@ -211,6 +211,14 @@ def confirmation_lines(confirmed: dict, target: float) -> list[str]:
     for key, r in confirmed["rivals"].items():
         lines.append(f"| {key} | {r['median_s'] * 1e3:.0f} | {r['ratio']:.3f} | "
                      f"{r['low']:.3f}–{r['high']:.3f} |")
+    control = confirmed.get("same_plan")
+    if control:
+        lines.append(f"| {control['key']} (same plan as auto: control, true ratio 1) | "
+                     f"{control['median_s'] * 1e3:.0f} | {control['ratio']:.3f} | "
+                     f"{control['low']:.3f}–{control['high']:.3f} |")
+        lines += ["", f"{control['key']} runs auto's own plan: its ratio differs from 1 by "
+                  "noise alone, and per round auto's time is the geometric mean of both rows' "
+                  "runs (samples of one plan)."]
     return lines
 
 

@@ -152,6 +152,8 @@ def confirm_rounds(auto: BenchSchedule, rivals: list[BenchSchedule], rounds: int
     Picking the best of many noisy rows and measuring it with the same runs favours it
     (a maximum over samples); these runs are new samples of the few rows that matter, in
     mirrored order (auto first, then auto last), so a drift across two rounds cancels.
+    A rival may run auto's own plan (a control, see :func:`~megatron_seq1f1b.bench.summary.
+    confirmation`); it is best placed second, beside auto.
     """
     times: dict[str, list[float]] = {s.key: [] for s in [auto, *rivals]}
     for i in range(rounds):

@@ -74,9 +74,24 @@ SEQ1F1B_OF = {"seq1f1b-zb-h1": "seq1f1b-balanced", "seq1f1b-zb-h2": "seq1f1b-bal
               "seq1f1b-interleaved-zb-h1": "seq1f1b-interleaved"}
 
 
-def closest_rivals(schedules: list[BenchSchedule], count: int) -> list[BenchSchedule]:
-    """The `count` sweep rows with the shortest median time (the confirmation's rivals)."""
-    sweep = [s for s in schedules if SWEEP_KEY.fullmatch(s.key)]
+def same_plan(a: BenchSchedule, b: BenchSchedule) -> bool:
+    """Whether two rows run the same plan (segments and schedule variant) on the same layout."""
+    return (a.lengths == b.lengths and a.schedule == b.schedule and a.layout == b.layout
+            and a.megatron == b.megatron and a.recompute == b.recompute)
+
+
+def sweep_twin(schedules: list[BenchSchedule], auto: BenchSchedule) -> BenchSchedule | None:
+    """The sweep row that runs exactly the auto plan, if any: a control whose true ratio is 1."""
+    return next((s for s in schedules if SWEEP_KEY.fullmatch(s.key) and same_plan(s, auto)),
+                None)
+
+
+def closest_rivals(schedules: list[BenchSchedule], count: int,
+                   auto: BenchSchedule | None = None) -> list[BenchSchedule]:
+    """The `count` sweep rows with the shortest median time (the confirmation's rivals),
+    leaving out the row that runs ``auto``'s own plan (beating itself is noise)."""
+    sweep = [s for s in schedules if SWEEP_KEY.fullmatch(s.key)
+             and (auto is None or not same_plan(s, auto))]
     return sorted(sweep, key=lambda s: statistics.median(s.times))[:count]
 
 
@@ -96,13 +111,26 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float, float]:
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def confirmation(times: dict[str, list[float]], target: float = AUTO_TARGET) -> dict:
+def confirmation(times: dict[str, list[float]], target: float = AUTO_TARGET,
+                 twin: str | None = None) -> dict:
     """Auto's tokens/s over each rival's, per confirmation round: geometric mean with its
-    95 % interval, and the verdict against the rival that beats auto most."""
+    95 % interval, and the verdict against the rival that beats auto most.
+
+    ``twin``: the key of a row that runs auto's own plan. Its ratio (true value 1) shows
+    the measurement noise; its runs and auto's are samples of one plan, so per round
+    auto's time is the geometric mean of the two (half the variance on auto's side).
+    """
     auto = times[AUTO_KEY]
+    control = None
+    if twin is not None:
+        ratios = [t / a for a, t in zip(auto, times[twin])]
+        mean, low, high = ratio_interval(ratios)
+        control = {"key": twin, "ratios": ratios, "ratio": mean, "low": low, "high": high,
+                   "median_s": statistics.median(times[twin])}
+        auto = [math.sqrt(a * t) for a, t in zip(auto, times[twin])]
     rivals = {}
     for key, rival in times.items():
-        if key == AUTO_KEY:
+        if key in (AUTO_KEY, twin):
             continue
         ratios = [r / a for a, r in zip(auto, rival)]
         mean, low, high = ratio_interval(ratios)
@@ -113,9 +141,9 @@ def confirmation(times: dict[str, list[float]], target: float = AUTO_TARGET) -> 
     verdict = ("hit" if worst["low"] >= target else "miss" if worst["high"] < target
                else "hit within noise" if worst["ratio"] >= target else "miss within noise")
     return {"rounds": len(auto), "auto_median_s": statistics.median(auto), "rivals": rivals,
-            "against": worst_key, "ratio": worst["ratio"], "interval": [worst["low"],
-                                                                        worst["high"]],
-            "verdict": verdict, "hit": worst["ratio"] >= target}
+            "same_plan": control, "against": worst_key, "ratio": worst["ratio"],
+            "interval": [worst["low"], worst["high"]], "verdict": verdict,
+            "hit": worst["ratio"] >= target}
 
 
 def auto_vs_sweep(rows: list[dict], plan: dict, target: float = AUTO_TARGET,
