@@ -274,7 +274,7 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
 
     from megatron_seq1f1b import wgrad
     from megatron_seq1f1b.checks import segment_multiple
-    from megatron_seq1f1b.model import unwrap
+    from megatron_seq1f1b.model import dense_attention, unwrap
     from megatron_seq1f1b.planner import Calibration
 
     config = get_model_config(chunks[0])
@@ -304,10 +304,12 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
         tokens = sorted({n for case in cases for n in case})
         message = message_fit(measure_p2p(micro_batch_size, config, tokens), micro_batch_size,
                               config)
+    dense = dense_attention(chunks)
     calibration = [replace(Calibration.from_samples(
         samples, source=f"measured at start-up, cases {cases}"
                         + (", W timed apart" if split_weights else "")
-                        + (", messages timed" if message else ""),
-        bytes_per_token=bytes_per_token or None), message=message)]
+                        + (", messages timed" if message else "")
+                        + (", score rectangle (local attention)" if dense else ""),
+        bytes_per_token=bytes_per_token or None, dense_attention=dense), message=message)]
     dist.broadcast_object_list(calibration, src=0)
     return calibration[0]

@@ -214,15 +214,16 @@ class Calibration:
 
     @classmethod
     def from_samples(cls, samples: dict, quadratic: str | None = None,
-                     source: str = "measured", bytes_per_token: float | None = None
-                     ) -> "Calibration":
+                     source: str = "measured", bytes_per_token: float | None = None,
+                     dense_attention: bool = False) -> "Calibration":
         """Fit timed segments ``{(stage, chunk): [[length, end, forward_s, backward_s(,
-        weight_s)], ...]}`` (:mod:`megatron_seq1f1b.measure`'s format); the better
-        quadratic unless given."""
-        from megatron_seq1f1b.bench.fit import best_quadratic, fit_costs
+        weight_s)], ...]}`` (:mod:`megatron_seq1f1b.measure`'s format); unless given, the
+        quadratic of :func:`~megatron_seq1f1b.bench.fit.quadratic_for` (``dense_attention``:
+        the model runs Megatron's local attention, which computes the score rectangle)."""
+        from megatron_seq1f1b.bench.fit import fit_costs, quadratic_for
 
         if quadratic is None:
-            quadratic, _ = best_quadratic({"samples": samples})
+            quadratic, _ = quadratic_for({"samples": samples}, dense_attention)
         fits = fit_costs(samples, quadratic)
         order = sorted(fits, key=lambda key: (key[1], key[0]))  # chunk-major: pipeline order
         return cls.from_fits([fits[key] for key in order], quadratic, source,

@@ -32,6 +32,9 @@ def test_auto_plans_on_the_first_call_and_equals_no_pipelining(ranks, vpp):
     assert all(r["bytes_per_token"] > 0 for r in results)  # measured activation bytes
     assert all("W timed apart" in r["source"] and "messages timed" in r["source"]
                for r in results), results[0]["source"]
+    # Megatron's local attention computes every score of len x end: that shape, not the
+    # better fit, is the fits' quadratic term
+    assert all("score rectangle (local attention)" in r["source"] for r in results)
 
 
 def test_auto_budget_nothing_fits_is_one_clear_error_on_every_rank(ranks):

@@ -10,7 +10,7 @@ import torch
 
 from megatron_seq1f1b.bench.fit import (
     QUADRATIC, best_quadratic, extrapolated_fits, fit_costs, fit_p2p, fitted_cost,
-    message_latency, nonneg_lstsq, virtual_fits,
+    message_latency, nonneg_lstsq, quadratic_for, virtual_fits,
 )
 from megatron_seq1f1b.bench.predict import matching_mode, predict, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.sharing import pipeline_replay
@@ -58,6 +58,16 @@ def test_fit_costs_recovers_the_law_and_best_quadratic_picks_it(quadratic):
     assert forward["mean_rel_err"] < 1e-9 and forward["max_rel_err"] < 1e-9
     chosen, errors = best_quadratic({"plain": {(0, 0): rows}})
     assert chosen == quadratic and set(errors) == set(QUADRATIC)
+    # Megatron's local attention computes the whole score rectangle: that shape, even where
+    # the other fits better; other kernels: the better fit.
+    assert quadratic_for({"plain": {(0, 0): rows}}, dense_attention=True) == ("rectangle",
+                                                                              errors)
+    assert quadratic_for({"plain": {(0, 0): rows}}, dense_attention=False)[0] == quadratic
+    from megatron_seq1f1b.planner import Calibration
+
+    samples = {(0, 0): rows, (1, 0): rows}
+    assert Calibration.from_samples(samples).quadratic == quadratic
+    assert Calibration.from_samples(samples, dense_attention=True).quadratic == "rectangle"
 
 
 def test_fit_p2p_and_message_latency():

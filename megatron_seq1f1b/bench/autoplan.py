@@ -30,7 +30,8 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
     """
     mode = matching_mode(samples.modes, shared_cores)
     calibration = Calibration.from_samples(
-        samples.raw[mode]["plain"], source=f"benchmark calibration ({mode}), cases {samples.cases}")
+        samples.raw[mode]["plain"], source=f"benchmark calibration ({mode}), cases {samples.cases}",
+        dense_attention=dense_attention)
     if samples.p2p_rows:  # messages timed as the start-up measurement times them
         calibration = replace(calibration, message=message_fit(
             samples.p2p_rows, args.micro_batch_size, config))

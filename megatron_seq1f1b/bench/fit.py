@@ -80,6 +80,18 @@ def best_quadratic(samples_by_layout: dict) -> tuple[str, dict[str, float]]:
     return min(fit_error, key=fit_error.get), fit_error
 
 
+def quadratic_for(samples_by_layout: dict, dense_attention: bool) -> tuple[str, dict[str, float]]:
+    """The quadratic term the fits use, and both terms' fit errors (for the record).
+
+    Megatron's local attention computes every score of the ``len x end`` rectangle, masked
+    ones too: the rectangle, whatever the errors say (with a few noisy samples the wrong
+    shape sometimes fits better, and it moves the best k). Other kernels (flash attention
+    skips masked blocks, by how much depends on its tiling): the better-fitting one.
+    """
+    best, fit_error = best_quadratic(samples_by_layout)
+    return ("rectangle" if dense_attention else best), fit_error
+
+
 def fit_p2p(rows: list[list[float]]) -> dict:
     """One-way message time ``alpha + beta*bytes`` from [[bytes, seconds], ...]."""
     coef = nonneg_lstsq([[1.0, r[0]] for r in rows], [r[1] for r in rows])

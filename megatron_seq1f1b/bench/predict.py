@@ -15,13 +15,14 @@ from typing import Callable, Optional
 
 from megatron_seq1f1b.bench.calibration import CalibrationSamples
 from megatron_seq1f1b.bench.fit import (
-    best_quadratic, extrapolated_fits, fit_costs, fit_p2p, fitted_cost, message_latency,
+    extrapolated_fits, fit_costs, fit_p2p, fitted_cost, message_latency, quadratic_for,
     virtual_fits,
 )
 from megatron_seq1f1b.bench.layouts import Layout
 from megatron_seq1f1b.bench.lineup import AUTO_KEY, BenchSchedule
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.bench.sharing import pipeline_replay
+from megatron_seq1f1b.model import dense_attention
 from megatron_seq1f1b.replay import Timeline
 from megatron_seq1f1b.schedule import build_schedule
 from megatron_seq1f1b.simulate import SimResult, simulate
@@ -151,7 +152,7 @@ def calibrated_predictions(schedules: list[BenchSchedule], layouts: dict[str, La
         p2p_fit = fit_p2p(samples.p2p_rows)
         say(f"> p2p one-way time: {p2p_fit['alpha'] * 1e3:.3f} ms + "
             f"{p2p_fit['beta'] * 1e9:.3f} ns/byte ({len(samples.p2p_rows)} samples)")
-    quadratic, fit_error = best_quadratic(raw[mode_used])
+    quadratic, fit_error = quadratic_for(raw[mode_used], dense_attention(layouts["plain"].model))
     fits = {mode: {name: fit_costs(rows, quadratic) for name, rows in per.items()}
             for mode, per in raw.items()}
 
