@@ -223,9 +223,10 @@ def test_confirmation_rounds_decide_against_the_closest_rivals(monkeypatch):
     from megatron_seq1f1b.bench import runner
     from megatron_seq1f1b.bench.cli import parse_args
     from megatron_seq1f1b.bench.markdown import confirmation_lines
-    from megatron_seq1f1b.bench.summary import (
-        auto_vs_sweep, closest_rivals, confirmation, ratio_interval,
+    from megatron_seq1f1b.bench.confirm import (
+        Race, closest_rivals, confirmation, ratio_interval,
     )
+    from megatron_seq1f1b.bench.summary import auto_vs_sweep
 
     sweep = [_measured(f"seq1f1b-k{k}", [t, t], [1]) for k, t in ((2, 3.0), (4, 1.0), (8, 1.5))]
     auto = _measured("seq1f1b-auto", [1.2, 1.2], [1])
@@ -236,7 +237,7 @@ def test_confirmation_rounds_decide_against_the_closest_rivals(monkeypatch):
     monkeypatch.setattr(runner, "run_once", lambda s, *a, **kw: order.append(s.key) or
                         {"time": {"seq1f1b-auto": 1.0, "seq1f1b-k4": 0.99,
                                   "seq1f1b-k8": 1.05}[s.key]})
-    times = runner.confirm_rounds(auto, sweep[1:], 2, [], None, None, None, 8)
+    times = runner.confirm_rounds(auto, sweep[1:], Race(2), [], None, None, None, 8)
     assert order == ["seq1f1b-auto", "seq1f1b-k4", "seq1f1b-k8",
                      "seq1f1b-k8", "seq1f1b-k4", "seq1f1b-auto"]
     assert times == {"seq1f1b-auto": [1.0, 1.0], "seq1f1b-k4": [0.99, 0.99],
@@ -245,7 +246,7 @@ def test_confirmation_rounds_decide_against_the_closest_rivals(monkeypatch):
     mean, low, high = ratio_interval([0.9, 1.1])
     assert mean == pytest.approx(math.sqrt(0.99))
     assert low < mean < high and math.log(high / mean) == pytest.approx(
-        12.71 * statistics.stdev([math.log(0.9), math.log(1.1)]) / math.sqrt(2))
+        12.706 * statistics.stdev([math.log(0.9), math.log(1.1)]) / math.sqrt(2), rel=1e-3)
     jitter = [1.0, 1.01, 0.99, 1.0]
     sure = confirmation({"seq1f1b-auto": [1.0] * 4, "seq1f1b-k4": [0.99 * j for j in jitter],
                          "seq1f1b-k8": [1.05] * 4})
@@ -265,7 +266,7 @@ def test_confirmation_rounds_decide_against_the_closest_rivals(monkeypatch):
     confirmed = auto_vs_sweep(rows, plan, confirmed=sure)
     assert confirmed["hit"] is True and confirmed["ratio"] == pytest.approx(1 / 1.2)
 
-    assert parse_args(["--splits", "auto", "--sweep-splits", "2"]).confirm_rounds == 12
+    assert parse_args(["--splits", "auto", "--sweep-splits", "2"]).confirm_rounds == 40
     assert parse_args(["--splits", "auto"]).confirm_rounds == 0
     assert parse_args(["--splits", "auto", "--sweep-splits", "2", "--confirm-rounds", "0"]
                       ).confirm_rounds == 0
@@ -280,7 +281,7 @@ def test_confirmation_uses_the_sweep_row_that_runs_the_auto_plan_as_a_control():
     import math
 
     from megatron_seq1f1b.bench.markdown import confirmation_lines
-    from megatron_seq1f1b.bench.summary import closest_rivals, confirmation, sweep_twin
+    from megatron_seq1f1b.bench.confirm import Race, closest_rivals, confirmation, sweep_twin
 
     auto = _measured("seq1f1b-auto", [1.2, 1.2], [1])
     sweep = [_measured(f"seq1f1b-k{k}", [t, t], [1]) for k, t in ((4, 1.0), (5, 1.1), (8, 1.5))]
@@ -298,7 +299,7 @@ def test_confirmation_uses_the_sweep_row_that_runs_the_auto_plan_as_a_control():
     times = {"seq1f1b-auto": [1.10, 1.00, 1.10, 1.00], "seq1f1b-k5": [1.00, 1.00, 1.00, 1.00],
              "seq1f1b-k4": [1.02, 0.98, 1.02, 0.98]}
     alone = confirmation({k: v for k, v in times.items() if k != "seq1f1b-k5"})
-    pooled = confirmation(times, twin="seq1f1b-k5")
+    pooled = confirmation(times, Race(4, twin="seq1f1b-k5"))
     assert "seq1f1b-k5" not in pooled["rivals"] and pooled["against"] == "seq1f1b-k4"
     control = pooled["same_plan"]
     assert control["key"] == "seq1f1b-k5"
@@ -310,6 +311,82 @@ def test_confirmation_uses_the_sweep_row_that_runs_the_auto_plan_as_a_control():
     assert alone["same_plan"] is None
     text = "\n".join(confirmation_lines(pooled, 0.97))
     assert "seq1f1b-k5 (same plan as auto: control, true ratio 1)" in text
+
+
+def test_t_bound_is_students_t_with_the_normal_tail():
+    from megatron_seq1f1b.bench.confirm import t_bound
+
+    # Tabulated quantiles of Student's t (two-sided 5 % and 1 %).
+    for z, df, t in ((1.96, 1, 12.706), (1.96, 2, 4.303), (1.96, 7, 2.365), (1.96, 20, 2.086),
+                     (2.5758, 10, 3.169), (2.5758, 3, 5.841)):
+        assert t_bound(z, df) == pytest.approx(t, rel=2e-3)
+    assert t_bound(1.96, 10_000) == pytest.approx(1.96, rel=1e-3)
+
+
+@pytest.mark.parametrize("looks", [1, 2, 5, 9, 12])
+def test_pocock_bound_keeps_repeated_looks_at_five_percent(looks):
+    """Monte Carlo of a statistic with no true effect, looked at `looks` times (equally
+    spaced): it crosses the bound at some look with chance 5 %; 1.96 at every look would
+    cross far more often."""
+    from megatron_seq1f1b.bench.confirm import pocock
+
+    gen = torch.Generator().manual_seed(0)
+    paths = torch.randn(200_000, looks, generator=gen, dtype=torch.float64).cumsum(dim=1)
+    z = paths / torch.arange(1, looks + 1, dtype=torch.float64).sqrt()
+    crossed = (z.abs() >= pocock(looks)).any(dim=1).double().mean().item()
+    assert crossed == pytest.approx(0.05, abs=0.003)
+    if looks > 1:
+        assert (z.abs() >= 1.96).any(dim=1).double().mean().item() > 0.08
+
+
+def test_confirmation_race_drops_decided_rivals_at_looks_only(monkeypatch):
+    from megatron_seq1f1b.bench import runner
+    from megatron_seq1f1b.bench.confirm import Race, confirmation
+
+    race = Race(max_rounds=20, twin="seq1f1b-k5")
+    assert race.looks() == [8, 12, 16, 20] and race.z == pytest.approx(2.361)
+    assert Race(12).looks() == [8, 12] and Race(6).looks() == [6] and Race(6).z == 1.96
+
+    auto = _measured("seq1f1b-auto", [1.0], [1])
+    twin, close, far = (_measured(key, [1.0], [1]) for key in
+                        ("seq1f1b-k5", "seq1f1b-k6", "seq1f1b-k2"))
+    # k2 is 20 % slower than auto: decided at the first look. k6 runs auto's speed within
+    # +-10 % noise: never surely within 3 %, it races to the end. The twin runs with it.
+    wobble = [1.1, 0.9, 1.0, 1.05, 0.95]
+    runs = {"seq1f1b-auto": iter([1.0] * 40), "seq1f1b-k5": iter([1.0] * 40),
+            "seq1f1b-k6": iter(wobble * 8), "seq1f1b-k2": iter([1.2, 1.25] * 20)}
+    monkeypatch.setattr(runner, "say", lambda text: None)
+    monkeypatch.setattr(runner, "run_once", lambda s, *a, **kw: {"time": next(runs[s.key])})
+    times = runner.confirm_rounds(auto, [twin, close, far], race, [], None, None, None, 8)
+    assert {key: len(t) for key, t in times.items()} == {
+        "seq1f1b-auto": 20, "seq1f1b-k5": 20, "seq1f1b-k6": 20, "seq1f1b-k2": 8}
+    result = confirmation(times, race)
+    assert result["rivals"]["seq1f1b-k2"]["decided"] == "hit"  # auto surely within 3 %
+    assert result["rivals"]["seq1f1b-k2"]["rounds"] == 8
+    assert result["rivals"]["seq1f1b-k6"]["decided"] is None
+    assert result["against"] == "seq1f1b-k6" and result["verdict"] == "hit within noise"
+    assert result["looks"] == [8, 12, 16, 20] and result["max_rounds"] == 20
+
+    # Every rival decided early: the race ends there.
+    runs = {"seq1f1b-auto": iter([1.0] * 40), "seq1f1b-k2": iter([1.2, 1.25] * 20)}
+    times = runner.confirm_rounds(auto, [far], Race(40), [], None, None, None, 8)
+    assert len(times["seq1f1b-auto"]) == 8
+
+
+def test_confirmation_verdict_needs_every_rival_decided():
+    from megatron_seq1f1b.bench.confirm import Race, confirmation
+
+    steady = [1.0, 1.002, 0.998, 1.0] * 3
+    times = {"seq1f1b-auto": [1.0] * 12,
+             "seq1f1b-k4": [0.99 * j for j in steady],                # surely within 3 %
+             "seq1f1b-k6": [x * 1.0 for x in [0.9, 1.1, 1.05, 0.97] * 3]}  # unsure
+    result = confirmation(times, Race(12))
+    assert result["rivals"]["seq1f1b-k4"]["decided"] == "hit"
+    assert result["rivals"]["seq1f1b-k6"]["decided"] is None
+    # k4 beats auto most (0.99 < 1.0), but k6 is undecided: not a sure hit.
+    assert result["against"] == "seq1f1b-k4" and result["verdict"] == "hit within noise"
+    short = dict(times, **{"seq1f1b-k8": [0.9 * j for j in steady]})
+    assert confirmation(short, Race(12))["verdict"] == "miss"
 
 
 def test_auto_vs_sweep_ratio_and_prediction_error():

@@ -140,6 +140,7 @@ def test_benchmark_auto_plan_beside_a_sweep(tmp_path):
     assert confirmed["rounds"] == 2 and confirmed["against"] in ("seq1f1b-k1", "seq1f1b-k2")
     assert list(confirmed["rivals"]) == [confirmed["against"]]
     assert len(confirmed["rivals"][confirmed["against"]]["ratios"]) == 2
+    assert confirmed["rivals"][confirmed["against"]]["rounds"] == 2 and confirmed["looks"] == [2]
     twin = next((key for key in ("seq1f1b-k1", "seq1f1b-k2")  # runs auto's own plan
                  if rows[key]["lengths"] == plan["lengths"] and plan["schedule"] == "1f1b"), None)
     assert (confirmed["same_plan"] or {}).get("key") == twin and confirmed["against"] != twin
@@ -148,5 +149,5 @@ def test_benchmark_auto_plan_beside_a_sweep(tmp_path):
     assert "seq1f1b-auto" in result["predictions"][0]["schedules"]
     text = (out / "results.md").read_text()
     assert "## Automatic plan vs a sweep of k" in text and "prediction error" in text
-    assert "Confirmation (2 more rounds" in text
+    assert "Confirmation (2 of at most 2 more rounds" in text and "| decided |" in text
     assert "Automatic plan vs a sweep of k" in done.stdout  # results.md is printed

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_seq1f1b.bench import autoplan
 from megatron_seq1f1b.bench.calibration import calibrate
+from megatron_seq1f1b.bench.confirm import Race, closest_rivals, confirmation, sweep_twin
 from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
 from megatron_seq1f1b.compat import megatron_core_version
 from megatron_seq1f1b.bench.lineup import (
@@ -33,9 +34,7 @@ from megatron_seq1f1b.bench.pictures import (
 from megatron_seq1f1b.bench.predict import calibrated_predictions, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.ranks import rank0, say
 from megatron_seq1f1b.bench.runner import confirm_rounds, measure_rounds, profile_runs
-from megatron_seq1f1b.bench.summary import (
-    auto_vs_sweep, closest_rivals, confirmation, summarize, sweep_twin,
-)
+from megatron_seq1f1b.bench.summary import auto_vs_sweep, summarize
 from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm import AUTO, splits_value
 from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT, PeakMemory
@@ -65,9 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-segment-length", type=int, default=128,
                    help="--splits auto: shortest segment the plan may use (tokens)")
     p.add_argument("--confirm-rounds", type=int, default=None, metavar="N",
-                   help="--splits auto with --sweep-splits: after the measured rounds, N more "
-                        "rounds of the auto row and its closest sweep rivals alone decide the "
-                        "verdict (default 12; 0: the sweep's own runs decide); a sweep row that "
+                   help="--splits auto with --sweep-splits: after the measured rounds, at most "
+                        "N more rounds of the auto row and its closest sweep rivals alone "
+                        "decide the verdict; a rival leaves once auto is surely within or "
+                        "surely short of the target against it (looks after round 8 and every "
+                        "4th; default 40; 0: the sweep's own runs decide); a sweep row that "
                         "runs the auto plan itself joins them as a control")
     p.add_argument("--confirm-rivals", type=int, default=3, metavar="N",
                    help="the N fastest sweep rows run in the confirmation rounds")
@@ -153,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if (args.confirm_rounds or 0) < 0 or args.confirm_rivals < 1:
         p.error("--confirm-rounds must be >= 0 and --confirm-rivals >= 1")
     if args.confirm_rounds is None:
-        args.confirm_rounds = 12 if args.splits == AUTO and args.sweep_splits else 0
+        args.confirm_rounds = 40 if args.splits == AUTO and args.sweep_splits else 0
     if any(k < 1 or k > args.seq_length for k in args.sweep_splits or ()):
         p.error(f"--sweep-splits: every K must be in 1..{args.seq_length} (--seq-length)")
     added = [sweep_key(k) for k in sorted(set(args.sweep_splits or ()))]
@@ -233,12 +234,15 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         auto_row = next(s for s in schedules if s.key == AUTO_KEY)
         twin = sweep_twin(schedules, auto_row)
         rivals = closest_rivals(schedules, args.confirm_rivals, auto_row)
-        say(f"> confirmation: {args.confirm_rounds} rounds of {auto_row.key} against "
+        race = Race(max_rounds=args.confirm_rounds, twin=twin.key if twin else None)
+        say(f"> confirmation: at most {race.max_rounds} rounds of {auto_row.key} against "
             + ", ".join(s.key for s in rivals)
-            + (f"; {twin.key} runs the same plan (control)" if twin else ""))
-        times = confirm_rounds(auto_row, ([twin] if twin else []) + rivals, args.confirm_rounds,
+            + (f"; {twin.key} runs the same plan (control)" if twin else "")
+            + "; a rival leaves once decided, looks after rounds "
+            + ", ".join(map(str, race.looks())) + f" (bound z={race.z:.3f})")
+        times = confirm_rounds(auto_row, ([twin] if twin else []) + rivals, race,
                                batches, args, forward_step, memory, tokens_per_iter)
-        confirmed = confirmation(times, twin=twin.key if twin else None)
+        confirmed = confirmation(times, race)
     if args.profile:
         profile_runs(schedules, batches, args, forward_step, memory, out)
     if not args.no_timelines:

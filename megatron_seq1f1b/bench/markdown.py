@@ -200,22 +200,27 @@ def auto_plan_lines(auto: dict) -> list[str]:
 
 
 def confirmation_lines(confirmed: dict, target: float) -> list[str]:
-    """The confirmation rounds: auto / rival per rival, and the verdict they give."""
+    """The confirmation race: auto / rival per rival, when each left, and the verdict."""
     low, high = confirmed["interval"]
-    lines = [f"Confirmation ({confirmed['rounds']} more rounds of auto and its closest rivals "
-             f"alone, mirrored order): auto / {confirmed['against']} = "
-             f"**{confirmed['ratio']:.3f}** (95 % interval {low:.3f}–{high:.3f}); target ≥ "
-             f"{target:.2f}: **{confirmed['verdict']}**.", "",
-             "| rival | median ms | auto / rival (geometric mean) | 95 % interval |",
-             "|---|---:|---:|---|"]
+    looks = confirmed.get("looks") or [confirmed["rounds"]]
+    lines = [f"Confirmation ({confirmed['rounds']} of at most "
+             f"{confirmed.get('max_rounds', confirmed['rounds'])} more rounds of auto and its "
+             "closest rivals alone, mirrored order; a rival leaves once its interval is on one "
+             f"side of the target, looks after rounds {', '.join(map(str, looks))}, intervals "
+             f"widened for {len(looks)} look(s) to 95 % overall, z={confirmed.get('z', 1.96):.3f})"
+             f": auto / {confirmed['against']} = **{confirmed['ratio']:.3f}** (interval "
+             f"{low:.3f}–{high:.3f}); target ≥ {target:.2f}: **{confirmed['verdict']}**.", "",
+             "| rival | rounds | median ms | auto / rival (geometric mean) | interval | decided |",
+             "|---|---:|---:|---:|---|---|"]
     for key, r in confirmed["rivals"].items():
-        lines.append(f"| {key} | {r['median_s'] * 1e3:.0f} | {r['ratio']:.3f} | "
-                     f"{r['low']:.3f}–{r['high']:.3f} |")
+        rounds = r.get("rounds", len(r["ratios"]))
+        lines.append(f"| {key} | {rounds} | {r['median_s'] * 1e3:.0f} | {r['ratio']:.3f} | "
+                     f"{r['low']:.3f}–{r['high']:.3f} | {r.get('decided') or '-'} |")
     control = confirmed.get("same_plan")
     if control:
         lines.append(f"| {control['key']} (same plan as auto: control, true ratio 1) | "
-                     f"{control['median_s'] * 1e3:.0f} | {control['ratio']:.3f} | "
-                     f"{control['low']:.3f}–{control['high']:.3f} |")
+                     f"{len(control['ratios'])} | {control['median_s'] * 1e3:.0f} | "
+                     f"{control['ratio']:.3f} | {control['low']:.3f}–{control['high']:.3f} | - |")
         lines += ["", f"{control['key']} runs auto's own plan: its ratio differs from 1 by "
                   "noise alone, and per round auto's time is the geometric mean of both rows' "
                   "runs (samples of one plan)."]

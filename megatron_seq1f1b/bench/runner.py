@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_seq1f1b.bench.confirm import Race
 from megatron_seq1f1b.bench.lineup import BenchSchedule
 from megatron_seq1f1b.bench.ranks import per_stage, say, synchronize
 from megatron_seq1f1b.bench.units import fmt_mib
@@ -144,22 +145,32 @@ def profile_runs(schedules: list[BenchSchedule], batches: list, args: argparse.N
             print(f"> cProfile of {s.key} on rank {args.profile_rank}: {path}", flush=True)
 
 
-def confirm_rounds(auto: BenchSchedule, rivals: list[BenchSchedule], rounds: int,
+def confirm_rounds(auto: BenchSchedule, rivals: list[BenchSchedule], race: Race,
                    batches: list, args: argparse.Namespace, forward_step: Callable,
                    memory: PeakMemory, tokens_per_iter: int) -> dict[str, list[float]]:
-    """More runs of the auto row and its closest rivals only; times per key.
+    """The confirmation race (:mod:`~megatron_seq1f1b.bench.confirm`): rounds of auto and
+    the rivals still racing, in mirrored order (auto first, then auto last, so a drift
+    across two rounds cancels); times per key.
 
-    Picking the best of many noisy rows and measuring it with the same runs favours it
-    (a maximum over samples); these runs are new samples of the few rows that matter, in
-    mirrored order (auto first, then auto last), so a drift across two rounds cancels.
-    A rival may run auto's own plan (a control, see :func:`~megatron_seq1f1b.bench.summary.
-    confirmation`); it is best placed second, beside auto.
+    Every rank holds the same times (each is the maximum over ranks), so every rank drops
+    the same rivals. A rival may be the twin (auto's own plan); it is best placed first.
     """
     times: dict[str, list[float]] = {s.key: [] for s in [auto, *rivals]}
-    for i in range(rounds):
-        for s in [auto, *rivals] if i % 2 == 0 else [*reversed(rivals), auto]:
+    racing = list(rivals)
+    for i in range(race.max_rounds):
+        for s in [auto, *racing] if i % 2 == 0 else [*reversed(racing), auto]:
             result = run_once(s, batches, args, forward_step, memory)
             times[s.key].append(result["time"])
-            say(f"  [confirm {i + 1}/{rounds}] {s.label:<36} {result['time'] * 1e3:8.1f} ms  "
-                f"{tokens_per_iter / result['time']:8.0f} tokens/s")
+            say(f"  [confirm {i + 1}/{race.max_rounds}] {s.label:<36} "
+                f"{result['time'] * 1e3:8.1f} ms  {tokens_per_iter / result['time']:8.0f} tokens/s")
+        still = race.racing(times)
+        left = [s.key for s in racing if s.key not in still]
+        if left and still:
+            say(f"  [confirm {i + 1}/{race.max_rounds}] decided, leaving the race: "
+                + ", ".join(left))
+        racing = [s for s in racing if s.key in still]
+        if not racing:
+            if i + 1 < race.max_rounds:
+                say(f"> confirmation: every rival decided after {i + 1} rounds")
+            break
     return times

@@ -6,12 +6,10 @@ the bar chart are drawn from them.
 
 from __future__ import annotations
 
-import math
 import statistics
 
+from megatron_seq1f1b.bench.confirm import AUTO_TARGET
 from megatron_seq1f1b.bench.lineup import AUTO_KEY, SWEEP_KEY, BenchSchedule
-
-AUTO_TARGET = 0.97  # the auto plan's tokens/s at least this share of the best measured k
 
 
 def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict]:
@@ -74,85 +72,14 @@ SEQ1F1B_OF = {"seq1f1b-zb-h1": "seq1f1b-balanced", "seq1f1b-zb-h2": "seq1f1b-bal
               "seq1f1b-interleaved-zb-h1": "seq1f1b-interleaved"}
 
 
-def same_plan(a: BenchSchedule, b: BenchSchedule) -> bool:
-    """Whether two rows run the same plan (segments and schedule variant) on the same layout."""
-    return (a.lengths == b.lengths and a.schedule == b.schedule and a.layout == b.layout
-            and a.megatron == b.megatron and a.recompute == b.recompute)
-
-
-def sweep_twin(schedules: list[BenchSchedule], auto: BenchSchedule) -> BenchSchedule | None:
-    """The sweep row that runs exactly the auto plan, if any: a control whose true ratio is 1."""
-    return next((s for s in schedules if SWEEP_KEY.fullmatch(s.key) and same_plan(s, auto)),
-                None)
-
-
-def closest_rivals(schedules: list[BenchSchedule], count: int,
-                   auto: BenchSchedule | None = None) -> list[BenchSchedule]:
-    """The `count` sweep rows with the shortest median time (the confirmation's rivals),
-    leaving out the row that runs ``auto``'s own plan (beating itself is noise)."""
-    sweep = [s for s in schedules if SWEEP_KEY.fullmatch(s.key)
-             and (auto is None or not same_plan(s, auto))]
-    return sorted(sweep, key=lambda s: statistics.median(s.times))[:count]
-
-
-# Two-sided 95 % quantiles of Student's t by degrees of freedom (1.96 beyond the table).
-_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14,
-        2.13, 2.12, 2.11, 2.10, 2.09, 2.09)
-
-
-def ratio_interval(ratios: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of per-round ratios and its 95 % interval (t on the log ratios)."""
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(mean), 0.0, math.inf
-    half = (_T95[len(logs) - 2] if len(logs) - 1 <= len(_T95) else 1.96) * \
-        statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
-
-
-def confirmation(times: dict[str, list[float]], target: float = AUTO_TARGET,
-                 twin: str | None = None) -> dict:
-    """Auto's tokens/s over each rival's, per confirmation round: geometric mean with its
-    95 % interval, and the verdict against the rival that beats auto most.
-
-    ``twin``: the key of a row that runs auto's own plan. Its ratio (true value 1) shows
-    the measurement noise; its runs and auto's are samples of one plan, so per round
-    auto's time is the geometric mean of the two (half the variance on auto's side).
-    """
-    auto = times[AUTO_KEY]
-    control = None
-    if twin is not None:
-        ratios = [t / a for a, t in zip(auto, times[twin])]
-        mean, low, high = ratio_interval(ratios)
-        control = {"key": twin, "ratios": ratios, "ratio": mean, "low": low, "high": high,
-                   "median_s": statistics.median(times[twin])}
-        auto = [math.sqrt(a * t) for a, t in zip(auto, times[twin])]
-    rivals = {}
-    for key, rival in times.items():
-        if key in (AUTO_KEY, twin):
-            continue
-        ratios = [r / a for a, r in zip(auto, rival)]
-        mean, low, high = ratio_interval(ratios)
-        rivals[key] = {"ratios": ratios, "ratio": mean, "low": low, "high": high,
-                       "median_s": statistics.median(rival)}
-    worst_key = min(rivals, key=lambda k: rivals[k]["ratio"])
-    worst = rivals[worst_key]
-    verdict = ("hit" if worst["low"] >= target else "miss" if worst["high"] < target
-               else "hit within noise" if worst["ratio"] >= target else "miss within noise")
-    return {"rounds": len(auto), "auto_median_s": statistics.median(auto), "rivals": rivals,
-            "same_plan": control, "against": worst_key, "ratio": worst["ratio"],
-            "interval": [worst["low"], worst["high"]], "verdict": verdict,
-            "hit": worst["ratio"] >= target}
-
-
 def auto_vs_sweep(rows: list[dict], plan: dict, target: float = AUTO_TARGET,
                   confirmed: dict | None = None) -> dict:
     """The ``seq1f1b-auto`` row against the best ``seq1f1b-k{K}`` row, and the planner's
     prediction error (its predicted iteration against the auto row's measured median).
 
-    ``confirmed`` (:func:`confirmation`): the verdict comes from the confirmation rounds,
-    new samples of auto and its closest rivals, rather than from the sweep that chose them.
+    ``confirmed`` (:func:`~megatron_seq1f1b.bench.confirm.confirmation`): the verdict
+    comes from the confirmation race, new samples of auto and its closest rivals, rather
+    than from the sweep that chose them.
     """
     auto = next(r for r in rows if r["key"] == AUTO_KEY)
     sweep = [r for r in rows if SWEEP_KEY.fullmatch(r["key"])]
