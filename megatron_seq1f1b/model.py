@@ -44,8 +44,8 @@ def is_enabled(model) -> bool:
 def dense_attention(model) -> bool:
     """True if a chunk uses Megatron's local attention, which computes masked scores too.
 
-    (Transformer Engine's flash attention skips masked blocks; the balanced
-    partition weighs attention cost accordingly.)
+    (Transformer Engine's flash attention and megatron_seq1f1b.flash_attention
+    skip masked blocks; the balanced partition weighs attention cost accordingly.)
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -109,7 +109,8 @@ def _attention_modules(gpt):
             problems.append(
                 f"{name}.core_attention: {type(core).__name__} is neither Megatron's "
                 "DotProductAttention nor Transformer Engine's TEDotProductAttention; build with a "
-                "transformer_layer_spec that uses one of them"
+                "transformer_layer_spec that uses one of them (or megatron_seq1f1b."
+                "flash_attention.flash_layer_spec for PyTorch SDPA)"
             )
     return found, problems
 
