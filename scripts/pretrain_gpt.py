@@ -25,8 +25,9 @@ from megatron_seq1f1b.trainer.loop import pretrain
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
     """A Megatron-Core GPTModel chunk with the local (Transformer-Engine-free) layer spec.
 
-    With --num-experts, Megatron's decoder block spec (MoE layers by --moe-layer-freq); with
-    --multi-latent-attention, MLA layers whose core attention takes separate K/V widths.
+    With --num-experts, Megatron's decoder block spec (MoE layers by --moe-layer-freq). With
+    --attention-backend flash, and always with --multi-latent-attention (Megatron's local
+    DotProductAttention has one K/V width), the core attention is FlashDotProductAttention.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -35,7 +36,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         get_gpt_layer_local_spec,
     )
 
-    from megatron_seq1f1b.trainer.mla_attention import TorchCoreAttention
+    from megatron_seq1f1b.flash_attention import flash_layer_spec
 
     mla = bool(args.multi_latent_attention)
     spec = get_gpt_layer_local_spec(normalization=args.normalization, multi_latent_attention=mla)
@@ -43,9 +44,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=args.normalization,
             vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
-    for layer in getattr(spec, "layer_specs", None) or [spec]:
-        if mla:  # Megatron's local DotProductAttention has one K/V width
-            layer.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+    if mla or args.attention_backend == "flash":
+        spec = flash_layer_spec(spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

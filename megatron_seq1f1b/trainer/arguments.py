@@ -54,10 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     model.add_argument("--disable-bias-linear", action="store_true",
                        help="no biases in linear layers (as MoE models train)")
+    model.add_argument("--attention-backend", choices=["local", "flash"], default="local",
+                       help="core attention (Megatron-LM's flag): 'local' is Megatron-Core's "
+                            "DotProductAttention (unfused, [s, s] scores); 'flash' is "
+                            "megatron_seq1f1b.flash_attention (PyTorch SDPA: flash kernel on "
+                            "CUDA, no [s, s] tensor). Default local.")
     mla = p.add_argument_group("multi-latent attention (Megatron-LM's flags)")
     mla.add_argument("--multi-latent-attention", action="store_true",
-                     help="MLA; its core attention is megatron_seq1f1b.trainer.mla_attention "
-                          "(separate K/V widths, plain torch)")
+                     help="MLA; its core attention is megatron_seq1f1b.flash_attention with "
+                          "either --attention-backend (separate K/V widths, PyTorch SDPA)")
     mla.add_argument("--q-lora-rank", type=int, default=None)
     mla.add_argument("--kv-lora-rank", type=int, default=32)
     mla.add_argument("--qk-head-dim", type=int, default=128)
