@@ -225,6 +225,9 @@ def args_problems(args: Any) -> list[str]:
             "GPT models have no separate decoder length; remove --decoder-seq-length"
         )
 
+    if flash_attention_requested(args):
+        problems += flash_attention_problems(args)
+
     # Model features without a per-segment implementation.
     if _flag(args, "use_legacy_models", False):
         problems.append(
@@ -367,6 +370,10 @@ def _megatron_args() -> Any:
 def prepare_model(model: Any, args: Any = None) -> Any:
     """Validate, ``enable(model)`` and ``install`` the Seq1F1B schedule (``--seq1f1b`` only).
 
+    First, with ``--attention-backend flash --transformer-impl local`` (with or
+    without ``--seq1f1b``), the core attention becomes the SDPA flash one
+    (:func:`use_flash_attention`).
+
     `model` is what the model provider built (one chunk, core_v0.16-0.18), or
     the list of chunks a core_v0.19 builder passes to its post-wrap hooks;
     chunks may be wrapped (DDP, Float16Module). Installing replaces the
@@ -377,6 +384,8 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     """
     if args is None:
         args = _megatron_args()
+    if flash_attention_requested(args):  # before enable(): it hooks the core attention
+        use_flash_attention(model, args)
     if not _flag(args, "seq1f1b", False):
         return model
     validate_args(args)
@@ -448,16 +457,68 @@ def add_post_wrap_hook(model_config: Any, args: Any = None) -> Any:
     ``model_config.post_wrap_hooks`` on the list of chunks once they are
     built and wrapped (DDP, Float16Module), before the optimizer is created
     and a checkpoint is loaded. This appends :func:`prepare_model` there
-    (once). Returns `model_config`; unchanged without ``--seq1f1b``.
+    (once). Returns `model_config`; unchanged without ``--seq1f1b`` (or the flash attention
+    of :func:`flash_attention_requested`).
     """
     if args is None:
         args = _megatron_args()
-    if not _flag(args, "seq1f1b", False):
+    if not (_flag(args, "seq1f1b", False) or flash_attention_requested(args)):
         return model_config
     hooks = model_config.post_wrap_hooks
     if prepare_model not in hooks:
         hooks.append(prepare_model)
     return model_config
+
+
+def flash_attention_requested(args: Any) -> bool:
+    """``--attention-backend flash --transformer-impl local``: our SDPA flash attention.
+
+    Megatron-LM's ``--attention-backend`` only steers Transformer Engine (its
+    ``NVTE_*`` variables); with ``--transformer-impl local`` it still builds
+    the unfused ``DotProductAttention``. Patched checkouts give that request
+    :class:`~megatron_seq1f1b.flash_attention.FlashDotProductAttention`
+    (with or without ``--seq1f1b``).
+    """
+    backend = _flag(args, "attention_backend")
+    return (getattr(backend, "name", backend) == "flash"
+            and _flag(args, "transformer_impl", "transformer_engine") == "local")
+
+
+def flash_attention_problems(args: Any) -> list[str]:
+    """What the flash core attention cannot take: a dense attention mask from the data."""
+    problems = []
+    if _flag(args, "reset_attention_mask", False):
+        problems.append(
+            "--reset-attention-mask needs a dense [s, s] mask per document, which "
+            "--attention-backend flash with --transformer-impl local does not take (it is "
+            "causal only); remove --reset-attention-mask, or use --attention-backend local"
+        )
+    elif _flag(args, "create_attention_mask_in_dataloader", True):
+        problems.append(
+            "--attention-backend flash with --transformer-impl local computes the causal mask "
+            "itself and takes no [b, 1, s, s] mask from the data (that mask is what flash "
+            "attention avoids); add --no-create-attention-mask-in-dataloader"
+        )
+    return problems
+
+
+def use_flash_attention(model: Any, args: Any) -> Any:
+    """Swap the built chunks' ``DotProductAttention`` for the SDPA flash attention.
+
+    Megatron-LM builds the layer spec itself, so the (parameter-free) core
+    attention is replaced after the build: parameters, ``state_dict`` keys and
+    checkpoints are unchanged. Raises ``ConfigError`` for a mask from the data.
+    """
+    raise_if(flash_attention_problems(args))
+    from megatron_seq1f1b.flash_attention import use_flash_attention as swap
+
+    count = swap(model)
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"Seq1F1B: --attention-backend flash --transformer-impl local: {count} core "
+              "attention(s) run megatron_seq1f1b.flash_attention (PyTorch SDPA)", flush=True)
+    return model
 
 
 #: Megatron-LM core_v0.18+: what pretrain_gpt.get_batch returns, in this order
