@@ -31,6 +31,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from harness import COMM_TIMEOUT_S
 from megatron_seq1f1b import compat
+from megatron_seq1f1b.flash_attention import flash_layer_spec
 
 RTOL = 1e-5
 SEED = 1234
@@ -51,6 +52,7 @@ class ModelSpec:
     normalization: str = "LayerNorm"
     gated_linear_unit: bool = False
     mla: bool = False  # multi-latent attention (with the fake TE core attention below)
+    attention: str = "local"  # core attention: Megatron's "local" one, or "flash" (SDPA)
     extra: tuple = ()  # further TransformerConfig fields as (name, value) pairs
 
 
@@ -130,16 +132,19 @@ def block_spec(spec: ModelSpec, config, vp_stage=None):
         return layer_spec(spec)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(
+    block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization=spec.normalization,
         vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    return flash_layer_spec(block) if spec.attention == "flash" else block
 
 
 def layer_spec(spec: ModelSpec, fake_te: bool = False):
     """Megatron's local layer spec; MLA needs a core attention with separate K/V widths
-    (Transformer Engine's), so it gets the fake below."""
+    (Transformer Engine's), so it gets the fake below, or the flash one."""
     layer = get_gpt_layer_local_spec(normalization=spec.normalization,
                                      multi_latent_attention=spec.mla)
+    if spec.attention == "flash":
+        return flash_layer_spec(layer)
     if fake_te or spec.mla:
         layer = copy.deepcopy(layer)
         layer.submodules.self_attention.submodules.core_attention = TEDotProductAttention
@@ -254,7 +259,12 @@ def _one_replica_global_batch(gpt) -> None:
 
 
 def reference(model: ModelSpec, batches_key: tuple, batches: list[dict], per_token: bool) -> dict:
-    """Loss reports and gradients of pp=1 full-sequence training (cached per worker)."""
+    """Loss reports and gradients of pp=1 full-sequence training (cached per worker).
+
+    Always with Megatron's local attention (the fake TE one for MLA): other core attentions
+    are compared against it.
+    """
+    model = dataclasses.replace(model, attention="local")
     key = (model, batches_key, per_token)
     if key in _REFERENCES:
         return _REFERENCES[key]
