@@ -1,25 +1,39 @@
-"""Post one step's sends and receives, wait, and name the culprit if that fails.
+"""Post one step's sends and receives, wait for what the step needs, name the culprit on failure.
 
 Ranks come from Megatron-Core's ``P2PCommunicator`` (the caller's, or one
 built on the pipeline group). Receive buffers have the per-segment shapes the
 plan knows in advance: no shape handshake, no ``variable_seq_lengths``.
 
-All operations use the pipeline group, and a step's operations are always
-posted together as one ``batch_isend_irecv`` group, whatever
-``batch_p2p_comm`` says. Where the transport returns a work per operation
-(gloo), the step waits only for its receives and its sends are finished at
-the next step (:class:`InFlight`; the validator's ``send_slack=1``). That is the semantics the plan is validated under
-(a step's transfers progress together; messages between two ranks match in
-posting order, per direction, which the validator checks, also for pipeline
-size 2 where activations and gradients share both directions). Posted one by
-one, NCCL runs the operations between two ranks in posting order on one
-stream, and a receive the plan posts early would block a send behind it:
-a deadlock from pipeline size 3 on. A sent output is freed only once its send
-has completed.
+A step waits only for its receives; its sends finish at the next step
+(:class:`InFlight`; the validator's ``send_slack=1``), so a rank computes while
+its neighbour has not yet taken what it sent. Two transports give that:
+
+* **Links** (NCCL): every direction of every pipeline link (stage ``a`` to
+  stage ``b``) has a process group of its own, so its operations run on a
+  communicator, and a stream, of their own; operations are posted one by one,
+  each with its own work. On one link one side only sends and the other only
+  receives, in the same order (the validator checks it), so a receive posted
+  early can never sit in front of a send its peer waits for, the trap of
+  posting one by one on one pipeline group (NCCL runs a pair's operations in
+  posting order on one stream). The groups are made once per pipeline group,
+  by every rank of the world in one global order (:func:`link_groups`), and
+  their communicators started in that order too (NCCL starts one by a
+  blocking handshake of both sides).
+* **Batch** (gloo, or ``SEQ1F1B_P2P=batch``): a step's operations are posted
+  together as one ``batch_isend_irecv`` on the pipeline group, whatever
+  ``batch_p2p_comm`` says (transfers progress together, the semantics the
+  plan is validated under). Gloo returns one work per operation, so the step
+  again waits for its receives only; NCCL returns one work for the whole batch,
+  and the step then waits for everything (as Megatron's own schedules do),
+  which the planner models with ``send_slack=0``.
+
+A sent output is freed only once its send has completed. Nothing here formats
+text unless something failed.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -28,6 +42,10 @@ import torch.distributed as dist
 
 from megatron_seq1f1b.plan import Message, Step
 
+#: Environment variable that forces the batch transport on NCCL (``SEQ1F1B_P2P=batch``).
+TRANSPORT_ENV = "SEQ1F1B_P2P"
+LINKS, BATCH = "links", "batch"
+
 
 class PipelineCommError(RuntimeError):
     """A point-to-point transfer failed or timed out (deadlock or mismatch)."""
@@ -35,7 +53,11 @@ class PipelineCommError(RuntimeError):
 
 @dataclass
 class Peers:
-    """Global ranks and groups for this rank's pipeline links."""
+    """Global ranks and groups for this rank's pipeline links.
+
+    ``links``: the process group of each direction ``(src stage, dst stage)``
+    (the links transport), or None (one batch per step on ``group``).
+    """
 
     pp_rank: int
     pp_size: int
@@ -43,32 +65,156 @@ class Peers:
     stage_to_global: list[int]
     group: object
     sync_after_batch: bool
+    links: dict[tuple[int, int], object] | None = None
 
     @classmethod
-    def build(cls, p2p_communicator, config) -> "Peers":
+    def build(cls, p2p_communicator, config, wraparound: bool = False) -> "Peers":
         group = p2p_communicator.pp_group
         size, rank = group.size(), group.rank()
+        stage_to_global = [dist.get_global_rank(group, r) for r in range(size)]
+        links = None
+        if size > 1 and transport(group) == LINKS:
+            links = link_groups(stage_to_global, wraparound)
         return cls(
             pp_rank=rank,
             pp_size=size,
             global_rank=dist.get_rank(),
-            stage_to_global=[dist.get_global_rank(group, r) for r in range(size)],
+            stage_to_global=stage_to_global,
             group=group,
             sync_after_batch=bool(getattr(config, "batch_p2p_sync", False)),
+            links=links,
         )
+
+    @property
+    def send_slack(self) -> int:
+        """How many steps a send may lag (the replay's ``send_slack``) with this transport."""
+        return 1 if self.links is not None or not _coalesces(self.group) else 0
+
+
+def transport(group) -> str:
+    """``links`` on NCCL (unless ``SEQ1F1B_P2P=batch``), ``batch`` elsewhere."""
+    wanted = os.environ.get(TRANSPORT_ENV, "").strip().lower()
+    if wanted not in ("", LINKS, BATCH):
+        raise ValueError(f"{TRANSPORT_ENV}={wanted!r}: use {LINKS!r} or {BATCH!r}")
+    if wanted:
+        return wanted
+    return LINKS if _coalesces(group) else BATCH
+
+
+def _coalesces(group) -> bool:
+    """True where ``batch_isend_irecv`` returns one work for the whole batch (NCCL)."""
+    try:
+        return dist.get_backend(group) == "nccl"
+    except (RuntimeError, ValueError, AttributeError):  # stand-in groups in tests
+        return False
+
+
+def send_slack_of_runtime() -> int:
+    """The ``send_slack`` the executor runs with by default, on any backend: 1.
+
+    (NCCL uses the links transport, gloo returns a work per operation; only
+    ``SEQ1F1B_P2P=batch`` on NCCL waits for sends, i.e. 0.)
+    """
+    return 0 if os.environ.get(TRANSPORT_ENV, "").strip().lower() == BATCH and \
+        torch.cuda.is_available() else 1
+
+
+# ------------------------------------------------------------------ link groups
+
+_LINK_GROUPS: dict[tuple, dict[tuple[int, int], object]] = {}
+
+
+def pipeline_links(num_stages: int, wraparound: bool) -> list[tuple[int, int]]:
+    """Both directions of every link of a pipeline, in a fixed order.
+
+    Neighbouring stages, and with model chunks the wrap-around link between
+    the last and the first stage (the same link as stage 1 -> 0 when there are two).
+    """
+    links = []
+    for stage in range(num_stages - 1):
+        links += [(stage, stage + 1), (stage + 1, stage)]
+    if wraparound and num_stages > 2:
+        links += [(num_stages - 1, 0), (0, num_stages - 1)]
+    return links
+
+
+def link_groups(stage_to_global: Sequence[int], wraparound: bool) -> dict[tuple[int, int], object]:
+    """This pipeline's process group per link direction; made once, collectively.
+
+    ``new_group`` must be entered by every rank of the world in the same
+    order, so the first call gathers every rank's pipeline (and whether it
+    needs the wrap-around link) and every rank creates all pipelines' link
+    groups in one sorted order; then each rank starts its own links'
+    communicators in that order with a one-element message (both sides of a
+    link start it together; the global order keeps those handshakes from
+    waiting on each other in a cycle). Later calls return the cached groups.
+    """
+    key = (tuple(stage_to_global), bool(wraparound))
+    if key in _LINK_GROUPS:
+        return _LINK_GROUPS[key]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, key)
+    pipelines = {}
+    for ranks, wrap in everyone:
+        pipelines[ranks] = pipelines.get(ranks, False) or wrap
+    me = dist.get_rank()
+    created: dict[tuple, dict[tuple[int, int], object]] = {}
+    mine_in_order = []
+    for ranks in sorted(pipelines):
+        groups = created.setdefault((ranks, pipelines[ranks]), {})
+        for src, dst in pipeline_links(len(ranks), pipelines[ranks]):
+            group = dist.new_group(ranks=[ranks[src], ranks[dst]])
+            if me in (ranks[src], ranks[dst]):
+                groups[(src, dst)] = group
+                mine_in_order.append((ranks[src], ranks[dst], group))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    token = torch.zeros(1, device=device)
+    for src, dst, group in mine_in_order:
+        if me == src:
+            dist.send(token, dst, group=group)
+        else:
+            dist.recv(token, src, group=group)
+    _LINK_GROUPS[key] = next(groups for (ranks, _), groups in created.items() if me in ranks)
+    return _LINK_GROUPS[key]
+
+
+def destroy_link_groups() -> None:
+    """Forget (and destroy) the link groups, e.g. before ``destroy_process_group``."""
+    seen = set()
+    for groups in _LINK_GROUPS.values():
+        for group in groups.values():
+            if id(group) not in seen:
+                seen.add(id(group))
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError):
+                    pass
+    _LINK_GROUPS.clear()
+
+
+# ------------------------------------------------------------------ exchanging
+
+
+def _describe(step: Step, index: int, peers: Peers) -> str:
+    """The step and its messages, for error messages only."""
+    what = ", ".join(f"send {m}" for m in step.sends)
+    what += (", " if what and step.recvs else "") + ", ".join(f"receive {m}" for m in step.recvs)
+    stages = sorted({m.dst for m in step.sends} | {m.src for m in step.recvs})
+    what += " (peer " + ", ".join(
+        f"stage {s} = global rank {peers.stage_to_global[s]}" for s in stages) + ")"
+    return f"step {index} ({step.describe()}): {what}"
 
 
 class InFlight:
     """A step's sends, finished at the next exchange instead of before the step's compute.
 
-    With transports that return one work per operation (gloo), a rank then
-    computes while its neighbour is still busy and receives later, instead of
-    idling until the neighbour reaches its step (rendezvous); zero-bubble
-    schedules, whose ranks run actions of uneven length, depend on it.
-    ``release`` is called for each tensor once its send has completed (the
-    executor frees sent activations then, not earlier). Coalesced transports
-    (NCCL's batched p2p gives one work for the whole step) keep the rendezvous:
-    there the step waits for everything, as before.
+    A rank then computes while its neighbour is still busy and receives later,
+    instead of idling until the neighbour reaches its step (rendezvous);
+    zero-bubble schedules, whose ranks run actions of uneven length, depend on
+    it. ``release`` is called for each tensor once its send has completed (the
+    executor frees sent activations then, not earlier). Where the transport
+    gives one work for a whole step (NCCL batch) the step waited for it already.
     """
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None):
@@ -76,12 +222,13 @@ class InFlight:
         self._works: list = []
         self._sent: list[torch.Tensor] = []  # kept alive until their sends completed
         self._tensors: list[torch.Tensor] = []
-        self._where = ""
+        self._step: Step | None = None
+        self._index = -1
 
     def hold(self, works: list, sent: list[torch.Tensor], release: Sequence[torch.Tensor],
-             where: str) -> None:
-        self._works, self._sent, self._tensors = list(works), list(sent), list(release)
-        self._where = where
+             step: Step, index: int) -> None:
+        self._works, self._sent, self._tensors = works, sent, list(release)
+        self._step, self._index = step, index
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """True if `tensor` waits for a held send before it may be released."""
@@ -93,17 +240,41 @@ class InFlight:
 
     def finish(self, peers: "Peers") -> None:
         """Wait for the held sends; name the step and messages if one failed."""
-        works, tensors, where = self._works, self._tensors, self._where
-        self._works, self._sent, self._tensors = [], [], []
+        if not self._works and not self._tensors:
+            return
+        works, tensors, step, index = self._works, self._tensors, self._step, self._index
+        self._works, self._sent, self._tensors, self._step = [], [], [], None
         try:
             for work in works:
                 work.wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with where and what
             raise PipelineCommError(
                 f"Seq1F1B: rank {peers.global_rank} (pipeline stage {peers.pp_rank}) failed to "
-                f"complete {where}: {exc}"
+                f"complete the sends of {_describe(step, index, peers)}: {exc}"
             ) from exc
         self.release(tensors)
+
+
+def _post(step: Step, peers: Peers, sent: list[torch.Tensor],
+          received: dict[Message, torch.Tensor]) -> tuple[list, list]:
+    """Post the step's operations; (send works, receive works). With one work for the
+    whole batch (NCCL batch transport) it counts as a receive work: the step waits for it."""
+    ranks = peers.stage_to_global
+    if peers.links is not None:
+        links = peers.links
+        sends = [dist.isend(tensor, ranks[msg.dst], group=links[(msg.src, msg.dst)])
+                 for msg, tensor in zip(step.sends, sent)]
+        recvs = [dist.irecv(buffer, ranks[msg.src], group=links[(msg.src, msg.dst)])
+                 for msg, buffer in received.items()]
+        return sends, recvs
+    ops = [dist.P2POp(dist.isend, tensor, ranks[msg.dst], peers.group)
+           for msg, tensor in zip(step.sends, sent)]
+    ops += [dist.P2POp(dist.irecv, buffer, ranks[msg.src], peers.group)
+            for msg, buffer in received.items()]
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == len(ops):
+        return works[:len(step.sends)], works[len(step.sends):]
+    return [], works
 
 
 def exchange(
@@ -118,7 +289,7 @@ def exchange(
     """Run the step's communication; return the received tensors by message.
 
     Finishes the previous step's sends (``in_flight``) first. The step's own
-    sends are left in ``in_flight`` when the transport allows it; then
+    sends are left in ``in_flight`` where the transport allows it; then
     ``release_after_send`` is released once they complete.
     """
     in_flight = in_flight or InFlight()
@@ -127,32 +298,20 @@ def exchange(
         in_flight.release(release_after_send)
         return {}
     sent = [outgoing.pop(msg) for msg in step.sends]
-    ops = [dist.P2POp(dist.isend, tensor, peers.stage_to_global[msg.dst], peers.group)
-           for msg, tensor in zip(step.sends, sent)]
     received = {msg: make_buffer(msg) for msg in step.recvs}
-    ops += [dist.P2POp(dist.irecv, buffer, peers.stage_to_global[msg.src], peers.group)
-            for msg, buffer in received.items()]
-    what = ", ".join(f"send {m}" for m in step.sends)
-    what += (", " if what and step.recvs else "") + ", ".join(f"receive {m}" for m in step.recvs)
-    stages = sorted({m.dst for m in step.sends} | {m.src for m in step.recvs})
-    what += " (peer " + ", ".join(
-        f"stage {s} = global rank {peers.stage_to_global[s]}" for s in stages) + ")"
-    where = f"step {index} ({step.describe()}): {what}"
     try:
-        works = dist.batch_isend_irecv(ops)
-        per_operation = len(works) == len(ops)
-        waited = works[len(step.sends):] if per_operation else works
-        for work in waited:
+        send_works, recv_works = _post(step, peers, sent, received)
+        for work in recv_works:
             work.wait()
     except Exception as exc:  # noqa: BLE001 - re-raised with where and what
         raise PipelineCommError(
             f"Seq1F1B: rank {peers.global_rank} (pipeline stage {peers.pp_rank}) failed at "
-            f"step {index} ({step.describe()}) to {what}: {exc}"
+            f"{_describe(step, index, peers)}: {exc}"
         ) from exc
-    if per_operation:
-        in_flight.hold(works[:len(step.sends)], sent, release_after_send, f"the sends of {where}")
+    if send_works:
+        in_flight.hold(send_works, sent, release_after_send, step, index)
     else:
         in_flight.release(release_after_send)
-    if peers.sync_after_batch and torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if peers.sync_after_batch and peers.links is None and torch.cuda.is_available():
+        torch.cuda.synchronize()  # Megatron's batch_p2p_sync, for batched NCCL p2p only
     return received

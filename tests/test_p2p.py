@@ -117,3 +117,50 @@ def test_a_held_send_that_fails_names_its_step(monkeypatch):
              in_flight)
     with pytest.raises(PipelineCommError, match="rank 11 .*the sends of step 7 .*act 1.0 1->2"):
         in_flight.finish(_peers())
+
+
+def test_pipeline_links_cover_both_directions_and_the_wraparound():
+    from megatron_seq1f1b.p2p import pipeline_links
+
+    assert pipeline_links(2, False) == [(0, 1), (1, 0)]
+    assert pipeline_links(2, True) == [(0, 1), (1, 0)]  # the wrap-around link is the same one
+    assert pipeline_links(3, False) == [(0, 1), (1, 0), (1, 2), (2, 1)]
+    assert pipeline_links(3, True)[-2:] == [(2, 0), (0, 2)]
+    assert pipeline_links(1, True) == []
+
+
+def test_links_transport_posts_each_operation_on_its_link_and_waits_for_receives_only(
+        monkeypatch):
+    """NCCL's transport: one group per link direction, operations one by one; the send is
+    held until the next step (send slack 1), the receive waited for at once."""
+    from megatron_seq1f1b.p2p import InFlight
+
+    log, posted = [], []
+    monkeypatch.setattr(dist, "isend", lambda t, dst, group: posted.append(("send", dst, group))
+                        or _Pending(log, "isend"))
+    monkeypatch.setattr(dist, "irecv", lambda t, src, group: posted.append(("recv", src, group))
+                        or _Pending(log, "irecv"))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: pytest.fail("batched"))
+    peers = _peers()
+    peers.links = {(1, 2): "g12", (2, 1): "g21"}
+    assert peers.send_slack == 1
+    in_flight = InFlight()
+    step = _step()
+    exchange(step, 7, peers, {step.sends[0]: torch.ones(1)}, lambda m: torch.zeros(1), in_flight)
+    assert posted == [("send", 12, "g12"), ("recv", 12, "g21")]
+    assert log == ["wait irecv"]
+    in_flight.finish(peers)
+    assert log == ["wait irecv", "wait isend"]
+
+
+def test_transport_choice(monkeypatch):
+    from megatron_seq1f1b import p2p
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: group)
+    monkeypatch.delenv(p2p.TRANSPORT_ENV, raising=False)
+    assert p2p.transport("nccl") == p2p.LINKS and p2p.transport("gloo") == p2p.BATCH
+    monkeypatch.setenv(p2p.TRANSPORT_ENV, "batch")
+    assert p2p.transport("nccl") == p2p.BATCH
+    monkeypatch.setenv(p2p.TRANSPORT_ENV, "bogus")
+    with pytest.raises(ValueError, match="SEQ1F1B_P2P"):
+        p2p.transport("nccl")
