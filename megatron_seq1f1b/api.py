@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-from megatron_seq1f1b.checks import raise_if
+from megatron_seq1f1b.checks import raise_if, segment_multiple_problems
 from megatron_seq1f1b.partition import METHODS
 from megatron_seq1f1b.schedule import SCHEDULES
 from megatron_seq1f1b.zero_bubble import segment_cost_problems
@@ -30,6 +30,7 @@ def get_forward_backward_func(
     recorder=None,
     schedule: str = "1f1b",
     segment_costs: Sequence[Sequence[float]] | None = None,
+    segment_multiple: int | None = None,
 ) -> Callable:
     """A function with Megatron-Core's forward-backward signature that runs Seq1F1B.
 
@@ -41,6 +42,9 @@ def get_forward_backward_func(
     ``segment_costs``: per segment (F, B, W), relative, that place a
     zero-bubble schedule's W and receives (``choose_plan(...).plan.segment_costs``,
     so what runs is what the planner simulated); default: the model's FLOPs.
+    ``segment_multiple``: what segment lengths are rounded to (default: 64 on
+    CUDA where the sequence allows it, for tensor cores; the layout's own
+    multiple, :func:`~megatron_seq1f1b.checks.segment_multiple`, always applies).
     ``recorder`` (a :class:`~megatron_seq1f1b.trace.TimelineRecorder`) collects
     per-action timings.
     """
@@ -59,6 +63,7 @@ def get_forward_backward_func(
         problems.append(f"split_lengths has {len(split_lengths)} entries, num_splits is {num_splits}")
     if segment_costs is not None and isinstance(num_splits, int):
         problems += segment_cost_problems(segment_costs, num_splits)
+    problems += segment_multiple_problems(segment_multiple)
     raise_if(problems)
     lengths = tuple(split_lengths) if split_lengths is not None else None
     costs = (tuple(tuple(float(x) for x in row) for row in segment_costs)
@@ -92,6 +97,7 @@ def get_forward_backward_func(
             p2p_communicator=p2p_communicator, pg_collection=pg_collection,
             force_all_reduce=force_all_reduce, num_splits=num_splits, partition=partition,
             split_lengths=lengths, recorder=recorder, schedule=schedule, segment_costs=costs,
+            segment_multiple=segment_multiple,
         )
 
     forward_backward_func.num_splits = num_splits

@@ -77,30 +77,34 @@ def prefix_kv(layer, key, value, current, window: int | None = None):
             "and pipeline inputs must have the segment's shape"
         )
     entry = run.kv.get(info.microbatch, info.chunk, layer)
-    where = f"micro-batch {info.microbatch}, segment {info.index}, chunk {info.chunk}"
     if current.phase == segments.FORWARD:
         if entry is None:
             if info.index != 0:
-                raise RuntimeError(f"Seq1F1B: {where} forwarded before segment 0")
+                raise RuntimeError(f"Seq1F1B: {_where(info)} forwarded before segment 0")
             entry = run.kv.create(
                 info.microbatch, info.chunk, layer, key, value, sum(info.lengths)
             )
         if info.index in entry.forwarded:
             raise RuntimeError(
-                f"Seq1F1B: {where} forwarded twice; a repeated forward would overwrite the "
-                "key/value cache (recomputation must run inside the segment's backward)"
+                f"Seq1F1B: {_where(info)} forwarded twice; a repeated forward would overwrite "
+                "the key/value cache (recomputation must run inside the segment's backward)"
             )
-        if entry.forwarded != set(range(info.index)):
-            raise RuntimeError(f"Seq1F1B: {where} forwarded before segments {sorted(set(range(info.index)) - entry.forwarded)}")
+        if len(entry.forwarded) != info.index:  # segments 0..index-1, each once (checked)
+            missing = sorted(set(range(info.index)) - entry.forwarded)
+            raise RuntimeError(f"Seq1F1B: {_where(info)} forwarded before segments {missing}")
         entry.forwarded.add(info.index)
         write = True
     else:
         # Recomputation inside the segment's backward: the cache already holds
         # this segment's rows; reuse them, write nothing, count nothing.
         if entry is None or info.index not in entry.forwarded:
-            raise RuntimeError(f"Seq1F1B: {where} recomputed without a cached forward")
+            raise RuntimeError(f"Seq1F1B: {_where(info)} recomputed without a cached forward")
         write = False
     return KVAppend.apply(key, value, run.kv, entry, info, write, first_row(current, window))
+
+
+def _where(info) -> str:
+    return f"micro-batch {info.microbatch}, segment {info.index}, chunk {info.chunk}"
 
 
 @contextlib.contextmanager

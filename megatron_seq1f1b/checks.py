@@ -40,6 +40,47 @@ def segment_multiple(config) -> int:
     return tp * (FP8_TOKEN_MULTIPLE if get("fp8") else 1)
 
 
+#: On CUDA, segment lengths are multiples of this by default: tensor-core GEMM tiles and
+#: attention kernels run full blocks (e.g. balanced lengths like 4499 and 3693 do not).
+CUDA_SEGMENT_MULTIPLE = 64
+
+
+def rounding_multiple(config, seq_length: int, num_splits: int = 1,
+                      requested: int | None = None, on_cuda: bool | None = None) -> int:
+    """What segment lengths are rounded to: ``requested`` or, by default, 64 on CUDA; always
+    also a multiple of :func:`segment_multiple` (the layout's own constraint).
+
+    A requested multiple is strict (a sequence it cannot cut is an error later). The
+    default falls back to the layout's own multiple where ``seq_length`` does not divide
+    into ``num_splits`` segments of whole 64-token blocks (or on CPU, where it buys nothing).
+    """
+    import math
+
+    own = segment_multiple(config)
+    if requested is not None:
+        return math.lcm(int(requested), own)
+    if on_cuda is None:
+        import torch
+
+        on_cuda = torch.cuda.is_available()
+    if not on_cuda:
+        return own
+    preferred = math.lcm(CUDA_SEGMENT_MULTIPLE, own)
+    if seq_length % preferred or seq_length // preferred < num_splits:
+        return own
+    return preferred
+
+
+def segment_multiple_problems(requested) -> list[str]:
+    """A requested segment multiple (``--seq1f1b-segment-multiple``) must be a positive integer."""
+    if requested is None:
+        return []
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        return [f"segment_multiple (--seq1f1b-segment-multiple) must be a positive integer, "
+                f"got {requested!r}"]
+    return []
+
+
 def model_config_problems(config) -> list[str]:
     """TransformerConfig options that segment-wise attention does not support (yet)."""
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731

@@ -12,6 +12,13 @@ wgrad helpers and ``finalize_model_grads``. Loss normalization is in
 :mod:`megatron_seq1f1b.loss`, point-to-point in :mod:`megatron_seq1f1b.p2p`,
 the checks in :mod:`megatron_seq1f1b.checks`.
 
+What depends only on the configuration (segment lengths, the checks, process
+groups, the communicator, the steps and their messages) is computed once per
+configuration and reused (:func:`_setup_for`, a small cache keyed by the
+model chunks, the config's scalar fields and the call's arguments); an
+iteration then only runs its steps. The pipeline stages check that they run
+the same schedule before the first message of every new configuration.
+
 Data parallelism follows Megatron: gradient sync is off (``no_sync_func``)
 except for the last gradient-producing action of a model chunk on this rank
 (the backward of segment 0 of the last micro-batch). Zero-bubble schedules
@@ -25,17 +32,23 @@ start it before the last contribution.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
+import enum
 import functools
 import hashlib
 import itertools
-from typing import Any, Callable, Iterator
+import weakref
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from megatron_seq1f1b import compat, moe, wgrad
+from megatron_seq1f1b import compat, moe, te_wgrad, wgrad
 from megatron_seq1f1b import plan as plan_mod
-from megatron_seq1f1b.checks import ConfigError, executor_problems, raise_if, segment_multiple
+from megatron_seq1f1b.checks import (
+    ConfigError, executor_problems, raise_if, rounding_multiple, segment_multiple_problems,
+)
 from megatron_seq1f1b.loss import SegmentLosses
 from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled
 from megatron_seq1f1b.p2p import InFlight, Peers, PipelineCommError, exchange
@@ -91,17 +104,18 @@ def zero_bubble_costs(lengths, chunks, config, vocab_size) -> tuple:
 
 
 def resolve_lengths(num_splits: int, partition: str, split_lengths, seq_length: int, chunks,
-                    config, vocab_size) -> list[int]:
-    """The segment lengths the executor uses: given ones, else ``split_sequence`` for this model.
+                    config, vocab_size, segment_multiple: int | None = None) -> list[int]:
+    """The segment lengths the executor uses: given ones, else ``split_sequence`` for this model,
+    rounded to :func:`~megatron_seq1f1b.checks.rounding_multiple` (64 on CUDA by default).
 
     (Benchmarks call this too, so that they report the lengths that actually ran.)
     """
     if split_lengths is not None:
         return [int(n) for n in split_lengths]
     dense = partition == "balanced" and dense_attention(chunks)
+    multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
     return split_sequence(seq_length, num_splits, partition, config=config,
-                          vocab_size=vocab_size, multiple_of=segment_multiple(config),
-                          dense_attention=dense)
+                          vocab_size=vocab_size, multiple_of=multiple, dense_attention=dense)
 
 
 def _process_groups(config, p2p_communicator, pg_collection):
@@ -133,23 +147,31 @@ def _process_groups(config, p2p_communicator, pg_collection):
     return p2p_communicator, pg_collection
 
 
-def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forward_only,
-                         schedule="1f1b", costs=None):
+def _agreement(num_microbatches, lengths, num_chunks, forward_only, schedule, costs) -> tuple:
+    """What every pipeline stage must agree on: sizes and a hash of the segment plan."""
+    plan = repr((tuple(lengths), schedule, costs)).encode()
+    return (num_microbatches, len(lengths), num_chunks, int(forward_only), sum(lengths),
+            int.from_bytes(hashlib.sha256(plan).digest()[:7], "big"))
+
+
+def _agree_across_stages(pp_group, mine: tuple, check: bool, lengths, num_microbatches,
+                         schedule) -> None:
     """All pipeline ranks run the same schedule; otherwise fail before any p2p message.
 
-    One tiny all-gather per iteration: mismatched segment shapes would
-    otherwise corrupt data or abort inside the transport.
+    One tiny all-gather per call, so that a rank whose configuration changed
+    always finds its peers in the collective. Only a new configuration
+    (``check``) reads the result, which waits for the device; a cached one
+    leaves it to the stream (no host-device synchronization per iteration).
     """
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    plan = repr((tuple(lengths), schedule, costs)).encode()
-    mine = [num_microbatches, len(lengths), num_chunks, int(forward_only), sum(lengths),
-            int.from_bytes(hashlib.sha256(plan).digest()[:7], "big")]
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = torch.empty(pp_group.size() * len(mine), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(gathered, local, group=pp_group)
+    if not check:
+        return
     rows = gathered.view(pp_group.size(), len(mine)).tolist()
     differ = [stage for stage, row in enumerate(rows) if row != rows[0]]
     if differ:
@@ -162,6 +184,176 @@ def _agree_across_stages(pp_group, num_microbatches, lengths, num_chunks, forwar
         ])
 
 
+class _Unit(NamedTuple):
+    """One action of a step with what it receives and sends (computed once per configuration)."""
+
+    action: Action
+    input: plan_mod.Message | None
+    output: plan_mod.Message | None
+    last_stage: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What one configuration computes once (see the module docstring).
+
+    It holds no model, config or process group (it must not keep them alive once the user
+    drops them); the process groups are looked up per call, which costs microseconds.
+    """
+
+    lengths: tuple[int, ...]
+    num_microbatches: int
+    forward_only: bool
+    schedule: str
+    costs: tuple | None
+    steps: tuple[plan_mod.Step, ...]
+    units: tuple[tuple[_Unit, ...], ...]  # per step
+    shapes: tuple[tuple[int, int, int], ...]  # per segment: [tokens on this rank, b, h]
+    final_grad_actions: frozenset
+    last_grad_action: dict
+    first_backward: int  # index of this rank's first backward action (or the action count)
+    splits_backward: bool
+    te_layers: tuple  # per chunk, weak references to TE layers with delayed weight gradients
+    agreement: tuple
+
+    def delayed_te_layers(self) -> list:
+        return [[(name, ref()) for name, ref in chunk] for chunk in self.te_layers]
+
+
+_SETUPS: "collections.OrderedDict[tuple, _Setup]" = collections.OrderedDict()
+_MAX_SETUPS = 16
+_SCALARS = (type(None), bool, int, float, str, torch.dtype, enum.Enum)
+
+
+def _config_fingerprint(config) -> tuple:
+    """The config's scalar fields (what the checks read); callables and objects are left out."""
+    return tuple(
+        (name, value) for name, value in vars(config).items()
+        if isinstance(value, _SCALARS)
+        or (isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value))
+    )
+
+
+def _setup_for(chunks, config, iterators, pg_collection, peers: Peers, **arguments
+               ) -> tuple[_Setup, bool]:
+    """The cached setup of this configuration, or a new one (checked); (setup, new?).
+
+    Keyed by the chunks (weakly: a dead model's entry can never match again), the
+    config's identity and scalar fields, the layout and the call's arguments.
+    """
+    layout = (peers.pp_size, peers.pp_rank, tuple(peers.stage_to_global),
+              pg_collection.cp.size() if pg_collection.cp is not None else 1,
+              id(pg_collection.pp))
+    try:
+        key = (tuple(weakref.ref(chunk) for chunk in chunks), id(config),
+               _config_fingerprint(config), tuple(it is None for it in iterators), layout,
+               tuple(sorted(arguments.items())))
+        hash(key)
+    except TypeError:  # unhashable arguments: the checks will say what is wrong
+        key = None
+    setup = _SETUPS.get(key) if key is not None else None
+    if setup is not None:
+        _SETUPS.move_to_end(key)
+        return setup, False
+    setup = _build_setup(chunks, config, iterators, pg_collection, peers, **arguments)
+    if key is not None:
+        _SETUPS[key] = setup
+        while len(_SETUPS) > _MAX_SETUPS:
+            _SETUPS.popitem(last=False)
+    return setup, True
+
+
+def _build_setup(chunks, config, iterators, pg_collection, peers, *,
+                 num_microbatches, seq_length, micro_batch_size, forward_only, num_splits,
+                 partition, split_lengths, schedule, segment_costs, adjust_tensor_shapes_fn,
+                 segment_multiple=None) -> _Setup:
+    """Check the configuration (all problems at once) and derive this rank's steps."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    pp_size, pp_rank = peers.pp_size, peers.pp_rank
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise_if([f"num_splits must be a positive integer, got {num_splits!r}"])
+    if partition not in METHODS:
+        raise_if([f"unknown partition {partition!r}; choose one of {METHODS}"])
+    if schedule not in SCHEDULES:
+        raise_if([f"unknown schedule {schedule!r}; choose one of {SCHEDULES}"])
+    if segment_costs is not None:
+        raise_if(segment_cost_problems(segment_costs, num_splits))
+    raise_if(segment_multiple_problems(segment_multiple))
+    try:
+        vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
+    except RuntimeError:
+        vocab_size = None
+    try:
+        lengths = resolve_lengths(num_splits, partition, split_lengths, seq_length, chunks,
+                                  config, vocab_size, segment_multiple)
+    except ValueError as exc:
+        raise_if([f"num_splits={num_splits} with seq_length={seq_length}: {exc}"])
+    if len(lengths) != num_splits:
+        raise_if([f"split_lengths has {len(lengths)} entries but num_splits is {num_splits}"])
+    multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
+    if segment_multiple is not None and any(n % multiple for n in lengths):
+        raise_if([f"split_lengths {list(lengths)} are not all multiples of segment_multiple="
+                  f"{segment_multiple} (with the layout's own multiple: {multiple})"])
+    raise_if(executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
+                               seq_length, pp_size, adjust_tensor_shapes_fn,
+                               num_splits == 1 or is_enabled(chunks)))
+    if len(chunks) > 1:
+        from megatron_seq1f1b.interleaved import interleaved_problems
+
+        raise_if(interleaved_problems(pp_size, num_microbatches, num_splits, len(chunks),
+                                      schedule, forward_only))
+    if schedule != "1f1b" and not forward_only:
+        raise_if(wgrad.deferral_problems(chunks, num_splits))
+        wgrad.install()
+    elif not forward_only:
+        raise_if(wgrad.without_w_problems(chunks))
+
+    costs = None
+    if schedule != "1f1b" and not forward_only:
+        # the planner's measured costs place W as it predicted; else this model's FLOPs
+        costs = (tuple(tuple(float(x) for x in row) for row in segment_costs)
+                 if segment_costs is not None
+                 else zero_bubble_costs(lengths, chunks, config, vocab_size))
+    steps = rank_steps(pp_size, num_microbatches, num_splits, len(chunks), forward_only, pp_rank,
+                       schedule, costs)
+    topology = plan_mod.Topology(pp_size, len(chunks))
+    last_virtual = topology.last_virtual_stage
+    units = tuple(
+        tuple(_Unit(a, plan_mod.input_message(a, pp_rank, topology),
+                    plan_mod.output_message(a, pp_rank, topology),
+                    topology.virtual_stage(pp_rank, a.chunk) == last_virtual)
+              for a in step.actions)
+        for step in steps)
+    actions = [a for step in steps for a in step.actions]
+    final, last = _final_grad_actions(actions)
+    cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    split = splits_backward([actions])
+    te_layers = tuple(tuple((name, weakref.ref(layer)) for name, layer in chunk)
+                      for chunk in te_wgrad.delayed_layers(chunks)) if split else ()
+    return _Setup(
+        lengths=tuple(lengths), num_microbatches=num_microbatches, forward_only=forward_only,
+        schedule=schedule, costs=costs, steps=tuple(steps), units=units,
+        shapes=tuple((n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths),
+        final_grad_actions=frozenset(final), last_grad_action=last,
+        first_backward=next((i for i, a in enumerate(actions) if a.is_backward), len(actions)),
+        splits_backward=split, te_layers=te_layers,
+        agreement=_agreement(num_microbatches, lengths, len(chunks), forward_only, schedule,
+                             costs),
+    )
+
+
+def _final_grad_actions(actions) -> tuple[set, dict]:
+    """Per chunk the last B and the last W (grad sync on), and the very last of them."""
+    last_of_kind, last = {}, {}
+    for action in actions:
+        if not action.is_forward:
+            last_of_kind[(action.chunk, action.kind)] = action
+            last[action.chunk] = action
+    return set(last_of_kind.values()), last
+
+
 class ActionError(RuntimeError):
     """The forward, backward or weight-gradient work of one unit raised; says which."""
 
@@ -170,67 +362,57 @@ _KINDS = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 class _Pipeline:
-    """State of one forward-backward call on this rank."""
+    """State of one forward-backward call on this rank (the configuration's part: ``setup``)."""
 
-    def __init__(self, *, forward_step_func, chunks, iterators, config, num_microbatches,
-                 lengths, micro_batch_size, forward_only, collect_non_loss_data, first_val_step,
-                 peers, pg_collection, steps, recorder):
+    def __init__(self, setup: _Setup, *, config, pg_collection, peers: Peers, forward_step_func,
+                 chunks, iterators, collect_non_loss_data, first_val_step, recorder):
+        self.setup = setup
         self.forward_step_func = forward_step_func
         self.chunks = chunks
-        self.data = [SegmentData(it) if it is not None else None for it in iterators]
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        self.data = [SegmentData(it, self.device) if it is not None else None for it in iterators]
         self.config = config
-        self.m = num_microbatches
-        self.k = len(lengths)
-        self.forward_only = forward_only
+        self.m = setup.num_microbatches
+        self.k = len(setup.lengths)
+        self.forward_only = setup.forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
         self.peers = peers
         self.pg_collection = pg_collection
-        self.steps = steps
+        self.steps = setup.steps
         self.recorder = recorder
-        self.run = SegmentRun(lengths, forward_only=forward_only, config=config)
-        self.topology = plan_mod.Topology(peers.pp_size, len(chunks))
+        self.run = SegmentRun(setup.lengths, forward_only=setup.forward_only)
         self.forward_data_store: list = []
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
-        self.losses = SegmentLosses(num_microbatches, self.k, cp, config.calculate_per_token_loss,
+        cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
+        self.losses = SegmentLosses(self.m, self.k, cp, config.calculate_per_token_loss,
                                     self.device)
         self.stash: dict[tuple[int, int, int], tuple] = {}  # unit -> (input, output)
         self.outgoing: dict = {}  # message -> tensor to send in the next step
         self.inbox: dict = {}  # received tensors waiting for their unit
         self.no_sync_context = None
         self.forwards_done = 0
-        tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-        self.shapes = [(n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths]
-        actions = [a for step in steps for a in step.actions]
-        self.weight_grads = wgrad.WeightGradStore(chunks) if splits_backward([actions]) else None
-        self.final_grad_actions, self.last_grad_action = self._final_grad_actions(actions)
-        self.checkpoint_window = self._checkpoint_window()
+        self.weight_grads = (wgrad.WeightGradStore(chunks, te_layers=setup.delayed_te_layers())
+                             if setup.splits_backward else None)
+        self.final_grad_actions = setup.final_grad_actions
+        self.last_grad_action = setup.last_grad_action
+        self.checkpoint_window = (
+            setup.first_backward + 1
+            if config.num_microbatches_with_partial_activation_checkpoints is not None
+            and not self.forward_only else None)
+        self.grad_sync_funcs = self._grad_sync_funcs()
+        self.autocast = (functools.partial(torch.autocast, "cuda", dtype=config.autocast_dtype)
+                         if config.enable_autocast else contextlib.nullcontext)
+        from megatron.core.pipeline_parallel.schedules import set_current_microbatch
+        from megatron.core.utils import get_attr_wrapped_model
+
+        self.set_current_microbatch = set_current_microbatch
+        self.set_input = [get_attr_wrapped_model(chunk, "set_input_tensor") for chunk in chunks]
 
     # ---------------------------------------------------------------- helpers
 
-    def is_last_stage(self, chunk: int) -> bool:
-        return self.topology.virtual_stage(self.peers.pp_rank, chunk) == self.topology.last_virtual_stage
-
-    @staticmethod
-    def _final_grad_actions(actions) -> tuple[set, dict]:
-        """Per chunk the last B and the last W (grad sync on), and the very last of them."""
-        last_of_kind, last = {}, {}
-        for action in actions:
-            if not action.is_forward:
-                last_of_kind[(action.chunk, action.kind)] = action
-                last[action.chunk] = action
-        return set(last_of_kind.values()), last
-
-    def _checkpoint_window(self) -> int | None:
-        if self.config.num_microbatches_with_partial_activation_checkpoints is None:
-            return None
-        actions = [a for step in self.steps for a in step.actions]
-        warmup = next((i for i, a in enumerate(actions) if a.is_backward), len(actions))
-        return warmup + 1 if not self.forward_only else None
-
     def make_buffer(self, message: plan_mod.Message) -> torch.Tensor:
-        return torch.empty(self.shapes[message.segment], requires_grad=True,
+        return torch.empty(self.setup.shapes[message.segment], requires_grad=True,
                            device=self.device, dtype=self.config.pipeline_dtype)
 
     def disable_grad_sync(self) -> None:
@@ -250,7 +432,7 @@ class _Pipeline:
             self.no_sync_context.__exit__(None, None, None)
             self.no_sync_context = None
 
-    def grad_sync_funcs(self) -> list | None:
+    def _grad_sync_funcs(self) -> list | None:
         funcs = self.config.grad_sync_func
         if funcs is None:
             return None
@@ -258,11 +440,8 @@ class _Pipeline:
 
     # ---------------------------------------------------------------- compute
 
-    def forward(self, action: Action, input_tensor):
-        from megatron.core.pipeline_parallel.schedules import set_current_microbatch
-        from megatron.core.utils import get_attr_wrapped_model
-
-        config = self.config
+    def forward(self, unit: _Unit, input_tensor):
+        action, config = unit.action, self.config
         chunk = self.chunks[action.chunk]
         if config.timers is not None:
             config.timers("forward-compute", log_level=2).start()
@@ -271,21 +450,19 @@ class _Pipeline:
             first = first and self.first_val_step
         if first and hasattr(chunk, "set_is_first_microbatch"):
             chunk.set_is_first_microbatch()
-        set_current_microbatch(chunk, action.microbatch)
-        get_attr_wrapped_model(chunk, "set_input_tensor")([input_tensor])
+        self.set_current_microbatch(chunk, action.microbatch)
+        self.set_input[action.chunk]([input_tensor])
         args = (self.data[action.chunk], chunk)
         if self.checkpoint_window is not None:
             flag = (self.forwards_done % self.checkpoint_window
                     >= config.num_microbatches_with_partial_activation_checkpoints)
             args += (flag,)
-        autocast = (torch.autocast("cuda", dtype=config.autocast_dtype)
-                    if config.enable_autocast else contextlib.nullcontext())
-        with self.run.forward(action.microbatch, action.segment, action.chunk), autocast:
+        with self.run.forward(action.microbatch, action.segment, action.chunk), self.autocast():
             output, loss_func = self.forward_step_func(*args)
         self.forwards_done += 1
         if action.segment == self.k - 1 and self.data[action.chunk] is not None:
             self.data[action.chunk].release(action.microbatch)
-        if self.is_last_stage(action.chunk):
+        if unit.last_stage:
             output = self._loss(action, output, loss_func)
         if config.timers is not None:
             config.timers("forward-compute").stop()
@@ -303,10 +480,11 @@ class _Pipeline:
         self.forward_data_store.append(report)
         return loss
 
-    def backward(self, action: Action, input_tensor, output_tensor, output_grad):
+    def backward(self, unit: _Unit, input_tensor, output_tensor, output_grad):
         """Megatron's backward step (input gradients only when the schedule splits off W)."""
+        action = unit.action
         self._grad_sync_before(action)
-        if self.is_last_stage(action.chunk):
+        if unit.last_stage:
             output_tensor = self.losses.scaled(action)
         deferred = (self.weight_grads.input_grads_only(action.unit) if self.weight_grads
                     else contextlib.nullcontext())
@@ -323,7 +501,7 @@ class _Pipeline:
 
     def _grad_sync_before(self, action: Action) -> None:
         """Sync on only for a chunk's final B and W (module docstring), as Megatron allows."""
-        funcs = self.grad_sync_funcs()
+        funcs = self.grad_sync_funcs
         own_launch = funcs is None or (len(self.chunks) == 1 and self.peers.pp_rank == 0)
         if action in self.final_grad_actions and own_launch:
             self.enable_grad_sync()
@@ -332,7 +510,7 @@ class _Pipeline:
 
     def _grad_sync_after(self, action: Action) -> None:
         """Interleaved with grad_sync_func: launch a chunk's reductions after its last action."""
-        funcs = self.grad_sync_funcs()
+        funcs = self.grad_sync_funcs
         if len(self.chunks) > 1 and funcs is not None \
                 and action == self.last_grad_action[action.chunk]:
             self.enable_grad_sync()
@@ -345,49 +523,49 @@ class _Pipeline:
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
         deallocate = self.config.deallocate_pipeline_outputs
-        record = self.recorder.begin(self.peers.global_rank) if self.recorder else None
+        recorder = self.recorder
+        record = recorder.begin(self.peers.global_rank) if recorder else None
         in_flight = InFlight(
             lambda output: deallocate_output_tensor(output, deallocate))
         sent_outputs = []
-        for index, step in enumerate(self.steps):
-            start = self.recorder.now() if record is not None else 0.0
+        for index, (step, units) in enumerate(zip(self.steps, self.setup.units)):
+            start = recorder.now() if record is not None else 0.0
             self.inbox.update(exchange(step, index, self.peers, self.outgoing, self.make_buffer,
                                        in_flight, sent_outputs))
             if record is not None and (step.sends or step.recvs):
-                self.recorder.wait(start, index)
+                recorder.wait(start, index)
             sent_outputs = []
-            for action in step.actions:
-                start = self.recorder.now() if record is not None else 0.0
-                with self._naming_failures(action, index):
-                    sent = self.compute(action, in_flight)
+            for unit in units:
+                start = recorder.now() if record is not None else 0.0
+                with self._naming_failures(unit.action, index):
+                    sent = self.compute(unit, in_flight)
                 if sent is not None:
                     sent_outputs.append(sent)
                 if record is not None:
-                    self.recorder.compute(start, action, index, len(self.stash))
-        start = self.recorder.now() if record is not None else 0.0
+                    recorder.compute(start, unit.action, index, len(self.stash))
+        start = recorder.now() if record is not None else 0.0
         in_flight.finish(self.peers)
         if record is not None:
-            self.recorder.wait(start, len(self.steps))
+            recorder.wait(start, len(self.steps))
 
-    def compute(self, action: Action, in_flight: InFlight):
+    def compute(self, unit: _Unit, in_flight: InFlight):
         """Run one action with its input; returns a forward output to free once it is sent."""
-        message = plan_mod.input_message(action, self.peers.pp_rank, self.topology)
-        incoming = self.inbox.pop(message) if message is not None else None
-        out_msg = plan_mod.output_message(action, self.peers.pp_rank, self.topology)
+        action = unit.action
+        incoming = self.inbox.pop(unit.input) if unit.input is not None else None
         if action.is_forward:
-            output = self.forward(action, incoming)
+            output = self.forward(unit, incoming)
             if not self.forward_only:
                 self.stash[action.unit] = (incoming, output)
-            if out_msg is not None:
-                self.outgoing[out_msg] = output
+            if unit.output is not None:
+                self.outgoing[unit.output] = output
                 return None if self.forward_only else output
         elif action.is_backward:
             input_tensor, output = self.stash.pop(action.unit)
             if in_flight.holds(output):  # its send must finish before it is freed
                 in_flight.finish(self.peers)
-            grad = self.backward(action, input_tensor, output, incoming)
-            if out_msg is not None:
-                self.outgoing[out_msg] = grad
+            grad = self.backward(unit, input_tensor, output, incoming)
+            if unit.output is not None:
+                self.outgoing[unit.output] = grad
         else:
             self.weight(action)
         return None
@@ -440,6 +618,7 @@ def forward_backward(
     recorder=None,
     schedule: str = "1f1b",
     segment_costs=None,
+    segment_multiple: int | None = None,
 ) -> list:
     """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options)."""
     from megatron.core.pipeline_parallel.schedules import (
@@ -447,64 +626,28 @@ def forward_backward(
         finish_embedding_wgrad_compute,
     )
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage
-    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+    from megatron.core.utils import get_model_config
 
     chunks = chunks_of(model)
     iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
     config = get_model_config(chunks[0])
     p2p_communicator, pg_collection = _process_groups(config, p2p_communicator, pg_collection)
-    pp_size, pp_rank = pg_collection.pp.size(), pg_collection.pp.rank()
-    effective_seq = decoder_seq_length if decoder_seq_length is not None else seq_length
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise_if([f"num_splits must be a positive integer, got {num_splits!r}"])
-    if partition not in METHODS:
-        raise_if([f"unknown partition {partition!r}; choose one of {METHODS}"])
-    if schedule not in SCHEDULES:
-        raise_if([f"unknown schedule {schedule!r}; choose one of {SCHEDULES}"])
-    if segment_costs is not None:
-        raise_if(segment_cost_problems(segment_costs, num_splits))
-    try:
-        vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
-    except RuntimeError:
-        vocab_size = None
-    try:
-        lengths = resolve_lengths(num_splits, partition, split_lengths, effective_seq, chunks,
-                                  config, vocab_size)
-    except ValueError as exc:
-        raise_if([f"num_splits={num_splits} with seq_length={effective_seq}: {exc}"])
-    if len(lengths) != num_splits:
-        raise_if([f"split_lengths has {len(lengths)} entries but num_splits is {num_splits}"])
-    raise_if(executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
-                               effective_seq, pp_size, adjust_tensor_shapes_fn,
-                               num_splits == 1 or is_enabled(chunks)))
-    if len(chunks) > 1:
-        from megatron_seq1f1b.interleaved import interleaved_problems
-
-        raise_if(interleaved_problems(pp_size, num_microbatches, num_splits, len(chunks),
-                                      schedule, forward_only))
-    if schedule != "1f1b" and not forward_only:
-        raise_if(wgrad.deferral_problems(chunks, num_splits))
-        wgrad.install()
-    elif not forward_only:
-        raise_if(wgrad.without_w_problems(chunks))
-
-    costs = None
-    if schedule != "1f1b" and not forward_only:
-        # the planner's measured costs place W as it predicted; else this model's FLOPs
-        costs = (tuple(tuple(float(x) for x in row) for row in segment_costs)
-                 if segment_costs is not None
-                 else zero_bubble_costs(lengths, chunks, config, vocab_size))
-    if pp_size > 1:
-        _agree_across_stages(pg_collection.pp, num_microbatches, lengths, len(chunks),
-                             forward_only, schedule, costs)
-    steps = rank_steps(pp_size, num_microbatches, num_splits, len(chunks), forward_only, pp_rank,
-                       schedule, costs)
-    peers = Peers.build(p2p_communicator, config)
+    peers = Peers.build(p2p_communicator, config, wraparound=len(chunks) > 1)
+    setup, new = _setup_for(
+        chunks, config, iterators, pg_collection, peers,
+        num_microbatches=num_microbatches,
+        seq_length=decoder_seq_length if decoder_seq_length is not None else seq_length,
+        micro_batch_size=micro_batch_size, forward_only=forward_only, num_splits=num_splits,
+        partition=partition, split_lengths=None if split_lengths is None else tuple(split_lengths),
+        schedule=schedule, segment_costs=segment_costs,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, segment_multiple=segment_multiple)
+    if peers.pp_size > 1:
+        _agree_across_stages(pg_collection.pp, setup.agreement, new, setup.lengths,
+                             num_microbatches, schedule)
     pipeline = _Pipeline(
-        forward_step_func=forward_step_func, chunks=chunks, iterators=iterators, config=config,
-        num_microbatches=num_microbatches, lengths=lengths, micro_batch_size=micro_batch_size,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, peers=peers, pg_collection=pg_collection, steps=steps,
+        setup, config=config, pg_collection=pg_collection, peers=peers,
+        forward_step_func=forward_step_func, chunks=chunks, iterators=iterators,
+        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
         recorder=recorder,
     )
 
@@ -528,7 +671,7 @@ def forward_backward(
     if not forward_only and pipeline.no_sync_context is not None:
         # Launch any remaining grad reductions (as Megatron does).
         pipeline.enable_grad_sync()
-        funcs = pipeline.grad_sync_funcs()
+        funcs = pipeline.grad_sync_funcs
         if funcs is not None and len(chunks) == 1:
             funcs[0](chunks[0].parameters())
     pipeline.close()

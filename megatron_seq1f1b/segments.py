@@ -127,7 +127,7 @@ class SegmentRun:
         With a ``window`` of w keys the columns start at ``max(0, start - w)``
         and query i sees keys ``start + i - w .. start + i``.
         """
-        key = (info.start, info.end, str(device), window)
+        key = (info.start, info.end, device, window)
         mask = self._masks.get(key)
         if mask is None:
             first = 0 if window is None else max(0, info.start - window)
@@ -157,13 +157,19 @@ class SegmentData:
 
     The caller's iterator advances once per micro-batch, on the first
     ``next()`` inside that micro-batch's segments; the executor drops the
-    batch after the micro-batch's last segment.
+    batch after the micro-batch's last segment. With a ``device`` (CUDA), a
+    micro-batch that is a dict of host tensors is moved there once, from
+    pinned memory without blocking the host, so its segments are views of one
+    device copy: a ``get_batch`` that copies to the device (``.cuda()``,
+    ``.to(device)``) then copies nothing per segment, and the host never waits
+    for the device to catch up before a segment.
     """
 
-    def __init__(self, iterator):
+    def __init__(self, iterator, device: torch.device | None = None):
         self._iterator = iterator
         self._batches: dict[int, Any] = {}
         self._fetched = 0
+        self._device = device
 
     def __iter__(self):
         return self
@@ -179,12 +185,26 @@ class SegmentData:
                     f"Seq1F1B: data for micro-batch {mb} requested before micro-batch "
                     f"{self._fetched}; call next(data_iterator) in every forward step"
                 )
-            self._batches[mb] = next(self._iterator)
+            self._batches[mb] = to_device(next(self._iterator), self._device)
             self._fetched += 1
         return self._batches[mb]
 
     def release(self, microbatch: int) -> None:
         self._batches.pop(microbatch, None)
+
+
+def to_device(batch: Any, device: torch.device | None) -> Any:
+    """A dict's host tensors on ``device`` (pinned, non-blocking copies); anything else as is."""
+    if device is None or device.type != "cuda" or not isinstance(batch, dict):
+        return batch
+    moved = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            if not value.is_pinned():
+                value = value.pin_memory()
+            value = value.to(device, non_blocking=True)
+        moved[key] = value
+    return moved
 
 
 _SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "input_ids")

@@ -228,13 +228,19 @@ def without_w_problems(chunks: Iterable[torch.nn.Module]) -> list[str]:
     ]
 
 
+def delayed_layers(chunks: Sequence[torch.nn.Module]) -> list[list[Named]]:
+    """Per chunk, its Transformer Engine layers with delayed weight gradients (a module walk:
+    the executor does it once per configuration)."""
+    return [[(n, m) for n, m in te_linears(chunk) if delays(m)] for chunk in chunks]
+
+
 class DelayedLayers:
     """Which delayed TE layers each unit's ``B`` queued work in, and their ``W`` calls."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module] = ()) -> None:
-        self._layers: list[list[Named]] = [
-            [(n, m) for n, m in te_linears(chunk) if delays(m)] for chunk in chunks
-        ]
+    def __init__(self, chunks: Sequence[torch.nn.Module] = (),
+                 layers: Sequence[Sequence[Named]] | None = None) -> None:
+        self._layers = [list(chunk) for chunk in layers] if layers is not None \
+            else delayed_layers(chunks)
         self._fifo: dict[int, deque] = {}  # id(layer) -> units whose entry it holds, oldest first
 
     def _of(self, unit: tuple) -> list[Named]:

@@ -59,9 +59,10 @@ _deferring = False  # only inside deferring(): a zero-bubble iteration
 class WeightGradStore:
     """Weight-gradient work of one iteration, queued per unit in backward order."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module] = ()) -> None:
+    def __init__(self, chunks: Sequence[torch.nn.Module] = (), te_layers=None) -> None:
         self._pending: dict[tuple, deque] = {}
-        self._te = te_wgrad.DelayedLayers(chunks)  # the chunks' delayed TE layers, if any
+        # the chunks' delayed TE layers, if any (``te_layers``: found before, te_wgrad.delayed_layers)
+        self._te = te_wgrad.DelayedLayers(chunks, te_layers)
 
     @contextlib.contextmanager
     def input_grads_only(self, unit: tuple) -> Iterator[None]:

@@ -454,3 +454,21 @@ def steps_match_no_pipelining(pp: int, k: int, model: ModelSpec, data: DataSpec,
         if err > 1e-5 * max(moved, expected[name].abs().max().item() * 1e-3, 1e-12):
             problems.append(f"{name}: after {steps} steps off by {err:.2e} (moved {moved:.2e})")
     return problems
+
+
+def with_links_transport(**layout) -> dict:
+    """``run_layout`` with the links transport NCCL gets (a process group per link direction,
+    operations posted one by one) forced on gloo; its groups are destroyed afterwards."""
+    import os
+
+    from gpt import run_layout
+    from megatron_seq1f1b import p2p
+
+    os.environ[p2p.TRANSPORT_ENV] = p2p.LINKS
+    try:
+        result = run_layout(**layout)
+        result["links"] = sorted(next(iter(p2p._LINK_GROUPS.values()), {}))
+        return result
+    finally:
+        del os.environ[p2p.TRANSPORT_ENV]
+        p2p.destroy_link_groups()

@@ -174,3 +174,19 @@ def test_lost_p2p_message_raises_naming_rank_and_action_instead_of_hanging(ranks
     assert "rank 1 (pipeline stage 1)" in waiting["error"], waiting
     assert "receive act 1.1 0->1" in waiting["error"] and "before F1.1" in waiting["error"], waiting
     assert all(r["seconds"] < 30 for r in results), results
+
+
+@pytest.mark.parametrize("pp,vpp,k", [(4, None, 3), (2, None, 2), (4, 2, 2)],
+                         ids=["pp4", "dp2-pp2", "pp4-vpp2"])
+def test_links_transport_equals_no_pipelining(ranks, pp, vpp, k):
+    """NCCL's transport (a process group per link direction) run on gloo: same results, the
+    links made once for every pipeline of the world (two pipelines with dp2)."""
+    results = ranks.run(4, cases.with_links_transport, case=f"links-pp{pp}-vpp{vpp}",
+                        model=ModelSpec(num_layers=8), data=DataSpec(num_microbatches=4),
+                        pp=pp, vpp=vpp, seq1f1b=dict(num_splits=k, partition="balanced"))
+    _check(results)
+    expected = {4: [(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2)], 2: [(0, 1), (1, 0)]}[pp]
+    if vpp:
+        expected = sorted(expected + [(3, 0), (0, 3)])
+    for r in results:  # each rank holds the links it is an end of
+        assert r["links"] == [link for link in expected if r["pp_rank"] in link], r["links"]

@@ -114,11 +114,13 @@ def batches(dataset, micro_batch_size: int, first_block: int, stride: int) -> It
     consecutive samples; rank d of D takes blocks d, d + D, d + 2D, ...
     (``first_block`` = d + D * micro-batches already consumed, ``stride`` = D).
     """
+    pin = torch.cuda.is_available()  # copied to the GPU without blocking the host (both schedules)
     block = first_block
     while True:
         start = block * micro_batch_size
         samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
-        yield {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        yield {key: value.pin_memory() for key, value in batch.items()} if pin else batch
         block += stride
 
 
