@@ -16,8 +16,8 @@ What depends only on the configuration (segment lengths, the checks, process
 groups, the communicator, the steps and their messages) is computed once per
 configuration and reused (:func:`_setup_for`, a small cache keyed by the
 model chunks, the config's scalar fields and the call's arguments); an
-iteration then only runs its steps. The pipeline stages check that they run
-the same schedule before the first message of every new configuration.
+iteration then only runs its steps, after one tiny all-gather in which the
+pipeline stages check that they run the same schedule.
 
 Data parallelism follows Megatron: gradient sync is off (``no_sync_func``)
 except for the last gradient-producing action of a model chunk on this rank
@@ -154,14 +154,14 @@ def _agreement(num_microbatches, lengths, num_chunks, forward_only, schedule, co
             int.from_bytes(hashlib.sha256(plan).digest()[:7], "big"))
 
 
-def _agree_across_stages(pp_group, mine: tuple, check: bool, lengths, num_microbatches,
-                         schedule) -> None:
+def _agree_across_stages(pp_group, mine: tuple, lengths, num_microbatches, schedule) -> None:
     """All pipeline ranks run the same schedule; otherwise fail before any p2p message.
 
-    One tiny all-gather per call, so that a rank whose configuration changed
-    always finds its peers in the collective. Only a new configuration
-    (``check``) reads the result, which waits for the device; a cached one
-    leaves it to the stream (no host-device synchronization per iteration).
+    One tiny all-gather per call, read at once: a rank whose configuration
+    changed alone must stop everyone with this error, not leave its peers
+    waiting in a transfer of the wrong shape. Reading it waits for the device,
+    once per iteration, where training loops wait anyway (the previous
+    optimizer step's norms and losses); pipeline size 1 skips it.
     """
     import torch.distributed as dist
 
@@ -170,8 +170,6 @@ def _agree_across_stages(pp_group, mine: tuple, check: bool, lengths, num_microb
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = torch.empty(pp_group.size() * len(mine), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(gathered, local, group=pp_group)
-    if not check:
-        return
     rows = gathered.view(pp_group.size(), len(mine)).tolist()
     differ = [stage for stage, row in enumerate(rows) if row != rows[0]]
     if differ:
@@ -234,9 +232,18 @@ def _config_fingerprint(config) -> tuple:
     )
 
 
-def _setup_for(chunks, config, iterators, pg_collection, peers: Peers, **arguments
-               ) -> tuple[_Setup, bool]:
-    """The cached setup of this configuration, or a new one (checked); (setup, new?).
+def clear_setups() -> None:
+    """Forget every cached setup: the next call checks its configuration again.
+
+    The key sees the config's scalar fields and the call's arguments, not the
+    model's structure: after changing a model in place (adding, swapping or
+    removing modules) call this, so the checks see the new modules.
+    """
+    _SETUPS.clear()
+
+
+def _setup_for(chunks, config, iterators, pg_collection, peers: Peers, **arguments) -> _Setup:
+    """The cached setup of this configuration, or a new one (checked).
 
     Keyed by the chunks (weakly: a dead model's entry can never match again), the
     config's identity and scalar fields, the layout and the call's arguments.
@@ -254,13 +261,13 @@ def _setup_for(chunks, config, iterators, pg_collection, peers: Peers, **argumen
     setup = _SETUPS.get(key) if key is not None else None
     if setup is not None:
         _SETUPS.move_to_end(key)
-        return setup, False
+        return setup
     setup = _build_setup(chunks, config, iterators, pg_collection, peers, **arguments)
     if key is not None:
         _SETUPS[key] = setup
         while len(_SETUPS) > _MAX_SETUPS:
             _SETUPS.popitem(last=False)
-    return setup, True
+    return setup
 
 
 def _build_setup(chunks, config, iterators, pg_collection, peers, *,
@@ -633,7 +640,7 @@ def forward_backward(
     config = get_model_config(chunks[0])
     p2p_communicator, pg_collection = _process_groups(config, p2p_communicator, pg_collection)
     peers = Peers.build(p2p_communicator, config, wraparound=len(chunks) > 1)
-    setup, new = _setup_for(
+    setup = _setup_for(
         chunks, config, iterators, pg_collection, peers,
         num_microbatches=num_microbatches,
         seq_length=decoder_seq_length if decoder_seq_length is not None else seq_length,
@@ -642,7 +649,7 @@ def forward_backward(
         schedule=schedule, segment_costs=segment_costs,
         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, segment_multiple=segment_multiple)
     if peers.pp_size > 1:
-        _agree_across_stages(pg_collection.pp, setup.agreement, new, setup.lengths,
+        _agree_across_stages(pg_collection.pp, setup.agreement, setup.lengths,
                              num_microbatches, schedule)
     pipeline = _Pipeline(
         setup, config=config, pg_collection=pg_collection, peers=peers,

@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
-from megatron_seq1f1b.checks import SUPPORTED_POSITIONS, raise_if, segment_multiple
+from megatron_seq1f1b.checks import (
+    SUPPORTED_POSITIONS, raise_if, rounding_multiple, segment_multiple, segment_multiple_problems,
+)
 from megatron_seq1f1b.partition import METHODS, split_sequence
 from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedule import SCHEDULES
@@ -87,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--seq1f1b-memory-budget-microbatches", type=float, default=None, metavar="N",
         help="With --seq1f1b-splits auto: the same budget in micro-batches of a stage "
              "(Megatron's 1F1B holds p on the first stage).",
+    )
+    group.add_argument(
+        "--seq1f1b-segment-multiple", type=int, default=None, metavar="N",
+        help="Round segment lengths to multiples of N tokens (default: 64 on CUDA where the "
+             "sequence allows it, for tensor cores; 1 on CPU). The layout's own multiple (the "
+             "tensor-parallel size with --sequence-parallel, x8 with FP8) always applies.",
     )
     group.add_argument(
         "--seq1f1b-min-segment-length", type=int, default=DEFAULT_MIN_SEGMENT,
@@ -329,16 +337,22 @@ def args_problems(args: Any) -> list[str]:
             "distillation with --export-kd-teacher-load) are not supported with --seq1f1b"
         )
 
-    # Segment lengths: with sequence parallelism each one must divide by the TP size.
-    if splits is not None and isinstance(seq_length, int):
-        multiple = segment_multiple(args)  # Megatron-LM's args use the config's names
+    # Segment lengths: with sequence parallelism each one must divide by the TP size, and by
+    # --seq1f1b-segment-multiple if given.
+    requested = _flag(args, "seq1f1b_segment_multiple")
+    problems += segment_multiple_problems(requested)
+    if splits is not None and isinstance(seq_length, int) and not segment_multiple_problems(
+            requested):
+        multiple = (rounding_multiple(args, seq_length, splits, requested, on_cuda=False)
+                    if requested is not None else segment_multiple(args))  # args: config names
         try:
             split_sequence(seq_length, splits, "uniform", multiple_of=multiple)
         except ValueError:
             if multiple > 1:
                 where = (f"every segment must be a multiple of {multiple} tokens "
-                         "(--tensor-model-parallel-size with --sequence-parallel, times 8 "
-                         "with --fp8-format)")
+                         "(--tensor-model-parallel-size with --sequence-parallel, times 8 with "
+                         "--fp8-format" + (f"; --seq1f1b-segment-multiple {requested}"
+                                           if requested is not None else "") + ")")
                 fix = (f"use --seq1f1b-splits <= {seq_length // multiple} and a --seq-length "
                        f"divisible by {multiple}")
             else:
@@ -399,10 +413,12 @@ def prepare_model(model: Any, args: Any = None) -> Any:
         install(auto_forward_backward_func(
             memory_budget_gib=_flag(args, "seq1f1b_memory_budget"),
             memory_budget_microbatches=_flag(args, "seq1f1b_memory_budget_microbatches"),
-            min_segment_length=_flag(args, "seq1f1b_min_segment_length", DEFAULT_MIN_SEGMENT)))
+            min_segment_length=_flag(args, "seq1f1b_min_segment_length", DEFAULT_MIN_SEGMENT),
+            segment_multiple=_flag(args, "seq1f1b_segment_multiple")))
     else:
         install(args.seq1f1b_splits, args.seq1f1b_partition,
-                schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE))
+                schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE),
+                segment_multiple=_flag(args, "seq1f1b_segment_multiple"))
     return model
 
 

@@ -472,3 +472,14 @@ def with_links_transport(**layout) -> dict:
     finally:
         del os.environ[p2p.TRANSPORT_ENV]
         p2p.destroy_link_groups()
+
+
+def with_setup_lengths(**layout) -> dict:
+    """``run_layout``, plus the segment lengths the executor's setup used."""
+    from gpt import run_layout
+    from megatron_seq1f1b import executor
+
+    executor.clear_setups()
+    result = run_layout(**layout)
+    result["lengths"] = list(next(reversed(executor._SETUPS.values())).lengths)
+    return result

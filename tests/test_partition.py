@@ -148,3 +148,39 @@ def test_cost_model_counts_the_linear_weights_a_layer_has(ranks, fields):
     (result,) = ranks.run(1, _linear_weights_per_layer, case=f"weights-{fields}",
                           spec_fields=fields)
     assert result["model"] == result["cost_model"], result
+
+
+def test_segment_lengths_round_to_64_on_cuda_by_default():
+    """Tensor-core friendly segments on CUDA (a requested multiple is strict, the layout's own
+    multiple always applies); the default falls back where 64-token blocks do not fit."""
+    from types import SimpleNamespace
+
+    from megatron_seq1f1b.checks import rounding_multiple
+
+    plain = SimpleNamespace(sequence_parallel=False)
+    tp2 = SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2)
+    fp8 = SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2, fp8="hybrid")
+    assert rounding_multiple(plain, 8192, 4, on_cuda=False) == 1
+    assert rounding_multiple(plain, 8192, 4, on_cuda=True) == 64
+    assert rounding_multiple(fp8, 8192, 4, on_cuda=True) == 64
+    assert rounding_multiple(plain, 1000, 4, on_cuda=True) == 1  # 1000 tokens: no 64 blocks
+    assert rounding_multiple(tp2, 256, 8, on_cuda=True) == 2  # 8 segments of 64 do not fit
+    assert rounding_multiple(tp2, 8192, 4, requested=48, on_cuda=True) == 48
+    assert rounding_multiple(fp8, 8192, 4, requested=24, on_cuda=False) == 48  # lcm with 16
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_balanced_lengths_at_64_stay_balanced_within_the_rounding(k):
+    config_ = config(hidden_size=2048, num_layers=4, num_attention_heads=16, kv_channels=128,
+                     num_query_groups=16, ffn_hidden_size=8192)
+    exact = split_sequence(8192, k, "balanced", config=config_, vocab_size=50257)
+    rounded = split_sequence(8192, k, "balanced", config=config_, vocab_size=50257,
+                             multiple_of=64)
+    assert sum(rounded) == 8192 and all(n % 64 == 0 for n in rounded)
+    assert rounded == sorted(rounded, reverse=True)
+    model = CostModel.from_config(config_, 50257)
+    costs = model.split_costs(rounded)
+    # rounding moves each boundary by at most 32 tokens: a segment's cost by at most two
+    # 32-token slices at the sequence's end (the most expensive tokens)
+    slice_cost = model.segment(32, 8192)
+    assert max(costs) - min(costs) <= 4 * slice_cost, (exact, rounded)

@@ -795,11 +795,12 @@ def test_prepare_model_with_auto_installs_the_planning_function(monkeypatch):
                         lambda **kw: made.append(kw) or original(**kw))
     try:
         megatron_lm.prepare_model([object()], megatron_args(
-            seq1f1b_splits="auto", seq1f1b_memory_budget=40.0, seq1f1b_min_segment_length=256))
+            seq1f1b_splits="auto", seq1f1b_memory_budget=40.0, seq1f1b_min_segment_length=256,
+            seq1f1b_segment_multiple=128))
         func = pipeline_parallel.get_forward_backward_func()
         assert func.num_splits == "auto" and func.choice is None
         assert made == [dict(memory_budget_gib=40.0, memory_budget_microbatches=None,
-                             min_segment_length=256)]
+                             min_segment_length=256, segment_multiple=128)]
     finally:
         import megatron_seq1f1b as s1
 

@@ -190,3 +190,14 @@ def test_links_transport_equals_no_pipelining(ranks, pp, vpp, k):
         expected = sorted(expected + [(3, 0), (0, 3)])
     for r in results:  # each rank holds the links it is an end of
         assert r["links"] == [link for link in expected if r["pp_rank"] in link], r["links"]
+
+
+def test_segment_multiple_rounds_lengths_and_stays_exact(ranks):
+    """segment_multiple=8 (what 64 is on CUDA, at this model's size): 32 tokens in 3 balanced
+    segments become multiples of 8, still equal to no pipelining."""
+    results = ranks.run(2, cases.with_setup_lengths, case="segment-multiple", model=ROPE,
+                        data=DataSpec(num_microbatches=3), pp=2,
+                        seq1f1b=dict(num_splits=3, partition="balanced", segment_multiple=8))
+    _check(results)
+    for r in results:
+        assert sum(r["lengths"]) == 32 and all(n % 8 == 0 for n in r["lengths"]), r["lengths"]

@@ -92,6 +92,7 @@ API: dict[str, LocalTrigger] = {
     "api-partition-measured": lambda: s1.get_forward_backward_func(2, "measured"),
     "api-schedule": lambda: s1.get_forward_backward_func(2, schedule="zb-h3"),
     "api-split-lengths-count": lambda: s1.get_forward_backward_func(2, split_lengths=[1, 2, 3]),
+    "api-segment-multiple": lambda: s1.get_forward_backward_func(2, segment_multiple=0),
 }
 
 # Megatron-LM's arguments as its validate_args leaves them: GPT, TP 2 with sequence parallelism.
@@ -156,6 +157,8 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-splits-exceed-sequence": _lm(seq_length=3, sequence_parallel=False),
     "lm-segments-sequence-parallel": _lm(seq_length=4097),
     "lm-segments-fp8": _lm(fp8="hybrid", seq_length=4100),
+    "lm-segment-multiple": _lm(seq1f1b_segment_multiple=0),
+    "lm-segments-segment-multiple": _lm(seq1f1b_segment_multiple=3000),
 }
 
 TRAINER_VALID = ["--mock-data", "--tokenizer-type", "ByteTokenizer"]
@@ -194,6 +197,9 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-distributed-checkpoint-psutil": _without_psutil(
         _trainer("--use-distributed-optimizer", "--save", "checkpoints")),
     "trainer-splits-negative": _trainer("--seq1f1b", "--seq1f1b-splits", "-1"),
+    "trainer-segment-multiple-without-seq1f1b": _trainer("--seq1f1b-segment-multiple", "64"),
+    "trainer-segment-multiple-positive": _trainer("--seq1f1b", "--seq1f1b-segment-multiple",
+                                                  "0"),
     "trainer-splits-exceed-sequence": _trainer("--seq-length", "2", "--seq1f1b",
                                                "--seq1f1b-splits", "4"),
     "trainer-segments-sequence-parallel": _trainer("--tensor-model-parallel-size", "2",
@@ -233,6 +239,9 @@ class Layout:
 
     def run(self, forward_backward: Callable, models: list | None = None, **overrides: Any):
         from gpt import ModelSpec, forward_step
+        from megatron_seq1f1b.executor import clear_setups
+
+        clear_setups()  # triggers change the shared model in place; setups are per configuration
 
         models = models or self.models
         many = len(models) > 1

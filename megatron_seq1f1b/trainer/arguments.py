@@ -224,8 +224,15 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if args.seq1f1b and args.seq1f1b_schedule == "zb-h2" \
             and args.virtual_pipeline_model_parallel_size is not None:
         problems.append(f"--seq1f1b-schedule zb-h2 with virtual pipelining: {ZB_H2_PROBLEM}")
-    if args.seq1f1b and not auto and args.seq1f1b_splits >= 1:
+    requested = args.seq1f1b_segment_multiple
+    if requested is not None and not args.seq1f1b:
+        problems.append("--seq1f1b-segment-multiple needs --seq1f1b")
+    elif requested is not None and requested < 1:
+        problems.append(f"--seq1f1b-segment-multiple must be >= 1, got {requested}")
+    elif args.seq1f1b and not auto and args.seq1f1b_splits >= 1:
         multiple = tp if args.sequence_parallel else 1
+        if requested is not None:
+            multiple = math.lcm(multiple, requested)
         try:
             split_sequence(args.seq_length, args.seq1f1b_splits, multiple_of=multiple)
         except ValueError as exc:

@@ -33,7 +33,8 @@ def choose(args, model: list, forward_step_func: Callable, train_ds):
             micro_batch_size=args.micro_batch_size,
             memory_budget_gib=args.seq1f1b_memory_budget,
             memory_budget_microbatches=args.seq1f1b_memory_budget_microbatches,
-            min_segment_length=args.seq1f1b_min_segment_length)
+            min_segment_length=args.seq1f1b_min_segment_length,
+            segment_multiple=args.seq1f1b_segment_multiple)
     except ConfigError as exc:  # the same on every rank: all stop, none waits
         raise SystemExit(str(exc)) from None
     plan = choice.plan

@@ -25,7 +25,8 @@ def _forward_backward_func(args, recorder=None) -> Callable:
         return s1.get_forward_backward_func(
             args.seq1f1b_splits, args.seq1f1b_partition, schedule=args.seq1f1b_schedule,
             split_lengths=getattr(args, "seq1f1b_split_lengths", None), recorder=recorder,
-            segment_costs=getattr(args, "seq1f1b_segment_costs", None))
+            segment_costs=getattr(args, "seq1f1b_segment_costs", None),
+            segment_multiple=args.seq1f1b_segment_multiple)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()
