@@ -55,31 +55,36 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
                       *, seq_length: int, num_microbatches: int, micro_batch_size: int,
                       memory_budget_gib: float | None = None,
                       memory_budget_microbatches: float | None = None,
-                      min_segment_length: int = 128):
+                      min_segment_length: int = 128, segment_multiple: int | None = None):
     """Measure these chunks and choose a plan (a :class:`~megatron_seq1f1b.planner.PlanChoice`).
 
     Collective over the world. ``data_iterator`` yields the micro-batch to
     time (``forward_step_func`` reads it as in training, possibly many times:
-    it repeats one element). A budget nothing fits raises
+    it repeats one element). ``segment_multiple``: as the executor's (segment lengths
+    rounded to 64 on CUDA by default). A budget nothing fits raises
     :class:`~megatron_seq1f1b.checks.ConfigError` on every rank alike, naming
     the smallest memory reachable.
     """
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-    from megatron_seq1f1b.checks import segment_multiple
+    from megatron_seq1f1b.checks import raise_if, rounding_multiple, segment_multiple_problems
     from megatron_seq1f1b.measure import measure_calibration
+    from megatron_seq1f1b.p2p import send_slack_of_runtime
     from megatron_seq1f1b.model import dense_attention
     from megatron_seq1f1b.planner import GIB, MEASURED_TIE_TOLERANCE, BudgetError, choose_plan
 
     config = get_model_config(chunks[0])
+    raise_if(segment_multiple_problems(segment_multiple))
+    multiple = rounding_multiple(config, seq_length, 1, segment_multiple)
     try:
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
         vocab_size = None
     with _untouched_state(chunks):
         calibration = measure_calibration(chunks, forward_step_func, data_iterator, seq_length,
-                                          micro_batch_size, min_segment_length=min_segment_length)
+                                          micro_batch_size, min_segment_length=min_segment_length,
+                                          multiple_of=multiple)
     try:
         return choose_plan(
             seq_length, parallel_state.get_pipeline_model_parallel_world_size(),
@@ -89,8 +94,8 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
             # the FLOP model adds the balanced partition to the candidates
             config=config if vocab_size else None, vocab_size=vocab_size,
             dense_attention=dense_attention(chunks), min_segment_length=min_segment_length,
-            multiple_of=segment_multiple(config),
-            send_slack=0 if torch.cuda.is_available() else 1,  # NCCL steps wait for sends
+            multiple_of=multiple,
+            send_slack=send_slack_of_runtime(),  # sends finish a step later, on NCCL too
             tie_tolerance=MEASURED_TIE_TOLERANCE,  # closer predictions are within its noise
         )
     except BudgetError as exc:  # the same on every rank: all stop, none waits
@@ -124,6 +129,7 @@ class _Replayed:
 def auto_forward_backward_func(*, memory_budget_gib: float | None = None,
                                memory_budget_microbatches: float | None = None,
                                min_segment_length: int = 128,
+                               segment_multiple: int | None = None,
                                log: Callable[[str], None] | None = None) -> Callable:
     """Megatron-Core's forward-backward signature; plans on the first call (see module doc).
 
@@ -148,7 +154,7 @@ def auto_forward_backward_func(*, memory_budget_gib: float | None = None,
                 num_microbatches=num_microbatches, micro_batch_size=micro_batch_size,
                 memory_budget_gib=memory_budget_gib,
                 memory_budget_microbatches=memory_budget_microbatches,
-                min_segment_length=min_segment_length)
+                min_segment_length=min_segment_length, segment_multiple=segment_multiple)
             plan = choice.plan
             state["run"] = get_forward_backward_func(
                 plan.num_splits, plan.partition, split_lengths=plan.lengths,

@@ -23,6 +23,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_seq1f1b.timing import UnitTimer
+
 # One row [length, end, forward_s, backward_s(, weight_s, input_grad_s)] per segment.
 Rows = list[list[float]]
 
@@ -77,7 +79,8 @@ class HeldActivations:
 def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterator | None,
                   forward_step: Callable, config, micro_batch_size: int, pre: bool,
                   post: bool, split_weights: bool = False,
-                  held: HeldActivations | None = None) -> Rows:
+                  held: HeldActivations | None = None, host: Rows | None = None,
+                  timer: UnitTimer | None = None) -> Rows:
     """Forward segments 0..k-1 then backward k-1..0 of one micro-batch on one chunk.
 
     ``data``: what ``forward_step`` reads its micro-batch from (one element,
@@ -87,7 +90,9 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
     layers defer their weight gradients (:mod:`megatron_seq1f1b.wgrad`, as a
     zero-bubble schedule runs them); the backward column is then B alone and a
     fifth column holds W.
-    ``held`` measures the bytes the forwards leave for the backwards.
+    ``held`` measures the bytes the forwards leave for the backwards. Times are the
+    device's (:class:`~megatron_seq1f1b.timing.UnitTimer`); ``host`` gets, per segment,
+    ``[forward, backward]`` host dispatch seconds (the same as the device's on a CPU).
     """
     from megatron.core.utils import get_attr_wrapped_model
 
@@ -102,7 +107,8 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
     dtype = config.pipeline_dtype or torch.float32
     set_input = get_attr_wrapped_model(chunk, "set_input_tensor")
     store = wgrad.WeightGradStore([chunk]) if split_weights else None
-    outputs, grads, rows = [], [], []
+    timer = timer or UnitTimer(device)
+    outputs, grads, rows, hosts = [], [], [], []
     end = 0
     with (held.forwards(outputs) if held else contextlib.nullcontext()), \
             (wgrad.deferring() if split_weights else contextlib.nullcontext()):
@@ -112,32 +118,28 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
                                                requires_grad=True)
             grads.append(None if post else torch.randn(length // tp, *shape, device=device,
                                                        dtype=dtype))
-            _synchronize()
-            start = time.perf_counter()
-            set_input([inp])
-            with run.forward(0, j, chunk_index):
-                output, loss_func = forward_step(data, chunk)
-            if post:
-                output = loss_func(output)[0]
-            _synchronize()
-            rows.append([length, end, time.perf_counter() - start, 0.0]
-                        + [0.0] * split_weights)
+            with timer.time() as forward:
+                set_input([inp])
+                with run.forward(0, j, chunk_index):
+                    output, loss_func = forward_step(data, chunk)
+                if post:
+                    output = loss_func(output)[0]
+            rows.append([length, end, forward.device, 0.0] + [0.0] * split_weights)
+            hosts.append([forward.host, 0.0])
             outputs.append(output)
     for j in reversed(range(len(lengths))):
         unit = (0, j, chunk_index)
-        _synchronize()
-        start = time.perf_counter()
-        with run.backward(*unit), (store.input_grads_only(unit) if store
-                                   else contextlib.nullcontext()):
+        with timer.time() as backward, run.backward(*unit), (
+                store.input_grads_only(unit) if store else contextlib.nullcontext()):
             torch.autograd.backward(outputs[j], grad_tensors=grads[j])
-        _synchronize()
-        rows[j][3] = time.perf_counter() - start
+        rows[j][3], hosts[j][1] = backward.device, backward.host
         outputs[j] = None
         if store is not None:
-            start = time.perf_counter()
-            store.run(unit)
-            _synchronize()
-            rows[j][4] = time.perf_counter() - start
+            with timer.time() as weight:
+                store.run(unit)
+            rows[j][4] = weight.device
+    if host is not None:
+        host.extend(hosts)
     run.close()
     if store is not None:
         store.close()
@@ -146,23 +148,27 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
 
 def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], data: Iterator | None,
                forward_step: Callable, config, micro_batch_size: int, pre: bool, post: bool,
-               reps: int, split_weights: bool = False) -> tuple[Rows, int | None]:
+               reps: int, split_weights: bool = False,
+               host: Rows | None = None) -> tuple[Rows, int | None]:
     """Every case's segments, the median of ``reps`` repetitions after one warm-up; and the
-    bytes the first case's forwards held (the fewest of the repetitions).
+    bytes the first case's forwards held (the fewest of the repetitions). ``host`` gets
+    every timed segment's ``[forward, backward]`` host dispatch seconds.
 
     With ``split_weights`` each repetition runs twice, whole backward and W deferred, and
     rows are ``[length, end, F, B whole, W, B with W deferred]`` (deferring costs a little:
     the weight GEMMs read the saved tensors again later).
     """
     rows, held_bytes = [], None
+    timer = UnitTimer()
     for index, lengths in enumerate(cases):
         whole, split = [], []
         for rep in range(reps + 1):
             held = HeldActivations(chunk) if index == 0 else None
             got = time_segments(chunk, chunk_index, lengths, data, forward_step, config,
-                                micro_batch_size, pre, post, False, held)
+                                micro_batch_size, pre, post, False, held,
+                                host if rep and host is not None else None, timer)
             deferred = (time_segments(chunk, chunk_index, lengths, data, forward_step, config,
-                                      micro_batch_size, pre, post, True)
+                                      micro_batch_size, pre, post, True, timer=timer)
                         if split_weights else None)
             if rep:
                 whole.append(got)
@@ -176,6 +182,12 @@ def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], data: It
             best = [row + [s[4], s[3]] for row, s in zip(best, best_split)]
         rows += best
     return rows, held_bytes
+
+
+def host_floor(host: Rows) -> tuple[float, float]:
+    """(forward, backward) host dispatch seconds of a chunk's units: the medians (the
+    dispatch hardly depends on the segment's length)."""
+    return (statistics.median(row[0] for row in host), statistics.median(row[1] for row in host))
 
 
 def typical(samples: list[Rows]) -> Rows:
@@ -259,15 +271,20 @@ def message_fit(rows: list[list[float]], micro_batch_size: int, config):
 
 def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator | None,
                         seq_length: int, micro_batch_size: int, *,
-                        min_segment_length: int = 128, reps: int = 3):
+                        min_segment_length: int = 128, reps: int = 3,
+                        multiple_of: int | None = None):
     """This pipeline's calibration, identical on every rank (collective over the world).
 
     ``chunks``: this rank's model chunks (Seq1F1B-enabled); ``data``: an
     iterator that yields one micro-batch, repeatedly, as ``forward_step`` reads
     it. Gradients the timing leaves are zeroed (``zero_grad_buffer``). Weight gradients are
-    timed apart where a zero-bubble schedule could defer them; the
+    timed apart where a zero-bubble schedule could defer them (``multiple_of``: what the
+    cases' segment lengths divide by, default the layout's own multiple); the
     calibration's ``bytes_per_token`` is the most activation bytes any stage
-    (all its chunks) holds per token of one sample.
+    (all its chunks) holds per token of one sample. On CUDA the fits are the device's
+    times, and every stage's forward and backward get the median host dispatch time of its
+    units as their ``floor`` (:class:`~megatron_seq1f1b.planner.Fit`): where segments are so
+    short that the host cannot keep the device busy, more of them cost more.
     """
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
@@ -278,27 +295,32 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
     from megatron_seq1f1b.planner import Calibration
 
     config = get_model_config(chunks[0])
-    cases = calibration_cases(seq_length, segment_multiple(config), min_segment_length)
+    cases = calibration_cases(seq_length, multiple_of or segment_multiple(config),
+                              min_segment_length)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     split_weights = not wgrad.deferral_problems(chunks)
     if split_weights:
         wgrad.install()
-    mine, held = {}, 0
+    mine, held, floors = {}, 0, {}
     for index, chunk in enumerate(chunks):
         gpt = unwrap(chunk)
+        host: Rows = []
         mine[(pp_rank, index)], chunk_held = time_cases(
             chunk, index, cases, data, forward_step, config, micro_batch_size,
-            gpt.pre_process, gpt.post_process, reps, split_weights)
+            gpt.pre_process, gpt.post_process, reps, split_weights, host)
+        if torch.cuda.is_available():  # host and device apart; on a CPU they are one
+            floors[(pp_rank, index)] = host_floor(host)
         held += chunk_held or 0
         if hasattr(chunk, "zero_grad_buffer"):
             chunk.zero_grad_buffer()
         chunk.zero_grad(set_to_none=True)
     gathered = [None] * pp
-    dist.all_gather_object(gathered, (mine, held),
+    dist.all_gather_object(gathered, (mine, held, floors),
                            group=parallel_state.get_pipeline_model_parallel_group())
-    samples = {key: rows for part, _ in gathered for key, rows in part.items()}
-    bytes_per_token = max(h for _, h in gathered) / (seq_length * micro_batch_size)
+    samples = {key: rows for part, _, _ in gathered for key, rows in part.items()}
+    stage_floors = {key: f for _, _, part in gathered for key, f in part.items()}
+    bytes_per_token = max(h for _, h, _ in gathered) / (seq_length * micro_batch_size)
     message = None
     if pp > 1:
         tokens = sorted({n for case in cases for n in case})
@@ -309,7 +331,9 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
         samples, source=f"measured at start-up, cases {cases}"
                         + (", W timed apart" if split_weights else "")
                         + (", messages timed" if message else "")
-                        + (", score rectangle (local attention)" if dense else ""),
-        bytes_per_token=bytes_per_token or None, dense_attention=dense), message=message)]
+                        + (", score rectangle (local attention)" if dense else "")
+                        + (", host dispatch floors" if stage_floors else ""),
+        bytes_per_token=bytes_per_token or None, dense_attention=dense,
+        floors=stage_floors or None), message=message)]
     dist.broadcast_object_list(calibration, src=0)
     return calibration[0]

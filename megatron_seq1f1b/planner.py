@@ -19,10 +19,18 @@ Time is what the executor would do: the zero-bubble schedules are built and
 their receives placed from the plan's per-segment costs
 (:attr:`Plan.segment_costs`, as the executor's ``pipeline_steps`` does with
 its costs), and every rank's steps are replayed with rendezvous messages
-(``send_slack=0``: NCCL, where a step waits for all its transfers; 1: gloo,
-where sends finish a step later, see :mod:`megatron_seq1f1b.p2p`), a step
-that exchanges tensors paying the calibration's message time. Plans the
-executor would refuse (deadlock, link order) are left out.
+whose sends finish a step later (``send_slack=1``, what the executor's
+transports do on gloo and NCCL, see :mod:`megatron_seq1f1b.p2p`; 0 models a
+step that waits for all its transfers, as ``SEQ1F1B_P2P=batch`` on NCCL and
+Megatron's own schedules do), a step that exchanges tensors paying the
+calibration's message time. Plans the executor would refuse (deadlock, link
+order) are left out.
+
+Without a calibration the offline command line turns FLOPs into seconds at
+:data:`OFFLINE_FLOP_RATE` and charges every unit (one segment through one
+stage) :data:`OFFLINE_HOST_SECONDS_PER_LAYER` of host time per layer of the
+stage: the fixed cost that makes many short segments slower than few (FLOPs
+alone chose k=16 for a 7B model at 32k tokens; see docs/design.md).
 
 Memory is the peak of activations held on a stage, in micro-batches of that
 stage (a unit of segment ``j`` on one of ``v`` chunks holds
@@ -39,7 +47,8 @@ Calibration file (JSON, :func:`save_calibration` / :func:`load_calibration`)::
      "bytes_per_token": 65536,         # optional: activation bytes per token of a stage
      "message": {"a": 2e-9, "d": 5e-5},  # optional: one-way message time of a segment
      "stages": [                       # pipeline order; 1 entry = the same on every stage
-        {"F": {"a": 1e-6, "c": 2e-11, "d": 3e-4},   # forward of one segment
+        {"F": {"a": 1e-6, "c": 2e-11, "d": 3e-4,    # forward of one segment
+               "floor": 5e-3},                      # optional: its host dispatch time
          "B": {"a": 2e-6, "c": 4e-11, "d": 5e-4},   # whole backward (input + weight grads)
          "W": {"a": 1e-6, "c": 0.0, "d": 1e-4},     # optional: the weight-gradient part
          "Bi": {"a": 1.1e-6, ...}},                 # optional: B with W deferred (zero bubble)
@@ -77,6 +86,16 @@ from megatron_seq1f1b.zero_bubble import segment_cost_fn
 
 FORMAT = "megatron_seq1f1b.calibration"
 GIB = 2.0 ** 30
+#: The replay's ``send_slack`` of the executor's transports (gloo; NCCL's links transport).
+RUNTIME_SEND_SLACK = 1
+#: Offline plans without a calibration: sustained FLOP/s of a large GPU in bf16 (about 40 %
+#: of an H100/H200's dense peak; only ratios between plans matter, not the absolute time).
+OFFLINE_FLOP_RATE = 400e12
+#: ... and the host time one unit pays per transformer layer of its stage, forward and
+#: backward together (half each): Megatron-Core's Python dispatch of the local layer spec, the
+#: GPU idle meanwhile, measured on an H200 with torch 2.11 (17-23 ms for a 4-layer chunk
+#: whatever the segment length up to ~2k tokens; ../shared/notes/gpu-device.md).
+OFFLINE_HOST_SECONDS_PER_LAYER = 4.75e-3
 
 __all__ = [
     "Fit", "StageCosts", "Calibration", "Plan", "PlanChoice", "BudgetError", "choose_plan",
@@ -90,14 +109,22 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Fit:
-    """``a*length + c*quad(length, end) + d``: one direction of a segment on one stage."""
+    """``max(a*length + c*quad(length, end) + d, floor)``: one direction of a segment on one
+    stage.
+
+    ``floor``: the host time the unit's dispatch takes (a GPU runs the kernels
+    asynchronously, so a unit lasts at least as long as the host needs to launch
+    them, however little work they carry; 0 where host and device are one, CPU).
+    """
 
     a: float
     c: float = 0.0
     d: float = 0.0
+    floor: float = 0.0
 
     def time(self, length: float, end: float, quadratic: str) -> float:
-        return self.a * length + self.c * QUADRATIC[quadratic](length, end) + self.d
+        return max(self.a * length + self.c * QUADRATIC[quadratic](length, end) + self.d,
+                   self.floor)
 
 
 @dataclass(frozen=True)
@@ -189,15 +216,28 @@ class Calibration:
         return CostModel(per_token, per_pair, dense_attention=self.quadratic == "rectangle")
 
     @classmethod
-    def from_cost_model(cls, model: CostModel, num_stages: int = 1) -> "Calibration":
+    def from_cost_model(cls, model: CostModel, num_stages: int = 1, *,
+                        flop_rate: float | None = None, host_seconds: float = 0.0
+                        ) -> "Calibration":
         """FLOPs when nothing is measured: the model split evenly over ``num_stages``;
-        backward = input gradients + weight gradients (:meth:`CostModel.backward_parts`)."""
+        backward = input gradients + weight gradients (:meth:`CostModel.backward_parts`).
+
+        With ``flop_rate`` (FLOP/s) the costs are seconds, and every unit pays
+        ``host_seconds`` of fixed time on top (forward and backward half each): the
+        host's dispatch, which FLOPs do not see, as a floor (:class:`Fit`): a unit whose
+        kernels take less than that waits for the host.
+        """
         n = float(num_stages)
         a, c = model.per_token / n, model.per_pair / n
-        stage = StageCosts(Fit(a, c), Fit(2 * a, 2 * c), Fit(a, 0.0))
-        return cls((stage,) * num_stages,
-                   "rectangle" if model.dense_attention else "causal_pairs",
-                   unit="FLOP", source="FLOP cost model")
+        quadratic = "rectangle" if model.dense_attention else "causal_pairs"
+        if flop_rate is None:
+            stage = StageCosts(Fit(a, c), Fit(2 * a, 2 * c), Fit(a, 0.0))
+            return cls((stage,) * num_stages, quadratic, unit="FLOP", source="FLOP cost model")
+        a, c, host = a / flop_rate, c / flop_rate, host_seconds / 2
+        stage = StageCosts(Fit(a, c, floor=host), Fit(2 * a, 2 * c, floor=host), Fit(a, 0.0))
+        return cls((stage,) * num_stages, quadratic, unit="s",
+                   source=f"FLOP cost model at {flop_rate / 1e12:g} TFLOP/s, "
+                          f"{host_seconds * 1e3:.3g} ms host time per unit")
 
     @classmethod
     def from_fits(cls, ordered_fits: Sequence[dict], quadratic: str, source: str = "fits",
@@ -205,7 +245,8 @@ class Calibration:
                   bytes_per_token: float | None = None) -> "Calibration":
         """From :mod:`bench.fit` entries in pipeline order: ``{"F": {a, c, d}, "B": ...}``."""
         def fit(entry):
-            return Fit(float(entry["a"]), float(entry.get("c", 0.0)), float(entry.get("d", 0.0)))
+            return Fit(float(entry["a"]), float(entry.get("c", 0.0)), float(entry.get("d", 0.0)),
+                       float(entry.get("floor", 0.0)))
 
         stages = tuple(StageCosts(fit(e["F"]), fit(e["B"]), fit(e["W"]) if e.get("W") else None,
                                   fit(e["Bi"]) if e.get("Bi") else None)
@@ -215,23 +256,32 @@ class Calibration:
     @classmethod
     def from_samples(cls, samples: dict, quadratic: str | None = None,
                      source: str = "measured", bytes_per_token: float | None = None,
-                     dense_attention: bool = False) -> "Calibration":
+                     dense_attention: bool = False, floors: dict | None = None
+                     ) -> "Calibration":
         """Fit timed segments ``{(stage, chunk): [[length, end, forward_s, backward_s(,
         weight_s)], ...]}`` (:mod:`megatron_seq1f1b.measure`'s format); unless given, the
         quadratic of :func:`~megatron_seq1f1b.bench.fit.quadratic_for` (``dense_attention``:
-        the model runs Megatron's local attention, which computes the score rectangle)."""
+        the model runs Megatron's local attention, which computes the score rectangle).
+        ``floors``: per ``(stage, chunk)`` the (forward, backward) host dispatch seconds,
+        the fits' :attr:`Fit.floor` (a GPU's host; none on a CPU)."""
         from megatron_seq1f1b.bench.fit import fit_costs, quadratic_for
 
         if quadratic is None:
             quadratic, _ = quadratic_for({"samples": samples}, dense_attention)
         fits = fit_costs(samples, quadratic)
+        for key, (forward, backward) in (floors or {}).items():
+            if key in fits:
+                fits[key] = dict(fits[key], F=dict(fits[key]["F"], floor=forward),
+                                 B=dict(fits[key]["B"], floor=backward))
+                if fits[key].get("Bi"):  # a zero-bubble B dispatches about as much
+                    fits[key]["Bi"] = dict(fits[key]["Bi"], floor=backward)
         order = sorted(fits, key=lambda key: (key[1], key[0]))  # chunk-major: pipeline order
         return cls.from_fits([fits[key] for key in order], quadratic, source,
                              bytes_per_token=bytes_per_token)
 
     def to_dict(self) -> dict:
         def fit(f: Fit) -> dict:
-            return {"a": f.a, "c": f.c, "d": f.d}
+            return {"a": f.a, "c": f.c, "d": f.d} | ({"floor": f.floor} if f.floor else {})
 
         stages = []
         for s in self.stages:
@@ -465,7 +515,7 @@ def choose_plan(
     splits: Sequence[int] | None = None,
     partitions: Sequence[str] | None = None,
     schedules: Sequence[str] | None = None,
-    send_slack: int = 0,
+    send_slack: int = RUNTIME_SEND_SLACK,
     tie_tolerance: float = 0.0,
 ) -> PlanChoice:
     """The fastest (k, partition, schedule) within the memory budget, and all candidates.
@@ -476,8 +526,8 @@ def choose_plan(
     stage; ``memory_budget_bytes`` needs ``bytes_per_token`` (activation bytes
     one token of one sample leaves on a stage; default: the calibration's). ``k`` runs from 1 to the
     largest with segments of at least ``min_segment_length`` tokens (at most
-    ``max_splits``), or over ``splits``. ``send_slack``: 0 for NCCL, 1 for
-    gloo (see the module docstring). Deterministic: ties go to less
+    ``max_splits``), or over ``splits``. ``send_slack``: 1, the executor's
+    transports (0: steps that wait for their sends; see the module docstring). Deterministic: ties go to less
     memory, fewer splits, then METHODS and SCHEDULES order. ``tie_tolerance``
     (relative; :data:`MEASURED_TIE_TOLERANCE` for measured costs): plans
     predicted within it of the fastest count as equally fast, and the one
@@ -708,9 +758,20 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--message-latency", type=float, default=None, metavar="SECONDS",
                         help="one-way time of a pipeline message (default: the calibration's "
                              "message fit, else 0)")
-    parser.add_argument("--send-slack", type=int, choices=(0, 1), default=0,
-                        help="0: NCCL (a step waits for all its transfers); 1: gloo (sends "
-                             "finish a step later)")
+    parser.add_argument("--send-slack", type=int, choices=(0, 1), default=RUNTIME_SEND_SLACK,
+                        help="1 (default): sends finish a step later, as the executor runs on "
+                             "gloo and NCCL; 0: a step waits for all its transfers "
+                             "(SEQ1F1B_P2P=batch on NCCL, Megatron's own schedules)")
+    parser.add_argument("--flop-rate", type=float, default=OFFLINE_FLOP_RATE / 1e12,
+                        metavar="TFLOPS",
+                        help="without --calibration: sustained TFLOP/s that turn FLOPs into "
+                             f"seconds (default {OFFLINE_FLOP_RATE / 1e12:g})")
+    parser.add_argument("--host-ms-per-layer", type=float,
+                        default=OFFLINE_HOST_SECONDS_PER_LAYER * 1e3,
+                        help="without --calibration: host time a unit pays per layer of its "
+                             "stage, forward + backward (default "
+                             f"{OFFLINE_HOST_SECONDS_PER_LAYER * 1e3:g}, measured on an H200; 0: "
+                             "FLOPs alone)")
     parser.add_argument("--tie-tolerance", type=float, default=None, metavar="FRACTION",
                         help="plans predicted this close to the fastest count as a tie, won by "
                              "1F1B over zero bubble, then balanced/measured/uniform (default: "
@@ -744,9 +805,11 @@ def main(argv=None) -> int:
         raise SystemExit("give --calibration FILE, or the model (--hidden-size, --num-layers, "
                          "--num-attention-heads, ...) for FLOP costs")
     if calibration is None:
+        stages = args.pp * args.vpp
         calibration = Calibration.from_cost_model(
-            CostModel.from_config(config, args.vocab_size, args.dense_attention),
-            args.pp * args.vpp)
+            CostModel.from_config(config, args.vocab_size, args.dense_attention), stages,
+            flop_rate=args.flop_rate * 1e12,
+            host_seconds=args.host_ms_per_layer * 1e-3 * args.num_layers / stages)
     if args.message_latency is not None:
         calibration = replace(calibration, message=Fit(0.0, 0.0, args.message_latency))
     try:

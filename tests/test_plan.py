@@ -140,10 +140,11 @@ def brute_force(name, budget=None, send_slack=0):
 
 
 def plan(name, **kw):
+    """choose_plan on a table; steps that wait for their sends (send_slack=0) unless asked."""
     if not kw:
         return _free_plan(name)
     kw = {"calibration": table(**TABLES[name]), "config": CONFIG, "vocab_size": VOCAB,
-          "min_segment_length": MIN_LEN, "max_splits": MAX_K, **kw}
+          "min_segment_length": MIN_LEN, "max_splits": MAX_K, "send_slack": 0, **kw}
     return choose_plan(SEQ, P, M, **kw)
 
 
@@ -488,3 +489,90 @@ def test_tie_tolerance_keeps_the_budget():
     assert (got.plan.num_splits, got.plan.partition, got.plan.schedule) == (f[2], f[5], f[6])
     with pytest.raises(ValueError, match="tie_tolerance"):
         plan("attention", tie_tolerance=-0.1)
+
+
+# ------------------------------------------------------------------ host floor, send slack
+
+
+def test_a_host_floor_makes_short_segments_cost_the_dispatch():
+    """Fit.floor: a unit lasts at least its host dispatch; FLOP-like costs then pick few
+    segments where the host cannot keep up, many where the device is the bottleneck."""
+    fit = Fit(1.0, 0.0, 0.0, floor=300.0)
+    assert fit.time(100, 100, "causal_pairs") == 300.0 and fit.time(500, 500,
+                                                                     "causal_pairs") == 500.0
+    model = CostModel(per_token=1.0, per_pair=0.0)
+    free = Calibration.from_cost_model(model, P, flop_rate=1.0)
+    # the floor: a forward of a quarter of the sequence on one of P stages
+    floored = Calibration.from_cost_model(model, P, flop_rate=1.0, host_seconds=2 * SEQ / 4 / P)
+    assert floored.stages[0].forward.floor == SEQ / 4 / P and floored.unit == "s"
+    kw = dict(partitions=["uniform"], schedules=["1f1b"], max_splits=16, min_segment_length=64)
+    many = choose_plan(SEQ, P, M, calibration=free, **kw).plan
+    few = choose_plan(SEQ, P, M, calibration=floored, **kw).plan
+    assert many.num_splits == 16 and few.num_splits <= 4, (many.describe(), few.describe())
+    # where every unit's work reaches the floor, the floor changes nothing
+    for k in (1, 2, 4):
+        assert choose_plan(SEQ, P, M, calibration=floored, splits=[k], **kw).plan.time == \
+            pytest.approx(choose_plan(SEQ, P, M, calibration=free, splits=[k], **kw).plan.time)
+
+
+def test_floors_round_trip_and_come_from_host_samples(tmp_path):
+    cal = replace(table(**TABLES["attention"]), unit="s")
+    stages = (replace(cal.stages[0], forward=replace(cal.stages[0].forward, floor=0.25)),) \
+        + cal.stages[1:]
+    cal = replace(cal, stages=stages)
+    path = tmp_path / "calib.json"
+    save_calibration(cal, path)
+    assert load_calibration(path) == cal
+    assert "floor" in json.loads(path.read_text())["stages"][0]["F"]
+    assert "floor" not in json.loads(path.read_text())["stages"][1]["F"]  # old files unchanged
+    rows = [[n, n, 1e-6 * n + 1e-4, 2e-6 * n + 2e-4] for n in (512, 1024, 2048, 4096)]
+    measured = Calibration.from_samples({(0, 0): rows, (1, 0): rows},
+                                        floors={(0, 0): (3e-3, 4e-3)})
+    assert (measured.stages[0].forward.floor, measured.stages[0].backward.floor) == (3e-3, 4e-3)
+    assert measured.stages[1].forward.floor == 0.0
+
+
+def test_host_floor_is_the_median_dispatch():
+    from megatron_seq1f1b.measure import host_floor
+
+    assert host_floor([[1.0, 4.0], [3.0, 2.0], [2.0, 3.0]]) == (2.0, 3.0)
+
+
+def test_unit_timer_on_a_cpu_reports_wall_time_for_both():
+    import time
+
+    from megatron_seq1f1b.timing import UnitTimer
+
+    timer = UnitTimer("cpu")
+    with timer.time() as timing:
+        time.sleep(0.01)
+    assert timing.host == timing.device >= 0.01 and timing.held
+
+
+def test_runtime_send_slack_is_the_default_and_lets_zero_bubble_fill_bubbles():
+    """The executor's transports finish sends a step later on NCCL too (send slack 1): the
+    planner's default. With it, zero bubble beats 1F1B on attention-heavy FLOP costs of a
+    7B-like model at 32k tokens; waiting for sends (0, the old NCCL batch) it lost."""
+    config = SimpleNamespace(hidden_size=4096, num_layers=32, num_attention_heads=32,
+                             kv_channels=None, num_query_groups=None, ffn_hidden_size=11008,
+                             gated_linear_unit=True)
+    kw = dict(config=config, vocab_size=32000, splits=[8], partitions=["balanced"])
+    default = choose_plan(32768, 4, 8, **kw)
+    waiting = choose_plan(32768, 4, 8, send_slack=0, **kw)
+    time_of = lambda choice, name: next(c.time for c in choice.candidates  # noqa: E731
+                                        if c.schedule == name)
+    assert default.plan.schedule == "zb-h1" and waiting.plan.schedule == "1f1b"
+    assert time_of(default, "zb-h1") < time_of(default, "1f1b") < time_of(waiting, "zb-h1")
+
+
+def test_cli_offline_costs_in_seconds_with_the_documented_host_time(capsys):
+    argv = ["--seq-length", "1024", "--pp", "2", "--microbatches", "2", "--hidden-size", "256",
+            "--num-layers", "4", "--num-attention-heads", "4", "--vocab-size", "1000"]
+    assert main(argv + ["--host-ms-per-layer", "0"]) == 0
+    flops_only = capsys.readouterr().out
+    assert main(argv) == 0
+    default = capsys.readouterr().out
+    assert "400 TFLOP/s, 0 ms host time per unit" in flops_only
+    assert "9.5 ms host time per unit" in default  # 4.75 ms x 2 layers per stage
+    chosen = lambda out: int(out.split("--seq1f1b-splits ")[1].split()[0])  # noqa: E731
+    assert chosen(flops_only) > 1 and chosen(default) == 1  # a tiny model: the host decides
