@@ -215,3 +215,28 @@ def test_real_text_from_pydoc_trains(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     losses = json.loads(log.read_text())["summary"]["losses"]
     assert losses[-1] < losses[0] - 0.3, losses  # English bytes: the unigram statistics come fast
+
+
+def test_cuda_fusions_are_megatrons_own_and_only_on_cuda(monkeypatch):
+    """Both schedules get the fusions Megatron-Core has without TE or Apex on CUDA; a CPU none;
+    the configuration they make is one Megatron accepts (GeLU fusion needs biases)."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_seq1f1b.trainer.setup import cuda_fusions
+
+    off = cuda_fusions(SimpleNamespace(swiglu=True, disable_bias_linear=False))
+    assert not any(v for k, v in off.items() if k != "cross_entropy_fusion_impl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for swiglu, no_bias, activation in [(False, False, True), (True, True, True),
+                                        (False, True, False)]:
+        fusions = cuda_fusions(SimpleNamespace(swiglu=swiglu, disable_bias_linear=no_bias))
+        assert fusions["bias_activation_fusion"] is activation
+        assert fusions["bias_dropout_fusion"] and fusions["cross_entropy_loss_fusion"]
+        assert not fusions["apply_rope_fusion"] and not fusions["gradient_accumulation_fusion"]
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                          gated_linear_unit=swiglu, add_bias_linear=not no_bias,
+                          activation_func=(torch.nn.functional.silu if swiglu
+                                           else torch.nn.functional.gelu), **fusions)

@@ -50,7 +50,10 @@ def shutdown() -> None:
     """Every rank done, then Megatron's groups and the default group destroyed (in order)."""
     from megatron.core import parallel_state
 
+    from megatron_seq1f1b.p2p import destroy_link_groups
+
     dist.barrier()
+    destroy_link_groups()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -98,13 +101,7 @@ def transformer_config(args):
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         use_cpu_initialization=not torch.cuda.is_available(),
-        # Megatron's fused softmax needs Apex's or Megatron-LM's compiled kernels.
-        masked_softmax_fusion=(torch.cuda.is_available()
-                               and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None),
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **cuda_fusions(args),
         # Megatron-LM's defaults: interleaving overlaps p2p (unbatched), otherwise batched.
         # (Megatron's interleaved schedule with batched p2p is wrong at pp=2.)
         overlap_p2p_comm=interleaved,
@@ -112,6 +109,30 @@ def transformer_config(args):
         # On gloo, Megatron's overlapped sends can still read an output when it is
         # pseudo-freed; keep outputs there (no effect on results).
         deallocate_pipeline_outputs=not (interleaved and not torch.cuda.is_available()),
+    )
+
+
+def cuda_fusions(args) -> dict:
+    """The fusions Megatron-Core has without Transformer Engine or Apex, on for CUDA (both
+    schedules alike); all off on a CPU.
+
+    On: bias + activation (GeLU with biases, SwiGLU), bias + dropout + add, and the native
+    fused cross entropy (Megatron's own ``jit_fuser``, i.e. ``torch.compile``). Off, as they
+    need kernels that are not there: RoPE fusion (TE), gradient-accumulation fusion (Apex),
+    the fused masked softmax (Apex's or Megatron-LM's compiled ``scaled_masked_softmax_cuda``,
+    used only where it imports).
+    """
+    cuda = torch.cuda.is_available()
+    gelu_with_bias = not args.swiglu and not args.disable_bias_linear
+    return dict(
+        masked_softmax_fusion=(cuda and importlib.util.find_spec("scaled_masked_softmax_cuda")
+                               is not None),
+        bias_activation_fusion=cuda and (args.swiglu or gelu_with_bias),
+        bias_dropout_fusion=cuda,
+        cross_entropy_loss_fusion=cuda,
+        cross_entropy_fusion_impl="native",
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
     )
 
 
