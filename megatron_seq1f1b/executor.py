@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import enum
 import functools
@@ -361,6 +362,30 @@ def _final_grad_actions(actions) -> tuple[set, dict]:
     return set(last_of_kind.values()), last
 
 
+class _StandInGroup:
+    """A pipeline group of a rehearsal: it has a size and a rank, and nothing to talk to."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _rehearsal_groups(config, num_stages: int, stage: int):
+    """This rank's process groups with the pipeline group standing in for ``num_stages``."""
+    if not (isinstance(num_stages, int) and isinstance(stage, int) and 0 <= stage < num_stages):
+        raise_if([f"rehearse=(num_stages, stage) needs 0 <= stage < num_stages, got "
+                  f"({num_stages!r}, {stage!r})"])
+    _, pg_collection = _process_groups(config, None, None)
+    rehearsal = copy.copy(pg_collection)
+    rehearsal.pp = _StandInGroup(num_stages, stage)
+    return rehearsal, Peers.stand_ins(num_stages, stage)
+
+
 class ActionError(RuntimeError):
     """The forward, backward or weight-gradient work of one unit raised; says which."""
 
@@ -626,8 +651,14 @@ def forward_backward(
     schedule: str = "1f1b",
     segment_costs=None,
     segment_multiple: int | None = None,
+    rehearse: tuple[int, int] | None = None,
 ) -> list:
-    """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options)."""
+    """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options).
+
+    ``rehearse=(num_stages, stage)``: run that stage's steps of a ``num_stages`` pipeline
+    on this rank alone, with made-up receives and dropped sends
+    (:mod:`megatron_seq1f1b.rehearse`); the model must be that stage's chunk(s).
+    """
     from megatron.core.pipeline_parallel.schedules import (
         clear_embedding_activation_buffer,
         finish_embedding_wgrad_compute,
@@ -638,8 +669,12 @@ def forward_backward(
     chunks = chunks_of(model)
     iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
     config = get_model_config(chunks[0])
-    p2p_communicator, pg_collection = _process_groups(config, p2p_communicator, pg_collection)
-    peers = Peers.build(p2p_communicator, config, wraparound=len(chunks) > 1)
+    if rehearse is None:
+        p2p_communicator, pg_collection = _process_groups(config, p2p_communicator,
+                                                          pg_collection)
+        peers = Peers.build(p2p_communicator, config, wraparound=len(chunks) > 1)
+    else:
+        pg_collection, peers = _rehearsal_groups(config, *rehearse)
     setup = _setup_for(
         chunks, config, iterators, pg_collection, peers,
         num_microbatches=num_microbatches,
@@ -648,7 +683,7 @@ def forward_backward(
         partition=partition, split_lengths=None if split_lengths is None else tuple(split_lengths),
         schedule=schedule, segment_costs=segment_costs,
         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, segment_multiple=segment_multiple)
-    if peers.pp_size > 1:
+    if peers.pp_size > 1 and rehearse is None:
         _agree_across_stages(pg_collection.pp, setup.agreement, setup.lengths,
                              num_microbatches, schedule)
     pipeline = _Pipeline(

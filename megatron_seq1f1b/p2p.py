@@ -66,6 +66,7 @@ class Peers:
     group: object
     sync_after_batch: bool
     links: dict[tuple[int, int], object] | None = None
+    stand_in: bool = False  # a rehearsal: receives are made up, sends dropped (no group)
 
     @classmethod
     def build(cls, p2p_communicator, config, wraparound: bool = False) -> "Peers":
@@ -84,6 +85,16 @@ class Peers:
             sync_after_batch=bool(getattr(config, "batch_p2p_sync", False)),
             links=links,
         )
+
+    @classmethod
+    def stand_ins(cls, num_stages: int, stage: int) -> "Peers":
+        """Stage ``stage`` of a ``num_stages`` pipeline, rehearsed alone on this rank: every
+        receive gets a made-up tensor of its shape and dtype, every send is dropped
+        (:mod:`megatron_seq1f1b.rehearse`)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return cls(pp_rank=stage, pp_size=num_stages, global_rank=rank,
+                   stage_to_global=[rank] * num_stages, group=None, sync_after_batch=False,
+                   stand_in=True)
 
     @property
     def send_slack(self) -> int:
@@ -294,9 +305,15 @@ def exchange(
     """
     in_flight = in_flight or InFlight()
     in_flight.finish(peers)
-    if not step.sends and not step.recvs:
+    if peers.stand_in or (not step.sends and not step.recvs):
+        for msg in step.sends:
+            outgoing.pop(msg)
         in_flight.release(release_after_send)
-        return {}
+        received = {msg: make_buffer(msg) for msg in step.recvs}
+        with torch.no_grad():
+            for buffer in received.values():
+                buffer.normal_()
+        return received
     sent = [outgoing.pop(msg) for msg in step.sends]
     received = {msg: make_buffer(msg) for msg in step.recvs}
     try:
