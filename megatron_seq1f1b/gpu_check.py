@@ -10,8 +10,11 @@ on a GPU; this module runs them in a few minutes and writes one JSON summary::
 
 1. Seq1F1B (pipeline size 1, ``--splits`` segments, one NCCL rank) against
    Megatron's no-pipelining schedule on the full sequence, same weights and
-   batches, for each attention backend (Megatron's local attention;
-   Transformer Engine's when it imports) and dtype. fp32: the loss and every
+   batches, for each attention backend (Megatron's local attention; our SDPA
+   flash attention, :mod:`megatron_seq1f1b.flash_attention`, whose fp32 runs on
+   SDPA's efficient or math kernel and bf16 on its flash kernel, which a
+   profiler check confirms for the segments; Transformer Engine's when it
+   imports) and dtype. fp32: the loss and every
    parameter gradient within relative 1e-5. bf16: the loss within 1e-2
    relative and the cosine similarity of all gradients taken as one vector
    >= 0.999 (the smallest per-parameter cosine is reported, not judged:
@@ -61,7 +64,7 @@ BF16_MIN_COSINE = 0.999
 TF32_LOSS_RTOL = 1e-3
 TF32_MIN_COSINE = 0.9999
 MAX_MEMORY_RATIO = 1.5
-BACKENDS = ("local", "te")
+BACKENDS = ("local", "flash", "te")
 DTYPES = ("fp32", "bf16")
 FAULTS = ("none", "grad", "shift-mask")  # injected errors: the tests prove they are caught
 SUMMARY_FILE = "gpu_check.json"
@@ -476,6 +479,10 @@ def _provider(backend: str) -> Callable:
             spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
         else:
             spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=args.normalization)
+        if backend == "flash":
+            from megatron_seq1f1b.flash_attention import flash_layer_spec
+
+            spec = flash_layer_spec(spec)
         return GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
             max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
@@ -608,12 +615,60 @@ def compare_backend(opts: argparse.Namespace, backend: str, dtype: str, device: 
         mem = Verdict("skip", f"not judged on CPU (resident-set noise): {mem.summary}",
                       mem.numbers)
     suffix = "" if fault == "none" else f" [fault {fault}]"
-    return [
+    extra = []
+    if backend == "flash" and fault == "none":
+        kernels = flash_kernels(ours, model, batches, opts)
+        verdict = judge_flash_kernels(kernels, dtype, device.type == "cuda")
+        extra.append(Check(f"flash kernels: {dtype}", verdict.status, verdict.summary,
+                           {**shared, **verdict.numbers}))
+    return extra + [
         Check(f"seq1f1b = full: {backend} {dtype}{suffix}", equal.status, equal.summary,
               {**shared, **equal.numbers}, compared - start),
         Check(f"peak memory: {backend} {dtype}{suffix}", mem.status, mem.summary,
               {**shared, **mem.numbers}, time.monotonic() - compared),
     ]
+
+
+def flash_kernels(forward_backward: Callable, model: list, batches: list[dict], opts) -> dict:
+    """CUDA kernels (name: count) of one Seq1F1B forward-backward, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        run_schedule(forward_backward, model, batches, opts, _NoMemory())
+    names: dict[str, int] = {}
+    for event in prof.events():
+        if getattr(event, "device_type", None) is not None and "cuda" in str(
+                event.device_type).lower():
+            names[event.name] = names.get(event.name, 0) + 1
+    return names
+
+
+class _NoMemory:
+    def reset(self) -> None:
+        pass
+
+    def peak_above_baseline(self) -> int:
+        return 0
+
+
+def judge_flash_kernels(kernels: dict, dtype: str, on_gpu: bool) -> Verdict:
+    """bf16: PyTorch's flash kernel served the attention (segments over their prefix
+    included); fp32 has no flash kernel: the efficient one (or the math path) is expected."""
+    flash = {n: c for n, c in kernels.items() if "flash" in n.lower()}
+    efficient = {n: c for n, c in kernels.items() if "fmha" in n.lower() or "efficient" in n.lower()}
+    numbers = {"flash_kernels": flash, "efficient_kernels": efficient,
+               "kernel_names": len(kernels)}
+    if not on_gpu:
+        return Verdict("skip", "kernels are only named on a GPU", numbers)
+    if dtype == "bf16":
+        if not flash:
+            return Verdict("fail", "no flash attention kernel ran (SDPA fell back to another "
+                                   "kernel)", numbers)
+        return Verdict("pass", f"flash kernels: {sum(flash.values())} launches "
+                               f"({', '.join(sorted(flash))[:120]})", numbers)
+    served = "efficient" if efficient else "math (no fused attention kernel)"
+    return Verdict("pass", f"fp32 served by SDPA's {served} path", numbers)
 
 
 # ---------------------------------------------------------------- the trainer
@@ -804,6 +859,8 @@ def run_comparisons(opts: argparse.Namespace, runner: _Runner, device: torch.dev
                 suffix = "" if fault == "none" else f" [fault {fault}]"
                 names = [f"seq1f1b = full: {backend} {dtype}{suffix}",
                          f"peak memory: {backend} {dtype}{suffix}"]
+                if backend == "flash" and fault == "none":
+                    names.insert(0, f"flash kernels: {dtype}")
                 if backend == "te" and te_problem:
                     runner.add(*(Check(n, "skip", te_problem) for n in names))
                     continue

@@ -128,8 +128,9 @@ def test_without_cuda_the_check_fails_in_one_line(tmp_path, monkeypatch, capsys)
 
 def test_bad_check_options_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
-        gc.build_parser().parse_args(["--out", "x", "--backends", "local,flash"])
-    assert exit_.value.code == 2 and "comma-separated list of local, te" in capsys.readouterr().err
+        gc.build_parser().parse_args(["--out", "x", "--backends", "local,fused"])
+    assert exit_.value.code == 2 and \
+        "comma-separated list of local, flash, te" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- summary
@@ -280,7 +281,7 @@ def test_the_comparison_catches_injected_errors_on_cpu(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-m", "megatron_seq1f1b.gpu_check", "--out", str(tmp_path), *TINY,
-         "--backends", "local", "--dtypes", "fp32,bf16", "--no-trainer",
+         "--backends", "local,flash", "--dtypes", "fp32,bf16", "--no-trainer",
          "--_device", "cpu", "--_faults", "none,grad,shift-mask"],
         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
@@ -298,5 +299,19 @@ def test_the_comparison_catches_injected_errors_on_cpu(tmp_path):
         assert status[f"seq1f1b = full: local {dtype} [fault shift-mask]"] == "fail"
         memory = checks[f"peak memory: local {dtype}"]
         assert memory["status"] == "skip" and "peak_seq1f1b_mib" in memory["numbers"]
+    for dtype in ("fp32", "bf16"):  # the flash backend: equal too; kernels named on GPUs only
+        assert status[f"seq1f1b = full: flash {dtype}"] == "pass", \
+            checks[f"seq1f1b = full: flash {dtype}"]
+        assert status[f"flash kernels: {dtype}"] == "skip"
     assert status["trainer: seq1f1b bf16, 20 iters"] == "skip"
     assert "seq1f1b = full: local fp32" in done.stdout and "skipped" in done.stdout
+
+
+def test_flash_kernel_verdicts():
+    flash = {"pytorch_flash::flash_fwd_kernel<...>": 12, "ampere_sgemm": 40}
+    efficient = {"fmha_cutlassF_f32_aligned_64x64_rf_sm80": 12}
+    assert gc.judge_flash_kernels(flash, "bf16", True).status == "pass"
+    assert gc.judge_flash_kernels(efficient, "bf16", True).status == "fail"
+    assert "efficient" in gc.judge_flash_kernels(efficient, "fp32", True).summary
+    assert "math" in gc.judge_flash_kernels({"ampere_sgemm": 3}, "fp32", True).summary
+    assert gc.judge_flash_kernels(flash, "bf16", False).status == "skip"
