@@ -262,7 +262,7 @@ def measure_p2p(micro_batch_size: int, config, token_counts: Sequence[int],
 def message_fit(rows: list[list[float]], micro_batch_size: int, config):
     """Seconds per message as a :class:`~megatron_seq1f1b.planner.Fit` in tokens of a
     segment (``a`` per token, ``d`` fixed), from :func:`measure_p2p`'s [bytes, seconds]."""
-    from megatron_seq1f1b.bench.fit import fit_p2p, message_bytes_per_token
+    from megatron_seq1f1b.fit import fit_p2p, message_bytes_per_token
     from megatron_seq1f1b.planner import Fit
 
     fit = fit_p2p(rows)

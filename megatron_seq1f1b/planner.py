@@ -9,7 +9,7 @@ that fits the activation-memory budget wins.
 
 Costs come from a :class:`Calibration`: per virtual stage (pipeline order,
 ``chunk * pp + rank``) and direction a fit ``time = a*len + c*quad(len, end)
-+ d``, as :mod:`megatron_seq1f1b.bench.fit` produces; or from the FLOP
++ d``, as :mod:`megatron_seq1f1b.fit` produces; or from the FLOP
 :class:`~megatron_seq1f1b.partition.CostModel` when nothing is measured. A
 start-up measurement only has to return a :class:`Calibration`
 (:meth:`Calibration.from_samples` fits the samples
@@ -74,8 +74,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
 
-from megatron_seq1f1b.bench.fit import QUADRATIC, extrapolated_fits
 from megatron_seq1f1b.checks import segment_multiple
+from megatron_seq1f1b.fit import QUADRATIC, extrapolated_fits, fit_costs, quadratic_for
 from megatron_seq1f1b.partition import METHODS, CostModel, split_sequence
 from megatron_seq1f1b.plan import plan_steps
 from megatron_seq1f1b.replay import replay
@@ -144,7 +144,7 @@ class Calibration:
     """Per-segment costs of every virtual stage: what the planner simulates with.
 
     ``stages`` in pipeline order (virtual stage ``chunk * pp + rank``); other
-    stage counts are extrapolated like :func:`bench.fit.extrapolated_fits`
+    stage counts are extrapolated like :func:`~megatron_seq1f1b.fit.extrapolated_fits`
     (first and last kept, the rest a middle one); a stage's fit holds for its
     layers, so plan the virtual pipeline size it was measured with.
     Zero-bubble schedules give ``W`` the ``weight`` fit, else
@@ -243,7 +243,7 @@ class Calibration:
     def from_fits(cls, ordered_fits: Sequence[dict], quadratic: str, source: str = "fits",
                   weight_fraction: float = 0.5, unit: str = "s",
                   bytes_per_token: float | None = None) -> "Calibration":
-        """From :mod:`bench.fit` entries in pipeline order: ``{"F": {a, c, d}, "B": ...}``."""
+        """From :mod:`~megatron_seq1f1b.fit` entries in pipeline order: ``{"F": {a, c, d}, "B": ...}``."""
         def fit(entry):
             return Fit(float(entry["a"]), float(entry.get("c", 0.0)), float(entry.get("d", 0.0)),
                        float(entry.get("floor", 0.0)))
@@ -260,12 +260,10 @@ class Calibration:
                      ) -> "Calibration":
         """Fit timed segments ``{(stage, chunk): [[length, end, forward_s, backward_s(,
         weight_s)], ...]}`` (:mod:`megatron_seq1f1b.measure`'s format); unless given, the
-        quadratic of :func:`~megatron_seq1f1b.bench.fit.quadratic_for` (``dense_attention``:
+        quadratic of :func:`~megatron_seq1f1b.fit.quadratic_for` (``dense_attention``:
         the model runs Megatron's local attention, which computes the score rectangle).
         ``floors``: per ``(stage, chunk)`` the (forward, backward) host dispatch seconds,
         the fits' :attr:`Fit.floor` (a GPU's host; none on a CPU)."""
-        from megatron_seq1f1b.bench.fit import fit_costs, quadratic_for
-
         if quadratic is None:
             quadratic, _ = quadratic_for({"samples": samples}, dense_attention)
         fits = fit_costs(samples, quadratic)

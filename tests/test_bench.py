@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_seq1f1b.bench.fit import (
-    QUADRATIC, best_quadratic, extrapolated_fits, fit_costs, fit_p2p, fitted_cost,
-    message_latency, nonneg_lstsq, quadratic_for, virtual_fits,
+from megatron_seq1f1b.bench.fit import fitted_cost, message_latency, virtual_fits
+from megatron_seq1f1b.fit import (
+    QUADRATIC, best_quadratic, extrapolated_fits, fit_costs, fit_p2p, nonneg_lstsq, quadratic_for,
 )
 from megatron_seq1f1b.bench.predict import matching_mode, predict, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.sharing import pipeline_replay

@@ -14,14 +14,12 @@ import statistics
 from typing import Callable, Optional
 
 from megatron_seq1f1b.bench.calibration import CalibrationSamples
-from megatron_seq1f1b.bench.fit import (
-    extrapolated_fits, fit_costs, fit_p2p, fitted_cost, message_latency, quadratic_for,
-    virtual_fits,
-)
+from megatron_seq1f1b.bench.fit import fitted_cost, message_latency, virtual_fits
 from megatron_seq1f1b.bench.layouts import Layout
 from megatron_seq1f1b.bench.lineup import AUTO_KEY, BenchSchedule
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.bench.sharing import pipeline_replay
+from megatron_seq1f1b.fit import extrapolated_fits, fit_costs, fit_p2p, quadratic_for
 from megatron_seq1f1b.model import dense_attention
 from megatron_seq1f1b.replay import Timeline
 from megatron_seq1f1b.schedule import build_schedule
