@@ -21,6 +21,8 @@
 #    check failed, 1 when one did, 2 when it could not start.
 #
 # Options after `--` go to the check (python -m megatron_seq1f1b.gpu_check --help).
+# --run MODULE runs another prepared GPU module after the same offline install (its --out is
+# OUT; scripts/gpu_bench.sh is this with --run megatron_seq1f1b.bench.gpu).
 # PYTHON selects the interpreter (default python3). --dry-run prints the commands only.
 set -euo pipefail
 
@@ -33,17 +35,18 @@ usage() {
 }
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
 
-wheels="" out="$ROOT/out/gpu_check" venv="" prepare="" pyver=3.12 mcore="$MCORE_DEFAULT" dry=0
+wheels="" out="" venv="" prepare="" pyver=3.12 mcore="$MCORE_DEFAULT" dry=0
+module=megatron_seq1f1b.gpu_check
 check_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
-        --wheels|--out|--venv|--prepare-wheels|--python-version|--mcore)
+        --wheels|--out|--venv|--prepare-wheels|--python-version|--mcore|--run)
             [ $# -ge 2 ] && [ -n "$2" ] && [ "${2#--}" = "$2" ] || die "$1 needs a value"
             case "$1" in
                 --wheels) wheels="$2" ;; --out) out="$2" ;; --venv) venv="$2" ;;
                 --prepare-wheels) prepare="$2" ;; --python-version) pyver="$2" ;;
-                --mcore) mcore="$2" ;;
+                --mcore) mcore="$2" ;; --run) module="$2" ;;
             esac
             shift 2 ;;
         --dry-run) dry=1; shift ;;
@@ -111,6 +114,13 @@ if [ -n "$prepare" ]; then
     exit 0
 fi
 
+[[ "$module" =~ ^megatron_seq1f1b(\.[a-z_]+)+$ ]] || die "--run takes a megatron_seq1f1b module, got $module"
+if [ -z "$out" ]; then
+    case "$module" in
+        megatron_seq1f1b.bench.gpu) out="$ROOT/out/gpu_bench" ;;
+        *) out="$ROOT/out/${module##*.}" ;;
+    esac
+fi
 [ -n "$wheels" ] || die "give --wheels DIR (made by --prepare-wheels where there is network); see --help"
 [ -d "$wheels" ] || die "--wheels $wheels: no such folder"
 shopt -s nullglob
@@ -160,7 +170,11 @@ run "$PY" -W ignore -c "import torch, megatron.core.pipeline_parallel, megatron_
 run mkdir -p "$out"
 run cd "$out"
 rc=0
-run "$PY" -m megatron_seq1f1b.gpu_check --out "$out" \
-    --pretrain-script "$ROOT/scripts/pretrain_gpt.py" "${check_args[@]}" || rc=$?
-[ "$dry" = 1 ] || echo "[gpu_check.sh] finished in ${SECONDS} s with exit status $rc; summary: $out/gpu_check.json"
+if [ "$module" = megatron_seq1f1b.gpu_check ]; then
+    run "$PY" -m "$module" --out "$out" \
+        --pretrain-script "$ROOT/scripts/pretrain_gpt.py" "${check_args[@]}" || rc=$?
+else
+    run "$PY" -m "$module" --out "$out" "${check_args[@]}" || rc=$?
+fi
+[ "$dry" = 1 ] || echo "[gpu_check.sh] $module finished in ${SECONDS} s with exit status $rc; results in $out"
 exit $rc

@@ -1,0 +1,112 @@
+"""scripts/gpu_bench.sh and megatron_seq1f1b.bench.gpu, without a GPU.
+
+What runs here: the benchmark's own logic (sizes, the busy-time union, Megatron-LM's log
+and command, the targets' verdicts, the table), the script's offline install in a dry run,
+the clear stop without CUDA, and one whole run on CPU (gloo) with a tiny model, the path the
+GPU takes with CUDA events and the profiler left out.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_seq1f1b.bench import gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sizes_parse_with_default_heads():
+    assert gpu.Size.parse("2048:8192") == gpu.Size(2048, 8192, 16)
+    assert gpu.Size.parse("256:1024:4") == gpu.Size(256, 1024, 4)
+    for bad in ("2048", "a:b", "256:1024:3", "0:64"):
+        with pytest.raises(Exception):
+            gpu.Size.parse(bad)
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    assert gpu.busy_seconds([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+    assert gpu.busy_seconds([]) == 0
+
+
+def test_megatron_lm_log_and_command():
+    log = "\n".join(f" iteration {i}/ 8 | elapsed time per iteration (ms): {ms} | lm loss: 1"
+                    for i, ms in enumerate([900.0, 300.0, 160.0, 150.0, 170.0], 1))
+    assert gpu.iteration_ms(log) == 160.0  # the first two left out, then the median
+    assert gpu.iteration_ms("nothing") is None
+    opts = gpu.build_parser().parse_args(["--out", "x", "--megatron-lm", "/lm"])
+    plain = gpu.megatron_lm_command(Path("/lm/pretrain_gpt.py"), opts.lm_size, opts, False, 1)
+    ours = gpu.megatron_lm_command(Path("/lm/pretrain_gpt.py"), opts.lm_size, opts, True, 1)
+    assert "--transformer-impl" in plain and "--seq1f1b" not in plain
+    assert ours[len(plain):] == ["--seq1f1b", "--seq1f1b-splits", "4", "--seq1f1b-partition",
+                                 "balanced"]
+
+
+def _row(name, k, tokens, host, idle=0.5):
+    return gpu.Row(size="s", name=name, k=k, lengths=[], units=1, tokens_per_s=tokens,
+                   ms_per_iter=1.0, peak_gib=1.0, host_ms_per_unit=host, gpu_ms_per_unit=1.0,
+                   gpu_idle_share=idle, syncs_per_iter=0)
+
+
+def test_targets_are_judged_from_one_invocation():
+    rows = [_row("Megatron-Core", None, 100, 10), _row("Seq1F1B k=1", 1, 99, 10.2),
+            _row("Seq1F1B k=4", 4, 120, 11.0), _row("Seq1F1B k=8", 8, 110, 12.0),
+            _row("auto", 4, 118, 11.0)]
+    for row in rows:
+        row.ratio = row.tokens_per_s / 100
+    verdicts = gpu.targets(rows)
+    assert verdicts["s: k=1 within 2% of Megatron"].endswith("ok")
+    assert verdicts["s: host per segment <= 1.15x host per micro-batch"].endswith("(1.20x) MISSED")
+    assert verdicts["s: auto within 3% of the best k and >= 0.98x Megatron"].endswith("ok")
+    busy = [_row("Megatron-Core", None, 100, 10, 0.0), _row("Seq1F1B k=4", 4, 90, 30, 0.01)]
+    assert "not judged" in gpu.targets(busy)["s: host per segment <= 1.15x host per micro-batch"]
+    table = gpu.markdown(rows, {"device": "H200"}, dict(dtype="bf16", num_layers=4,
+                         microbatches=4, attention_backend="local", partition="balanced"), "cmd")
+    assert table.count("\n| s |") == 5 and "Command: `cmd`" in table
+
+
+def test_without_cuda_it_stops_with_a_message(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu.main(["--out", str(tmp_path)]) == 2
+    assert "gpu_bench: cannot start:" in capsys.readouterr().err
+
+
+def test_script_installs_offline_then_runs_the_benchmark(tmp_path):
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    for name in ("megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl",
+                 "megatron_seq1f1b-0.1.0-py3-none-any.whl"):
+        (folder / name).write_bytes(b"")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "--wheels",
+                           str(folder), "--dry-run", "--", "--sizes", "256:1024"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    commands = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ ")]
+    assert any("--no-index" in c for c in commands)
+    assert commands[-1] == (f"python3 -m megatron_seq1f1b.bench.gpu --out {ROOT}/out/gpu_bench "
+                            "--sizes 256:1024")
+
+
+def test_a_whole_run_on_cpu(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_seq1f1b.bench.gpu", "--out", str(tmp_path),
+         "--_device", "cpu", "--sizes", "32:64:4", "--num-layers", "2", "--microbatches", "2",
+         "--vocab-size", "64", "--dtype", "fp32", "--iters", "1", "--warmup", "1",
+         "--splits", "1", "2", "--profile-k", "2"],
+        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / gpu.RESULTS).read_text())
+    names = [row["name"] for row in report["rows"]]
+    assert names == ["Megatron-Core", "Seq1F1B k=1", "Seq1F1B k=2", "auto"]
+    assert report["rows"][0]["ratio"] == 1.0 and all(r["tokens_per_s"] > 0 for r in report["rows"])
+    assert report["rows"][2]["units"] == 4 and sum(report["rows"][2]["lengths"]) == 64
+    assert "chose k=" in report["rows"][3]["note"]
+    assert len(report["targets"]) == 3
+    assert "| hidden 32, seq 64 | Seq1F1B k=2 |" in (tmp_path / gpu.TABLE).read_text()
+    assert "Self CPU" in (tmp_path / gpu.PROFILE).read_text()
