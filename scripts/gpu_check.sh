@@ -118,6 +118,7 @@ fi
 if [ -z "$out" ]; then
     case "$module" in
         megatron_seq1f1b.bench.gpu) out="$ROOT/out/gpu_bench" ;;
+        megatron_seq1f1b.bench.gpu_long) out="$ROOT/out/gpu_long" ;;
         *) out="$ROOT/out/${module##*.}" ;;
     esac
 fi

@@ -110,3 +110,50 @@ def test_a_whole_run_on_cpu(tmp_path):
     assert len(report["targets"]) == 3
     assert "| hidden 32, seq 64 | Seq1F1B k=2 |" in (tmp_path / gpu.TABLE).read_text()
     assert "Self CPU" in (tmp_path / gpu.PROFILE).read_text()
+
+
+# ---------------------------------------------------------------- long sequences
+
+
+def test_long_sequence_run_on_cpu_with_shrunk_models(tmp_path):
+    """gpu_long's path on tiny stand-ins of the 1.3B and 7B stages (hidden / 32): rows, unit
+    times, a calibration the planner loads, the longest-sequence probe, the table."""
+    from megatron_seq1f1b.bench import gpu_long
+    from megatron_seq1f1b.planner import load_calibration
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_seq1f1b.bench.gpu_long", "--out", str(tmp_path),
+         "--_device", "cpu", "--_shrink", "32", "--runs", "1.3b:128", "--vocab-size", "64",
+         "--dtype", "fp32", "--iters", "1", "--warmup", "1", "--splits", "1", "4",
+         "--longest", "256"],
+        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / gpu_long.RESULTS).read_text())
+    (run,) = report["runs"]
+    assert [r["name"] for r in run["rows"]] == [
+        "Megatron-Core", "Seq1F1B k=1", "Seq1F1B k=4 balanced", "Seq1F1B k=4 uniform"]
+    assert {u["length"] for u in run["unit_times"]} == {128, 64}  # 1 and 2 splits of 64
+    assert all(u["weight_ms"] is not None for u in run["unit_times"])
+    calibration = load_calibration(tmp_path / run["calibration"])
+    assert calibration.stages[0].weight is not None and calibration.unit == "s"
+    assert report["longest"][0]["fits"] is True
+    assert "1.3b stage, 32768 tokens: k=4 at most 5% longer than k=1" not in report["targets"]
+    assert "Longest sequence that trains" in (tmp_path / gpu_long.TABLE).read_text()
+
+
+def test_long_sequence_targets():
+    from megatron_seq1f1b.bench import gpu_long
+
+    rows = [{"name": "Seq1F1B k=1", "ms_per_iter": 100.0},
+            {"name": "Seq1F1B k=4 balanced", "ms_per_iter": 104.0}]
+    longest = [{"schedule": "Megatron-Core", "seq_length": 65536, "fits": True},
+               {"schedule": "Megatron-Core", "seq_length": 131072, "fits": False},
+               {"schedule": "Seq1F1B k=8", "seq_length": 65536, "fits": True},
+               {"schedule": "Seq1F1B k=8", "seq_length": 131072, "fits": True}]
+    verdicts = gpu_long.targets([{"config": "1.3b", "seq_length": 32768, "rows": rows}], longest)
+    assert verdicts["1.3b stage, 32768 tokens: k=4 at most 5% longer than k=1"] == "+4.0% ok"
+    assert verdicts["1.3b stage, longest that trains, Megatron-Core"] == "65536 tokens"
+    assert verdicts["1.3b stage, longest that trains, Seq1F1B k=8"] == "131072 tokens"
+    with pytest.raises(SystemExit):
+        gpu_long.build_parser().parse_args(["--out", "x", "--runs", "13b:1024"])

@@ -185,26 +185,39 @@ def profile_table(run: Callable[[], None], rows: int = 25) -> str:
 # ------------------------------------------------------------------ the model and its data
 
 
-def _argv(opts: argparse.Namespace, size: Size) -> list[str]:
-    """The trainer's flags for this size (the same model every row runs)."""
+@dataclass(frozen=True)
+class Shape:
+    """The transformer besides hidden size and heads (a :class:`Size`)."""
+
+    num_layers: int = 4
+    ffn_hidden_size: int | None = None  # None: the trainer's default for the activation
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+
+
+def model_argv(opts: argparse.Namespace, size: Size, shape: Shape) -> list[str]:
+    """The trainer's flags for this model (the same model every row of a size runs)."""
     return [
-        "--num-layers", str(opts.num_layers), "--hidden-size", str(size.hidden),
+        "--num-layers", str(shape.num_layers), "--hidden-size", str(size.hidden),
         "--num-attention-heads", str(size.heads), "--seq-length", str(size.seq),
-        "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
-        "--disable-bias-linear", "--micro-batch-size", "1",
+        *(["--ffn-hidden-size", str(shape.ffn_hidden_size)] if shape.ffn_hidden_size else []),
+        *(["--swiglu"] if shape.swiglu else []), "--normalization", shape.normalization,
+        "--position-embedding-type", "rope", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
         "--global-batch-size", str(opts.microbatches), "--mock-data",
         "--vocab-size", str(opts.vocab_size), "--seed", "1234", "--seq1f1b",
         *(["--bf16"] if opts.dtype == "bf16" else []),
     ]
 
 
-def build(opts: argparse.Namespace, size: Size):
+def build(opts: argparse.Namespace, size: Size, shape: Shape | None = None):
     """(model chunks, config) as the trainer builds them: DDP, Float16Module for bf16,
     Seq1F1B-enabled (inactive outside segments), the attention backend asked for."""
     from megatron_seq1f1b.gpu_check import _provider
     from megatron_seq1f1b.trainer import arguments, setup
 
-    args = arguments.parse(_argv(opts, size), world_size=1)
+    shape = shape or Shape(num_layers=opts.num_layers)
+    args = arguments.parse(model_argv(opts, size, shape), world_size=1)
     config = setup.transformer_config(args)
     return setup.build_model(args, config, _provider(opts.attention_backend)), config
 
@@ -248,8 +261,8 @@ def _iteration(forward_backward: Callable, model: list, batches: list[dict], siz
 
 def measure_row(name: str, forward_backward: Callable, model: list, batches: list[dict],
                 size: Size, opts: argparse.Namespace, units: int, k: int | None,
-                lengths: list[int]) -> Row:
-    """Warm-up, timed iterations, one profiled and one sync-counted iteration."""
+                lengths: list[int], detail: bool = True) -> Row:
+    """Warm-up, timed iterations, one profiled and one sync-counted iteration (``detail``)."""
     from megatron_seq1f1b.memory import PeakMemory
 
     cuda = torch.cuda.is_available()
@@ -268,14 +281,15 @@ def measure_row(name: str, forward_backward: Callable, model: list, batches: lis
     wall = statistics.median(s["wall"] for s in samples)
     device = statistics.median(s.get("device", s["wall"]) for s in samples)
     host = statistics.median(s["host"] for s in samples)
-    busy = gpu_busy_s(run)
+    busy = gpu_busy_s(run) if detail else None
     return Row(
         size=str(size), name=name, k=k, lengths=lengths, units=units,
         tokens_per_s=len(batches) * size.seq / wall, ms_per_iter=wall * 1e3, peak_gib=peak,
         host_ms_per_unit=host * 1e3 / units,
         gpu_ms_per_unit=None if busy is None else busy * 1e3 / units,
         gpu_idle_share=None if busy is None else max(0.0, 1.0 - busy / device),
-        syncs_per_iter=count_syncs(run), samples_ms=[s["wall"] * 1e3 for s in samples],
+        syncs_per_iter=count_syncs(run) if detail else None,
+        samples_ms=[s["wall"] * 1e3 for s in samples],
     )
 
 

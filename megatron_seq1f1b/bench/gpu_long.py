@@ -1,0 +1,334 @@
+"""Long sequences on one GPU: pipeline stages of a 1.3B and a 7B-shaped GPT at 32k-64k tokens.
+
+Flash attention (:mod:`megatron_seq1f1b.flash_attention`, PyTorch SDPA), bf16,
+pipeline size 1, one model per configuration shared by its rows. For each
+configuration: Megatron-Core's schedule against Seq1F1B k = 1, 2, 4, 8 with
+balanced and uniform segments (tokens/s, CUDA peak memory); per-unit forward,
+input-gradient and weight-gradient times of uniform 1-, 2-, 4- and 8-way
+splits (device time with the host's dispatch apart,
+:class:`megatron_seq1f1b.timing.UnitTimer`), fitted and saved as a planner
+calibration (``calibration_<config>_<seq>.json``, for
+``python -m megatron_seq1f1b.planner --calibration``); then the longest
+sequence that trains for the 1.3B stage with Megatron's schedule and with
+Seq1F1B k=8. ``scripts/gpu_long.sh`` installs the wheels offline and runs::
+
+    python -m megatron_seq1f1b.bench.gpu_long --out out/gpu_long
+
+Configurations (one stage of each, as a pipeline would hold it):
+
+* ``1.3b``: GPT 1.3B (hidden 2048, 16 heads, ffn 8192, GeLU, LayerNorm, 24 layers over 4
+  stages: 6 layers);
+* ``7b``: a LLaMA-7B-shaped stage (hidden 4096, 32 heads, ffn 11008, SwiGLU, RMSNorm),
+  ``--layers-7b`` layers (default 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from megatron_seq1f1b.bench import gpu
+from megatron_seq1f1b.bench.gpu import Row, Shape, Size
+
+CONFIGS = {
+    "1.3b": (Shape(num_layers=6, ffn_hidden_size=8192, swiglu=False, normalization="LayerNorm"),
+             2048, 16),
+    "7b": (Shape(num_layers=2, ffn_hidden_size=11008, swiglu=True, normalization="RMSNorm"),
+           4096, 32),
+}
+DEFAULT_RUNS = ("1.3b:32768", "7b:32768", "7b:65536")
+CASE_SPLITS = (1, 2, 4, 8)
+RESULTS, TABLE = "results.json", "results.md"
+
+
+def parse_run(text: str) -> tuple[str, int]:
+    name, _, seq = text.partition(":")
+    if name not in CONFIGS or not seq.isdigit() or int(seq) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give CONFIG:SEQ with CONFIG one of "
+                                         f"{', '.join(CONFIGS)}, e.g. 1.3b:32768")
+    return name, int(seq)
+
+
+def shape_of(name: str, layers_7b: int) -> tuple[Shape, int, int]:
+    shape, hidden, heads = CONFIGS[name]
+    if name == "7b":
+        shape = Shape(layers_7b, shape.ffn_hidden_size, shape.swiglu, shape.normalization)
+    return shape, hidden, heads
+
+
+def unit_times(model: list, size: Size, opts: argparse.Namespace, batches: list[dict]):
+    """(rows [length, end, F, B, W, B with W deferred] in seconds of device time, host rows
+    [F, B], the fitted planner calibration) of uniform 1-, 2-, 4-, 8-way splits."""
+    from megatron.core.utils import get_model_config
+
+    from megatron_seq1f1b import wgrad
+    from megatron_seq1f1b.measure import host_floor, time_cases
+    from megatron_seq1f1b.model import unwrap
+    from megatron_seq1f1b.partition import split_sequence
+    from megatron_seq1f1b.planner import Calibration
+
+    config = get_model_config(model[0])
+    multiple = 64 if size.seq % 64 == 0 else 1
+    cases = [split_sequence(size.seq, k, "uniform", multiple_of=multiple)
+             for k in CASE_SPLITS if size.seq // multiple >= k]
+    split_weights = not wgrad.deferral_problems(model)
+    if split_weights:
+        wgrad.install()
+    host: list = []
+    gpt = unwrap(model[0])
+    rows, held = time_cases(model[0], 0, cases, gpu._repeat(batches[0]), gpu.forward_step, config,
+                            1, gpt.pre_process, gpt.post_process, opts.unit_reps, split_weights,
+                            host)
+    model[0].zero_grad_buffer()
+    floors = {(0, 0): host_floor(host)} if torch.cuda.is_available() else None
+    calibration = Calibration.from_samples(
+        {(0, 0): rows}, source=f"one GPU, {size}, uniform cases {CASE_SPLITS}, W timed apart",
+        bytes_per_token=(held / size.seq) if held else None, floors=floors)
+    return rows, host, calibration
+
+
+def bench_run(opts: argparse.Namespace, name: str, seq: int, out_dir: Path, say) -> dict:
+    """Every row of one configuration and length, its unit times and its calibration."""
+    import megatron_seq1f1b as s1
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_seq1f1b.executor import clear_setups, resolve_lengths
+    from megatron_seq1f1b.planner import save_calibration
+
+    shape, hidden, heads = shape_of(name, opts.layers_7b)
+    size = Size(hidden, seq, heads)
+    model, config = gpu.build(opts, size, shape)
+    batches = gpu.host_batches(opts, size)
+    m = len(batches)
+    label = f"{name} stage, seq {seq}"
+    rows = [gpu.measure_row("Megatron-Core", schedules.forward_backward_no_pipelining, model,
+                            batches, size, opts, m, None, [seq], detail=False)]
+    rows[-1].size = label
+    say(gpu._line(rows[-1]))
+    for partition in opts.partitions:
+        for k in opts.splits:
+            if k == 1 and partition != opts.partitions[0]:
+                continue
+            fb = s1.get_forward_backward_func(k, partition)
+            lengths = resolve_lengths(k, partition, None, seq, model, config, opts.vocab_size)
+            row = gpu.measure_row(f"Seq1F1B k={k}" + (f" {partition}" if k > 1 else ""), fb,
+                                  model, batches, size, opts, m * k, k, lengths, detail=False)
+            row.size = label
+            rows.append(row)
+            say(gpu._line(row))
+    for row in rows:
+        row.ratio = row.tokens_per_s / rows[0].tokens_per_s
+        if row.peak_gib is not None and rows[0].peak_gib:
+            row.peak_ratio = row.peak_gib / rows[0].peak_gib
+    units, host, calibration = unit_times(model, size, opts, batches)
+    path = out_dir / f"calibration_{name}_{seq}.json"
+    save_calibration(calibration, path)
+    say(f"[gpu_long] {label}: calibration saved to {path}")
+    del model
+    clear_setups()
+    return {"config": name, "seq_length": seq, "rows": [asdict(r) for r in rows],
+            "unit_times": [{"length": r[0], "end": r[1], "forward_ms": r[2] * 1e3,
+                            "backward_ms": r[3] * 1e3,
+                            "weight_ms": r[4] * 1e3 if len(r) > 4 else None,
+                            "input_grad_ms": r[5] * 1e3 if len(r) > 5 else None,
+                            "host_forward_ms": h[0] * 1e3, "host_backward_ms": h[1] * 1e3}
+                           for r, h in zip(units, host)],
+            "calibration": str(path.name)}
+
+
+def longest(opts: argparse.Namespace, say, deadline: float) -> list[dict]:
+    """For the 1.3B stage: Megatron's schedule and Seq1F1B k=8 at each length of
+    ``--longest`` (one micro-batch, one iteration after a warm-up) until one does not fit."""
+    import megatron_seq1f1b as s1
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_seq1f1b.executor import clear_setups
+    from megatron_seq1f1b.memory import PeakMemory
+
+    shape, hidden, heads = shape_of("1.3b", opts.layers_7b)
+    results = []
+    single = argparse.Namespace(**{**vars(opts), "microbatches": 1})
+    for name, make in (("Megatron-Core", lambda: schedules.forward_backward_no_pipelining),
+                       ("Seq1F1B k=8", lambda: s1.get_forward_backward_func(8, "balanced"))):
+        for seq in opts.longest:
+            if time.monotonic() > deadline:
+                results.append({"schedule": name, "seq_length": seq, "fits": None,
+                                "note": "time budget spent"})
+                break
+            size = Size(hidden, seq, heads)
+            model = None
+            try:
+                model, _ = gpu.build(single, size, shape)
+                batches = gpu.host_batches(single, size)
+                memory = PeakMemory()
+                memory.reset()
+                start = time.perf_counter()
+                for _ in range(2):
+                    gpu._iteration(make(), model, batches, size)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                seconds = (time.perf_counter() - start) / 2
+                peak = memory.peak_above_baseline() / 2**30
+                results.append({"schedule": name, "seq_length": seq, "fits": True,
+                                "peak_gib": peak, "seconds_per_iter": seconds})
+                say(f"[gpu_long] longest, {name}: {seq} tokens train, peak {peak:.1f} GiB")
+            except torch.cuda.OutOfMemoryError as exc:
+                results.append({"schedule": name, "seq_length": seq, "fits": False,
+                                "note": str(exc).splitlines()[0][:200]})
+                say(f"[gpu_long] longest, {name}: {seq} tokens do not fit")
+                break
+            finally:
+                del model
+                clear_setups()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    return results
+
+
+def targets(runs: list[dict], longest_rows: list[dict]) -> dict[str, str]:
+    verdicts = {}
+    for run in runs:
+        if run["config"] == "1.3b" and run["seq_length"] == 32768:
+            by = {r["name"]: r for r in run["rows"]}
+            k1, k4 = by.get("Seq1F1B k=1"), by.get("Seq1F1B k=4 balanced")
+            if k1 and k4:
+                slower = k4["ms_per_iter"] / k1["ms_per_iter"] - 1
+                verdicts["1.3b stage, 32768 tokens: k=4 at most 5% longer than k=1"] = (
+                    f"{slower:+.1%} {'ok' if slower <= 0.05 else 'MISSED'}")
+    for name in ("Megatron-Core", "Seq1F1B k=8"):
+        fits = [r["seq_length"] for r in longest_rows if r["schedule"] == name and r["fits"]]
+        if any(r["schedule"] == name for r in longest_rows):
+            verdicts[f"1.3b stage, longest that trains, {name}"] = (
+                f"{max(fits)} tokens" if fits else "none of those tried")
+    return verdicts
+
+
+def markdown(runs: list[dict], longest_rows: list[dict], environment: dict, command: str) -> str:
+    lines = [
+        f"GPU: {environment.get('device')}; torch {environment.get('torch')} (CUDA "
+        f"{environment.get('cuda')}), megatron-core {environment.get('megatron_core')}, bf16, "
+        "flash attention (PyTorch SDPA), pipeline size 1.",
+        "", f"Command: `{command}`", "",
+        "| stage | schedule | tokens/s | vs Megatron | peak GiB | vs Megatron | lengths |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for run in runs:
+        for r in run["rows"]:
+            lengths = ",".join(map(str, r["lengths"][:4])) + (",.." if len(r["lengths"]) > 4
+                                                              else "")
+            lines.append(f"| {r['size']} | {r['name']} | {r['tokens_per_s']:,.0f} | "
+                         f"{gpu._ratio(r['ratio'])} | {gpu._fmt(r['peak_gib'], '.1f')} | "
+                         f"{gpu._ratio(r['peak_ratio'])} | {lengths} |")
+    lines += ["", "Per unit (uniform segments; device time, the host's dispatch apart):", "",
+              "| stage | segment | forward ms | input-grad ms | weight-grad ms | whole backward ms "
+              "| host fwd/bwd ms |", "|---|---|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        for u in run["unit_times"]:
+            lines.append(
+                f"| {run['config']} {run['seq_length']} | {u['length']} ending {u['end']} | "
+                f"{u['forward_ms']:.1f} | {gpu._fmt(u['input_grad_ms'], '.1f')} | "
+                f"{gpu._fmt(u['weight_ms'], '.1f')} | {u['backward_ms']:.1f} | "
+                f"{u['host_forward_ms']:.1f}/{u['host_backward_ms']:.1f} |")
+    if longest_rows:
+        lines += ["", "Longest sequence that trains, 1.3B stage (one micro-batch):", "",
+                  "| schedule | tokens | trains | peak GiB | s/iter |", "|---|---:|---|---:|---:|"]
+        for r in longest_rows:
+            lines.append(f"| {r['schedule']} | {r['seq_length']} | "
+                         f"{ {True: 'yes', False: 'no (out of memory)', None: '-'}[r['fits']]} | "
+                         f"{gpu._fmt(r.get('peak_gib'), '.1f')} | "
+                         f"{gpu._fmt(r.get('seconds_per_iter'), '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_seq1f1b.bench.gpu_long",
+                                description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--out", required=True)
+    p.add_argument("--runs", nargs="+", type=parse_run,
+                   default=[parse_run(r) for r in DEFAULT_RUNS],
+                   help="CONFIG:SEQ (default: " + " ".join(DEFAULT_RUNS) + ")")
+    p.add_argument("--layers-7b", type=int, default=2)
+    p.add_argument("--splits", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--partitions", nargs="+", choices=["balanced", "uniform"],
+                   default=["balanced", "uniform"])
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--unit-reps", type=int, default=1, help="timed repetitions per unit case")
+    p.add_argument("--longest", nargs="*", type=int, default=[65536, 131072, 262144],
+                   help="lengths to try for the 1.3B stage, in order (none: skip)")
+    p.add_argument("--time-budget-s", type=float, default=390.0)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--attention-backend", choices=["flash", "local"], default="flash")
+    p.add_argument("--_device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--_shrink", type=int, default=1, help=argparse.SUPPRESS)  # tests: /hidden
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_seq1f1b import gpu_check
+
+    opts = build_parser().parse_args(argv)
+    if opts._shrink > 1:  # the tests' CPU path: the same code on tiny models
+        for name, (shape, hidden, heads) in list(CONFIGS.items()):
+            CONFIGS[name] = (Shape(2, (shape.ffn_hidden_size or 0) // opts._shrink or None,
+                                   shape.swiglu, shape.normalization),
+                             hidden // opts._shrink, max(heads // opts._shrink, 1))
+    out_dir = Path(opts.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if opts._device == "cuda" and gpu_check.cuda_problem():
+        print(f"gpu_long: cannot start: {gpu_check.cuda_problem()}", file=sys.stderr)
+        return 2
+    say = partial(print, flush=True)
+    start = time.monotonic()
+    deadline = start + opts.time_budget_s
+    command = "python -m megatron_seq1f1b.bench.gpu_long " + " ".join(argv or sys.argv[1:])
+    env = gpu_check.environment(torch.device("cuda", 0) if opts._device == "cuda"
+                                else torch.device("cpu"))
+    first, hidden, heads = shape_of(opts.runs[0][0], opts.layers_7b)
+    gpu_check.init_single_rank(argparse.Namespace(
+        num_layers=first.num_layers, hidden_size=hidden, num_attention_heads=heads,
+        seq_length=opts.runs[0][1], microbatches=opts.microbatches, vocab_size=opts.vocab_size,
+        seed=1234, splits=1, partition="balanced"))
+    runs, longest_rows, skipped = [], [], []
+    try:
+        for name, seq in opts.runs:
+            if time.monotonic() > deadline:
+                skipped.append(f"{name}:{seq}")
+                continue
+            say(f"[gpu_long] {name} stage at {seq} tokens")
+            runs.append(bench_run(opts, name, seq, out_dir, say))
+        if opts.longest:
+            longest_rows = longest(opts, say, deadline)
+    finally:
+        gpu_check.shutdown_single_rank()
+    verdicts = targets(runs, longest_rows)
+    settings = {k: v for k, v in vars(opts).items() if k != "out"}
+    report = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds"),
+              "command": command, "environment": env, "settings": settings,
+              "seconds": round(time.monotonic() - start, 1), "skipped": skipped,
+              "targets": verdicts, "runs": runs, "longest": longest_rows}
+    (out_dir / RESULTS).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    table = markdown(runs, longest_rows, env, command)
+    (out_dir / TABLE).write_text(table + "\n" + "\n".join(f"- {k}: {v}"
+                                                         for k, v in verdicts.items()) + "\n")
+    say("\n" + table)
+    for key, value in verdicts.items():
+        say(f"{key}: {value}")
+    if skipped:
+        say(f"[gpu_long] time budget spent: left out {', '.join(skipped)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
