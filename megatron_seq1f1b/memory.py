@@ -69,3 +69,65 @@ class PeakMemory:
 
     def peak_above_baseline(self) -> int:
         return max(self.peak_bytes() - self.baseline, 0)
+
+
+class SavedActivations:
+    """High-water mark of the bytes autograd keeps for backward: the activations a
+    pipeline stage holds, counted from the tensors themselves.
+
+    Inside ``with meter:`` every tensor saved for backward is counted once per storage
+    (views of one buffer, such as the K/V cache's, count once, at the storage's size)
+    from when it is first saved until the last saved reference to it is freed;
+    parameters (``exclude``) are not counted. On CPU this is the honest equivalent of
+    the CUDA allocator's peak for activations: the resident set cannot tell (glibc
+    keeps freed pages; small tensors never leave its arenas), while this counts the
+    same bytes whatever the allocator does. What it does not see: tensors held
+    outside autograd (a pipeline's outputs waiting for their send, received tensors
+    not yet used) and temporaries that die within one operation.
+    """
+
+    def __init__(self, exclude=()):
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [saved references, bytes]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._hooks = None
+
+    def _pack(self, tensor):
+        import weakref
+
+        storage = tensor.untyped_storage()
+        pointer, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0 or pointer in self._excluded:
+            return tensor
+        entry = self._live.get(pointer)
+        if entry is None:
+            self._live[pointer] = [1, nbytes]
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        else:
+            entry[0] += 1
+        weakref.finalize(tensor, self._release, pointer)
+        return tensor
+
+    def _release(self, pointer: int) -> None:
+        entry = self._live.get(pointer)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._live[pointer]
+            self.live_bytes -= entry[1]
+
+    def reset(self) -> None:
+        """Start a new window at what is alive now."""
+        self.peak_bytes = self.live_bytes
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None

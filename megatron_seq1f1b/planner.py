@@ -36,6 +36,11 @@ Memory is the peak of activations held on a stage, in micro-batches of that
 stage (a unit of segment ``j`` on one of ``v`` chunks holds
 ``len_j / (seq_length * v)``; from its forward until its backward, or until
 its ``W`` in zero-bubble schedules), and in bytes with ``bytes_per_token``.
+With a :class:`MemoryModel` (the model's shape and how it is trained) every
+candidate also gets each stage's total: weights, main gradients, optimizer
+states (:mod:`megatron_seq1f1b.footprint`) and its activations replayed unit
+by unit with that stage's own bytes per token (:func:`stage_memory`), which
+``memory_budget_total_bytes`` (a GPU's memory) can bound.
 
 Calibration file (JSON, :func:`save_calibration` / :func:`load_calibration`)::
 
@@ -61,7 +66,9 @@ Command line::
 
     python -m megatron_seq1f1b.planner --seq-length 32768 --pp 4 --microbatches 8 \\
         (--calibration calib.json | --hidden-size 4096 --num-layers 32 ...) \\
-        [--memory-budget 2.0 | --memory-budget-gib 40 --bytes-per-token 65536]
+        [--memory-budget 2.0 | --memory-budget-gib 40 --bytes-per-token 65536] \
+        [--vocab-size 50257 --bf16 --data-parallel-size 2 --use-distributed-optimizer \
+         --gpu-memory-gib 80]     # GB per stage: weights, gradients, optimizer, activations
 """
 
 from __future__ import annotations
@@ -76,6 +83,10 @@ from typing import Sequence
 
 from megatron_seq1f1b.checks import segment_multiple
 from megatron_seq1f1b.fit import QUADRATIC, extrapolated_fits, fit_costs, quadratic_for
+from megatron_seq1f1b.footprint import (
+    ModelShape, Training, activation_bytes_per_token, layers_per_virtual_stage,
+    stage_activation_bytes, stage_parameters,
+)
 from megatron_seq1f1b.partition import METHODS, CostModel, split_sequence
 from megatron_seq1f1b.plan import plan_steps
 from megatron_seq1f1b.replay import replay
@@ -101,6 +112,7 @@ __all__ = [
     "Fit", "StageCosts", "Calibration", "Plan", "PlanChoice", "BudgetError", "choose_plan",
     "format_table", "explain", "MEASURED_TIE_TOLERANCE", "save_calibration",
     "load_calibration", "activation_peak", "action_cost", "placement_costs", "predict", "main",
+    "MemoryModel", "stage_memory",
 ]
 
 
@@ -394,6 +406,70 @@ def activation_peak(schedule: Schedule, lengths: Sequence[int], num_model_chunks
     return peak
 
 
+@dataclass(frozen=True)
+class MemoryModel:
+    """What the planner needs to predict a stage's total memory: the model's shape, how it
+    is trained (:class:`~megatron_seq1f1b.footprint.Training`) and its attention kernel.
+
+    Activation bytes per token come from
+    :func:`~megatron_seq1f1b.footprint.activation_bytes_per_token` for every chunk; with
+    ``bytes_per_token`` (measured: what one token of one sample leaves on the most loaded
+    stage, all its chunks) every chunk's estimate is scaled so that stage matches it.
+    """
+
+    shape: ModelShape
+    training: Training = Training()
+    flash: bool = True
+    bytes_per_token: float | None = None
+
+    def chunk_bytes_per_token(self, num_stages: int, num_model_chunks: int = 1
+                              ) -> list[list[tuple[float, float]]]:
+        """[rank][chunk] -> (bytes per token, of which keys and values)."""
+        p, v = num_stages, num_model_chunks
+        layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
+        table = [[activation_bytes_per_token(
+            self.shape, layers, first=c * p + r == 0, last=c * p + r == p * v - 1,
+            dtype=self.training.dtype, flash=self.flash) for c in range(v)] for r in range(p)]
+        if self.bytes_per_token:
+            scale = self.bytes_per_token / max(sum(b for b, _ in rank) for rank in table)
+            table = [[(b * scale, kv * scale) for b, kv in rank] for rank in table]
+        return table
+
+    def static_bytes(self, num_stages: int, num_model_chunks: int = 1) -> list[dict]:
+        """Per rank: weights, main gradients and optimizer states, in bytes."""
+        return [self.training.state_bytes(n)
+                for n in stage_parameters(self.shape, num_stages, num_model_chunks)]
+
+    def stage_bytes(self, schedule: Schedule, lengths: Sequence[int], num_model_chunks: int = 1,
+                    micro_batch_size: int = 1) -> list[dict]:
+        """Per rank: ``weights``, ``gradients``, ``optimizer``, ``activations`` and ``total``
+        bytes, activations replayed over the rank's actions."""
+        p = len(schedule)
+        activations = stage_activation_bytes(
+            schedule, lengths, self.chunk_bytes_per_token(p, num_model_chunks), micro_batch_size)
+        stages = []
+        for static, act in zip(self.static_bytes(p, num_model_chunks), activations):
+            entry = dict(static, activations=act)
+            entry["total"] = sum(entry.values())
+            stages.append(entry)
+        return stages
+
+
+def stage_memory(shape: ModelShape, training: Training, num_stages: int,
+                 num_microbatches: int, lengths: Sequence[int], *, num_model_chunks: int = 1,
+                 schedule: str | Schedule = "1f1b", micro_batch_size: int = 1,
+                 flash: bool = True, bytes_per_token: float | None = None,
+                 costs: Sequence[tuple[float, float, float]] | None = None) -> list[dict]:
+    """Each pipeline rank's predicted bytes (weights, gradients, optimizer, activations,
+    total) for one plan: ``schedule`` a name (built here; zero bubble placed with
+    ``costs``, else unit costs) or every rank's action lists."""
+    if isinstance(schedule, str):
+        schedule = build_schedule(num_stages, num_microbatches, len(lengths), num_model_chunks,
+                                  schedule=schedule, costs=costs)
+    model = MemoryModel(shape, training, flash, bytes_per_token)
+    return model.stage_bytes(schedule, lengths, num_model_chunks, micro_batch_size)
+
+
 # ------------------------------------------------------------------ plans
 
 
@@ -412,6 +488,24 @@ class Plan:
     within_budget: bool | None = None  # None: no budget given
     unit: str = "s"
     segment_costs: tuple[tuple[float, float, float], ...] | None = None  # zero bubble: (F, B, W)
+    stages: tuple[dict, ...] | None = None  # with a MemoryModel: bytes per rank (stage_memory)
+
+    @property
+    def peak_stage_bytes(self) -> float | None:
+        """The busiest stage's predicted total bytes (with a memory model)."""
+        return max(s["total"] for s in self.stages) if self.stages else None
+
+    def stages_text(self) -> str:
+        """One line per stage: its predicted GB and what they are."""
+        if not self.stages:
+            return ""
+        parts = ["predicted memory per stage (weights + gradients + optimizer + activations "
+                 "= total):"]
+        for rank, s in enumerate(self.stages):
+            parts.append(f"  stage {rank}: {s['weights'] / GIB:.2f} + {s['gradients'] / GIB:.2f}"
+                         f" + {s['optimizer'] / GIB:.2f} + {s['activations'] / GIB:.2f} = "
+                         f"{s['total'] / GIB:.2f} GiB ({s['total'] / 1e9:.2f} GB)")
+        return "\n".join(parts)
 
     def describe(self) -> str:
         part = f" {self.partition}" if self.num_splits > 1 else ""
@@ -432,7 +526,8 @@ class PlanChoice:
     source: str = ""  # where the costs came from (the calibration's source)
 
     def table(self) -> str:
-        return format_table(self.candidates, self.plan, self.reason)
+        text = format_table(self.candidates, self.plan, self.reason)
+        return text + ("\n" + self.plan.stages_text() if self.plan.stages else "")
 
 
 class BudgetError(ValueError):
@@ -515,6 +610,8 @@ def choose_plan(
     schedules: Sequence[str] | None = None,
     send_slack: int = RUNTIME_SEND_SLACK,
     tie_tolerance: float = 0.0,
+    memory_model: MemoryModel | None = None,
+    memory_budget_total_bytes: float | None = None,
 ) -> PlanChoice:
     """The fastest (k, partition, schedule) within the memory budget, and all candidates.
 
@@ -531,8 +628,13 @@ def choose_plan(
     predicted within it of the fastest count as equally fast, and the one
     that leans least on the cost model wins (1F1B over zero bubble, then the
     balanced, measured, uniform partition, then the fewest splits). Raises
-    :class:`BudgetError` if nothing fits.
+    :class:`BudgetError` if nothing fits. ``memory_model``: every candidate also gets
+    each stage's total bytes (:attr:`Plan.stages`); ``memory_budget_total_bytes`` (needs
+    it) bounds the busiest stage's total.
     """
+    if memory_budget_total_bytes is not None and memory_model is None:
+        raise ValueError("memory_budget_total_bytes needs memory_model (weights, gradients, "
+                         "optimizer states and activations per stage)")
     if not 0 <= tie_tolerance < 1:
         raise ValueError(f"tie_tolerance must be in [0, 1), got {tie_tolerance}")
     p, m, v = num_stages, num_microbatches, num_model_chunks
@@ -555,7 +657,8 @@ def choose_plan(
     ks = sorted(set(splits)) if splits else split_counts(seq_length, multiple,
                                                          min_segment_length, max_splits)
     costs_of = {"balanced": flops, "measured": calibration}
-    budgeted = memory_budget is not None or memory_budget_bytes is not None
+    budgeted = (memory_budget is not None or memory_budget_bytes is not None
+                or memory_budget_total_bytes is not None)
 
     candidates: list[Plan] = []
     for k in ks:
@@ -570,13 +673,16 @@ def choose_plan(
                 continue  # the same split under an earlier name, or segments too short
             seen.add(lengths)
             for name in schedules:
-                plan = _evaluate(calibration, p, m, v, partition, lengths, name, send_slack)
+                plan = _evaluate(calibration, p, m, v, partition, lengths, name, send_slack,
+                                 memory_model, micro_batch_size)
                 if plan is None:
                     continue
                 memory_bytes = (plan.memory * seq_length * micro_batch_size * bytes_per_token
                                 if bytes_per_token else None)
                 fits = ((memory_budget is None or plan.memory <= memory_budget + 1e-9)
                         and (memory_budget_bytes is None or memory_bytes <= memory_budget_bytes)
+                        and (memory_budget_total_bytes is None
+                             or plan.peak_stage_bytes <= memory_budget_total_bytes)
                         ) if budgeted else None
                 candidates.append(replace(plan, memory_bytes=memory_bytes, within_budget=fits))
     if not candidates:
@@ -588,7 +694,9 @@ def choose_plan(
         smallest = min(ranked, key=_memory_key)
         budget = " and ".join(
             ([f"{memory_budget:.2f} micro-batches"] if memory_budget is not None else [])
-            + ([bytes_text(memory_budget_bytes)] if memory_budget_bytes is not None else []))
+            + ([bytes_text(memory_budget_bytes)] if memory_budget_bytes is not None else [])
+            + ([f"{bytes_text(memory_budget_total_bytes)} in all"]
+               if memory_budget_total_bytes is not None else []))
         raise BudgetError(
             f"no plan fits the activation-memory budget of {budget} per stage: the smallest "
             f"reachable is {smallest.memory_text()}, by {smallest.describe()} (lengths "
@@ -616,7 +724,9 @@ def _options(partitions, schedules, have_flops: bool, chunks: int) -> tuple[list
 
 
 def _evaluate(calibration: Calibration, p: int, m: int, v: int, partition: str,
-              lengths: tuple[int, ...], name: str, send_slack: int) -> Plan | None:
+              lengths: tuple[int, ...], name: str, send_slack: int,
+              memory_model: MemoryModel | None = None, micro_batch_size: int = 1
+              ) -> Plan | None:
     """One candidate's predicted time, bubble and memory; None if the executor would
     refuse its steps (deadlock, link order)."""
     zero_bubble = name != "1f1b"
@@ -627,9 +737,11 @@ def _evaluate(calibration: Calibration, p: int, m: int, v: int, partition: str,
                                costs, send_slack, calibration.message_latency(lengths))
     except ScheduleError:
         return None
+    stages = (tuple(memory_model.stage_bytes(schedule, lengths, v, micro_batch_size))
+              if memory_model is not None else None)
     return Plan(len(lengths), partition, lengths, name, time, bubble,
                 activation_peak(schedule, lengths, v), unit=calibration.unit,
-                segment_costs=costs)
+                segment_costs=costs, stages=stages)
 
 
 def _tie_reason(chosen: Plan, other: Plan) -> str:
@@ -699,13 +811,16 @@ def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = 
     ranked = sorted(candidates, key=_rank_key)
     best = ranked[0].time
     with_bytes = any(c.memory_bytes for c in ranked)
+    with_stages = any(c.stages for c in ranked)
     header = (f"  {'k':>3} {'partition':<9} {'schedule':<8} {'time':>14} {'vs best':>8} "
               f"{'bubble':>7} {'memory (mb)':>12}" + (f" {'bytes':>10}" if with_bytes else "")
-              + f" {'budget':>6}  lengths")
+              + (f" {'max stage':>10}" if with_stages else "") + f" {'budget':>6}  lengths")
     lines = [header, "-" * len(header)]
     for c in ranked:
         budget = {None: "-", True: "ok", False: "over"}[c.within_budget]
         gib = f" {bytes_text(c.memory_bytes):>10}" if with_bytes and c.memory_bytes else ""
+        if with_stages:
+            gib += f" {c.peak_stage_bytes / GIB:>6.2f} GiB" if c.stages else f" {'-':>10}"
         lines.append(
             f"{'*' if c == chosen else ' '} {c.num_splits:>3} {c.partition:<9} {c.schedule:<8} "
             f"{_time_text(c.time, c.unit):>14} {c.time / best - 1:>+8.1%} {c.bubble:>7.1%} "
@@ -775,6 +890,25 @@ def _parse_args(argv=None) -> argparse.Namespace:
                              "1F1B over zero bubble, then balanced/measured/uniform (default: "
                              f"{MEASURED_TIE_TOLERANCE} with --calibration, measured costs; 0 "
                              "with FLOP costs)")
+    memory = parser.add_argument_group(
+        "memory per stage (with the model: weights, main gradients, Adam states, activations)")
+    memory.add_argument("--bf16", action="store_true", help="bf16 weights (default fp32)")
+    memory.add_argument("--fp16", action="store_true", help="fp16 weights")
+    memory.add_argument("--no-grad-reduce-in-fp32", action="store_true",
+                        help="half-precision main gradients (default: fp32 with bf16/fp16)")
+    memory.add_argument("--optimizer", choices=["adam", "none"], default="adam")
+    memory.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="shard master weights and Adam moments over data-parallel ranks")
+    memory.add_argument("--data-parallel-size", type=int, default=1)
+    memory.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                        help="(default: tied, as Megatron-LM)")
+    memory.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
+                        default="rope")
+    memory.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    memory.add_argument("--disable-bias-linear", action="store_true")
+    memory.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="budget for the busiest stage's total (weights, gradients, "
+                             "optimizer, activations)")
     parser.add_argument("--json", help="write the choice and all candidates here")
     parser.add_argument("--save-calibration", help="write the costs used as a calibration file")
     return parser.parse_args(argv)
@@ -795,9 +929,36 @@ def _model_config(args: argparse.Namespace):
         gated_linear_unit=args.swiglu)
 
 
+def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
+    """With the model's sizes and vocabulary: weights, gradients, optimizer and activations
+    per stage; the activations' bytes per token scaled to --bytes-per-token if given."""
+    if config is None or not args.vocab_size:
+        if args.gpu_memory_gib is not None:
+            raise SystemExit("--gpu-memory-gib needs the model (--hidden-size ...) and "
+                             "--vocab-size")
+        return None
+    shape = ModelShape(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, vocab_size=args.vocab_size,
+        ffn_hidden_size=config.ffn_hidden_size, num_query_groups=config.num_query_groups,
+        gated_linear_unit=config.gated_linear_unit, normalization=args.normalization,
+        add_bias_linear=not args.disable_bias_linear,
+        tied_embeddings=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        max_sequence_length=args.seq_length)
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    training = Training(dtype=dtype, grad_reduce_in_fp32=False if args.no_grad_reduce_in_fp32
+                        else None, optimizer=None if args.optimizer == "none" else "adam",
+                        distributed_optimizer=args.use_distributed_optimizer,
+                        data_parallel_size=args.data_parallel_size)
+    return MemoryModel(shape, training, flash=not args.dense_attention,
+                       bytes_per_token=args.bytes_per_token)
+
+
 def main(argv=None) -> int:
     args = _parse_args(argv)
     config = _model_config(args)
+    memory_model = _memory_model(args, config)
     calibration = load_calibration(args.calibration, args.layout) if args.calibration else None
     if calibration is None and config is None:
         raise SystemExit("give --calibration FILE, or the model (--hidden-size, --num-layers, "
@@ -821,7 +982,9 @@ def main(argv=None) -> int:
             max_splits=args.max_splits, multiple_of=args.multiple_of, splits=args.splits,
             partitions=args.partitions, schedules=args.schedules, send_slack=args.send_slack,
             tie_tolerance=(args.tie_tolerance if args.tie_tolerance is not None else
-                           MEASURED_TIE_TOLERANCE if args.calibration else 0.0))
+                           MEASURED_TIE_TOLERANCE if args.calibration else 0.0),
+            memory_model=memory_model,
+            memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(f"seq_length {args.seq_length}, p={args.pp}, v={args.vpp}, m={args.microbatches}, "
@@ -845,7 +1008,8 @@ def _plan_dict(plan: Plan) -> dict:
             "lengths": list(plan.lengths), "schedule": plan.schedule, "time": plan.time,
             "unit": plan.unit, "bubble": plan.bubble, "memory_microbatches": plan.memory,
             "memory_bytes": plan.memory_bytes, "within_budget": plan.within_budget,
-            "segment_costs": plan.segment_costs}
+            "segment_costs": plan.segment_costs,
+            "stages": [dict(s) for s in plan.stages] if plan.stages else None}
 
 
 if __name__ == "__main__":

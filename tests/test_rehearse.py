@@ -1,0 +1,201 @@
+"""Stage rehearsal (rehearse.py) and the planner's memory per stage (footprint.py).
+
+A rehearsed stage must do what that stage does in a real pipeline: the same actions in
+the same order, and the same activations. Activations are counted as the bytes autograd
+saves for backward (memory.SavedActivations), in the real gloo pipeline and alone: on
+CPU the resident set cannot resolve a tiny model's tensors (glibc keeps freed pages), so
+this is the CPU's honest measure of activation memory; the CUDA allocator's peak is
+the rehearsal's measure on a GPU (scripts/gpu_rehearse.sh).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import rehearse_cases as cases
+from gpt import DataSpec, ModelSpec
+from megatron_seq1f1b.footprint import (
+    ModelShape, Training, activation_bytes_per_token, stage_activation_bytes, stage_parameters,
+    virtual_stage_parameters,
+)
+from megatron_seq1f1b.planner import MemoryModel, choose_plan, stage_memory
+from megatron_seq1f1b.schedule import build_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ModelSpec(tied_embeddings=False)
+DATA = DataSpec(num_microbatches=4)
+
+REHEARSED = [  # (pp, k, schedule, vpp, partition)
+    (2, 1, "1f1b", None, "uniform"),      # Megatron's 1F1B
+    (2, 2, "zb-h1", None, "uniform"),     # zero bubble (W actions)
+    (2, 2, "1f1b", 2, "uniform"),         # interleaved, two chunks per rank
+    (4, 3, "1f1b", None, "balanced"),     # Seq1F1B k=3
+]
+
+
+@pytest.mark.parametrize("pp,k,schedule,vpp,partition", REHEARSED,
+                         ids=["pp2-1f1b", "pp2-zb-h1-k2", "pp2-vpp2-k2", "pp4-k3"])
+def test_rehearsed_stage_does_what_the_stage_does_in_a_pipeline(ranks, pp, k, schedule, vpp,
+                                                                 partition):
+    results = ranks.run(pp, cases.pipeline_then_rehearsal, case=f"rehearse-{pp}-{k}-{schedule}"
+                        f"-{vpp}", pp=pp, k=k, schedule=schedule, model=MODEL, data=DATA,
+                        vpp=vpp, partition=partition)
+    v = vpp or 1
+    shape = ModelShape.from_config(SimpleNamespace(
+        num_layers=MODEL.num_layers, hidden_size=MODEL.hidden_size,
+        num_attention_heads=MODEL.num_attention_heads, ffn_hidden_size=4 * MODEL.hidden_size),
+        MODEL.vocab_size)
+    planned = stage_parameters(shape, pp, v)
+    expected = build_schedule(pp, DATA.num_microbatches, k, v, schedule=schedule,
+                              costs=None) if schedule == "1f1b" else None
+    for r in results:
+        stage, real, alone = r["stage"], r["real"], r["rehearsal"]
+        assert alone["actions"] == real["actions"], (stage, alone["actions"], real["actions"])
+        if expected is not None:
+            assert real["actions"] == [str(a) for a in expected[stage]]
+        assert any(a.startswith("W") for a in real["actions"]) == (schedule != "1f1b")
+        # the stage's own layers, embedding first, output layer and loss last
+        assert r["layers"] == [MODEL.num_layers // (pp * v)] * v
+        assert r["pre_post"] == [(c * pp + stage == 0, c * pp + stage == pp * v - 1)
+                                 for c in range(v)]
+        assert alone["parameter_bytes"] == real["parameter_bytes"] == 4 * planned[stage]
+        assert real["saved_peak"] > 0
+        assert abs(alone["activation_bytes"] - real["saved_peak"]) <= 0.05 * real["saved_peak"], \
+            (stage, alone["activation_bytes"], real["saved_peak"])
+
+
+def test_cli_measures_and_predicts_the_stage(ranks):
+    """The command line on a one-rank worker: a middle stage of pp=4 with Adam; its
+    parameters equal the planner's weights for that stage exactly."""
+    argv = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--vocab-size", "64", "--pipeline-model-parallel-size", "4",
+            "--rehearse-stage", "3", "--num-microbatches", "4", "--seq1f1b-splits", "2",
+            "--iters", "1", "--warmup", "1"]
+    (out,) = ranks.run(1, cases.cli, case="rehearse-cli", argv=argv)
+    rehearsal, predicted = out["rehearsal"], out["predicted"]
+    assert rehearsal["stage"] == 3 and rehearsal["lengths"] == [16, 16]
+    assert rehearsal["actions"] == [str(a) for a in build_schedule(4, 4, 2)[3]]
+    assert rehearsal["parameter_bytes"] == predicted["weights"]
+    assert predicted["optimizer"] == 2 * predicted["weights"]  # fp32: Adam's two moments
+    assert rehearsal["activation_bytes"] > 0 and rehearsal["compute_s"] > 0
+
+
+def test_stage_building_refuses_what_it_cannot_rehearse():
+    from megatron_seq1f1b.checks import ConfigError
+    from megatron_seq1f1b.rehearse import build_stage_chunks
+
+    config = SimpleNamespace(num_layers=4, window_attn_skip_freq=2)
+    with pytest.raises(ConfigError) as error:
+        build_stage_chunks(config, 3, 3, vocab_size=8, max_sequence_length=8)
+    text = str(error.value)
+    assert "window_attn_skip_freq" in text and "stage must be in [0, 3)" in text
+    assert "4 layers do not split evenly over 3" in text
+
+
+# ------------------------------------------------------------------ footprint (pure)
+
+GPT13B = ModelShape(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                    ffn_hidden_size=8192, vocab_size=50257)
+
+
+def test_parameters_per_stage_by_hand():
+    h, v = 2048, 50257
+    layer = 12 * h * h + 13 * h  # qkv 3h^2+3h, proj h^2+h, fc1 4h^2+4h, fc2 4h^2+h, 2 norms 4h
+    assert GPT13B.layer_parameters() == layer
+    assert stage_parameters(GPT13B, 4) == [6 * layer + v * h, 6 * layer, 6 * layer,
+                                           6 * layer + 2 * h + v * h]
+    # tied: one rank holds one copy; more stages: the last keeps its own
+    tied = ModelShape(**{**GPT13B.__dict__, "tied_embeddings": True})
+    assert stage_parameters(tied, 1) == [24 * layer + v * h + 2 * h]
+    assert stage_parameters(tied, 2)[1] == 12 * layer + 2 * h + v * h
+    # interleaved: rank 0 holds virtual stages 0 and 4 of 8
+    per_virtual = virtual_stage_parameters(GPT13B, 4, 2)
+    assert per_virtual[0] == 3 * layer + v * h and per_virtual[-1] == 3 * layer + 2 * h + v * h
+    assert stage_parameters(GPT13B, 4, 2)[0] == per_virtual[0] + per_virtual[4]
+    # SwiGLU, GQA, RMSNorm, no biases
+    shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                       ffn_hidden_size=96, vocab_size=10, gated_linear_unit=True,
+                       normalization="RMSNorm", add_bias_linear=False)
+    assert shape.layer_parameters() == 2 * 64 + 64 * (64 + 2 * 16) + 64 * 64 + 64 * 192 + 96 * 64
+
+
+@pytest.mark.parametrize("training, per_param", [
+    (Training("bf16"), (2, 4, 12)),  # fp32 main grads; fp32 master weights + 2 moments
+    (Training("bf16", distributed_optimizer=True, data_parallel_size=2), (2, 4, 6)),
+    (Training("bf16", grad_reduce_in_fp32=False), (2, 2, 12)),
+    (Training("fp32"), (4, 4, 8)),  # no master copy
+    (Training("fp32", distributed_optimizer=True, data_parallel_size=4), (4, 4, 2)),
+    (Training("bf16", optimizer=None), (2, 4, 0)),
+])
+def test_bytes_per_parameter(training, per_param):
+    got = training.bytes_per_parameter()
+    assert (got["weights"], got["gradients"], got["optimizer"]) == per_param
+
+
+def test_activation_bytes_follow_units_and_the_kv_buffer():
+    # one rank, two micro-batches, two segments of 3 and 1 tokens:
+    # F0.0 F0.1 B0.1 F1.0 B0.0 F1.1 B1.1 B1.0
+    schedule = build_schedule(1, 2, 2)
+    assert [str(a) for a in schedule[0][:5]] == ["F0.0", "F0.1", "B0.1", "F1.0", "B0.0"]
+    rest, kv = 10.0, 2.0  # bytes per token, of which keys and values
+    (peak,) = stage_activation_bytes(schedule, [3, 1], [[(rest + kv, kv)]])
+    # a segment 0 holds its 3 tokens and the whole sequence's K/V (4 tokens) until B?.0:
+    # after F1.0 both micro-batches' segment 0 are alive
+    assert peak == 2 * (3 * rest + 4 * kv)
+    (one,) = stage_activation_bytes(build_schedule(1, 2, 1), [4], [[(rest + kv, kv)]])
+    assert one == 4 * (rest + kv)
+    per_token, kv_part = activation_bytes_per_token(GPT13B, 6, first=True, last=False)
+    assert per_token == 6 * 2 * (4 * 2048 + 2 * 2048 + 8192 + 8192) + 6 * 4 * 2048 + 8
+    assert kv_part == 6 * 4 * 2048
+
+
+def test_stage_memory_adds_weights_gradients_optimizer_and_activations():
+    lengths = [8192] * 4
+    training = Training("bf16", distributed_optimizer=True, data_parallel_size=2)
+    stages = stage_memory(GPT13B, training, 4, 4, lengths)
+    params = stage_parameters(GPT13B, 4)
+    for stage, entry, n in zip(range(4), stages, params):
+        assert entry["weights"] == 2 * n and entry["gradients"] == 4 * n
+        assert entry["optimizer"] == 6 * n
+        assert entry["total"] == pytest.approx(sum(v for k, v in entry.items() if k != "total"))
+    # 1F1B with k=1: stage 0 holds p micro-batches; with k=4 fewer
+    one = stage_memory(GPT13B, training, 4, 4, [32768])
+    per_token, _ = activation_bytes_per_token(GPT13B, 6, first=True, last=False)
+    assert one[0]["activations"] == 4 * 32768 * per_token
+    assert stages[0]["activations"] < one[0]["activations"]
+    # a measured bytes_per_token rescales every chunk so the busiest stage matches it
+    scaled = MemoryModel(GPT13B, training, bytes_per_token=1000.0).chunk_bytes_per_token(4)
+    assert max(b for (b, _), in scaled) == pytest.approx(1000.0)
+
+
+def test_planner_prints_gb_per_stage_and_budgets_the_total(tmp_path, capsys):
+    from megatron_seq1f1b.planner import main
+
+    out = tmp_path / "plan.json"
+    args = ["--seq-length", "32768", "--pp", "4", "--microbatches", "4", "--hidden-size", "2048",
+            "--num-layers", "24", "--num-attention-heads", "16", "--ffn-hidden-size", "8192",
+            "--vocab-size", "50257", "--untie-embeddings-and-output-weights", "--bf16",
+            "--use-distributed-optimizer", "--data-parallel-size", "2", "--splits", "1", "4",
+            "--partitions", "balanced", "--schedules", "1f1b", "--gpu-memory-gib", "40",
+            "--json", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "predicted memory per stage" in printed and "stage 3:" in printed
+    assert "max stage" in printed
+    data = json.loads(out.read_text())
+    by_k = {c["num_splits"]: c for c in data["candidates"]}
+    assert by_k[1]["within_budget"] is False and by_k[4]["within_budget"] is True  # k=1: >40 GiB
+    stage0 = by_k[1]["stages"][0]
+    assert stage0["weights"] == 2 * stage_parameters(GPT13B, 4)[0]
+
+
+def test_total_budget_needs_a_memory_model():
+    with pytest.raises(ValueError, match="memory_model"):
+        choose_plan(4096, 2, 2, config=SimpleNamespace(
+            hidden_size=64, num_attention_heads=4, kv_channels=None, num_query_groups=None,
+            ffn_hidden_size=256, gated_linear_unit=False, num_layers=2), vocab_size=100,
+            memory_budget_total_bytes=1e9)
