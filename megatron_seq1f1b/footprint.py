@@ -180,11 +180,13 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
     chunk of ``num_layers`` layers, per sample of the micro-batch.
 
     An estimate of what Megatron-Core's local layers save, no dropout, no recomputation:
-    per layer the inputs of both norms and of the four linear layers, the query, keys,
-    values and attention output the flash kernel keeps, the MLP's activation input and
-    output; the first chunk adds the token ids, the last its final norm, output-layer
-    input and the fp32 softmax of the cross entropy over the vocabulary. Without a flash
-    kernel (``flash=False``) the ``len x end`` scores are not included: use a measured
+    per layer the inputs of both norms and of the four linear layers (the output
+    projection's is a copy of the attention output in ``[s, b, h]`` order), the query,
+    keys and values the attention kernel keeps, the flash kernel's own output, the MLP's
+    activation input and output; the first chunk adds the token ids, the last its final
+    norm, output-layer input and the fp32 softmax of the cross entropy over the
+    vocabulary. Without a flash kernel (``flash=False``: Megatron's unfused attention)
+    the ``len x end`` probabilities it keeps are not included: use a measured
     ``bytes_per_token`` there. Keys and values are returned apart because Seq1F1B keeps a
     micro-batch's keys and values in one buffer of the whole sequence from its first
     segment's forward to that segment's backward (:mod:`megatron_seq1f1b.kv_cache`).
@@ -193,8 +195,8 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
     fc1 = shape.ffn * (2 if shape.gated_linear_unit else 1)
     kv = 2 * shape.kv_dim * e
     per_layer = e * (4 * h + 2 * shape.q_dim + fc1 + shape.ffn) + kv
-    if not flash:
-        per_layer += e * shape.q_dim  # the unfused kernel's context before the projection
+    if flash:
+        per_layer += e * shape.q_dim  # SDPA's output, kept for its backward
     total = num_layers * per_layer
     if first:
         total += 8  # token ids (int64)

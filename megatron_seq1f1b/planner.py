@@ -421,6 +421,7 @@ class MemoryModel:
     training: Training = Training()
     flash: bool = True
     bytes_per_token: float | None = None
+    activation_scale: float = 1.0  # e.g. measured / estimated activations of a rehearsal
 
     def chunk_bytes_per_token(self, num_stages: int, num_model_chunks: int = 1
                               ) -> list[list[tuple[float, float]]]:
@@ -430,8 +431,10 @@ class MemoryModel:
         table = [[activation_bytes_per_token(
             self.shape, layers, first=c * p + r == 0, last=c * p + r == p * v - 1,
             dtype=self.training.dtype, flash=self.flash) for c in range(v)] for r in range(p)]
+        scale = self.activation_scale
         if self.bytes_per_token:
             scale = self.bytes_per_token / max(sum(b for b, _ in rank) for rank in table)
+        if scale != 1.0:
             table = [[(b * scale, kv * scale) for b, kv in rank] for rank in table]
         return table
 

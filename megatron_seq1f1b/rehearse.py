@@ -337,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "first step)")
     p.add_argument("--count-saved", choices=["auto", "yes", "no"], default="auto",
                    help="count the bytes autograd saves (default: on CPU only)")
+    p.add_argument("--save-calibration", metavar="FILE",
+                   help="also time this stage's segments (the start-up measurement's cases) "
+                        "and write them as a one-stage planner calibration")
+    p.add_argument("--calibration-reps", type=int, default=3)
+    p.add_argument("--min-segment-length", type=int, default=128,
+                   help="shortest segment the calibration times (the planner's)")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--seed", type=int, default=1234)
     return p
@@ -514,6 +520,50 @@ def predicted(args, rehearsal: Rehearsal) -> dict:
     return memory[args.rehearse_stage]
 
 
+def calibrate_stage(model, config, data, args):
+    """This stage's per-segment costs as a one-stage :class:`~megatron_seq1f1b.planner.
+    Calibration`: the start-up measurement's cases and timing
+    (:func:`~megatron_seq1f1b.measure.time_cases`, W apart where it can be deferred),
+    fitted with the causal pairs for flash attention and the score rectangle for
+    Megatron's local one; on CUDA the host dispatch times are the fits' floors."""
+    from megatron_seq1f1b import wgrad
+    from megatron_seq1f1b.checks import segment_multiple
+    from megatron_seq1f1b.measure import calibration_cases, host_floor, time_cases
+    from megatron_seq1f1b.model import chunks_of, unwrap
+    from megatron_seq1f1b.planner import Calibration
+
+    chunks = chunks_of(model)
+    multiple = args.seq1f1b_segment_multiple or segment_multiple(config)
+    if torch.cuda.is_available() and args.seq1f1b_segment_multiple is None:
+        multiple = max(multiple, 64)
+    cases = calibration_cases(args.seq_length, multiple, args.min_segment_length)
+    split = not wgrad.deferral_problems(chunks)
+    if split:
+        wgrad.install()
+    samples, floors, held = {}, {}, 0
+    iterators = data if isinstance(data, list) else [data]
+    for index, chunk in enumerate(chunks):
+        gpt = unwrap(chunk)
+        host: list = []
+        rows, chunk_held = time_cases(chunk, index, cases, iterators[index], _forward_step,
+                                      config, args.micro_batch_size, gpt.pre_process,
+                                      gpt.post_process, args.calibration_reps, split, host)
+        samples[(0, index)] = rows
+        if torch.cuda.is_available():
+            floors[(0, index)] = host_floor(host)
+        held += chunk_held or 0
+    _zero_grads(chunks)
+    quadratic = "causal_pairs" if args.attention_backend == "flash" else "rectangle"
+    return Calibration.from_samples(
+        samples, quadratic=quadratic,
+        source=f"stage {args.rehearse_stage} of {args.pipeline_model_parallel_size} rehearsed "
+               f"alone ({args.num_layers} layers, hidden {args.hidden_size}, "
+               f"{args.attention_backend} attention{', bf16' if args.bf16 else ''}), "
+               f"cases {cases}" + (", W timed apart" if split else ""),
+        bytes_per_token=held / (args.seq_length * args.micro_batch_size) or None,
+        floors=floors or None)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
@@ -534,6 +584,13 @@ def main(argv=None) -> int:
     prediction = predicted(args, rehearsal)
     result = {"arguments": vars(args), "rehearsal": rehearsal.to_dict(), "predicted": prediction,
               "torch": torch.__version__}
+    if args.save_calibration:
+        from megatron_seq1f1b.planner import save_calibration
+
+        calibration = calibrate_stage(model if len(model) > 1 else model[0], config, data, args)
+        Path(args.save_calibration).parent.mkdir(parents=True, exist_ok=True)
+        save_calibration(calibration, args.save_calibration)
+        result["calibration"] = args.save_calibration
     _print(args, rehearsal, prediction)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

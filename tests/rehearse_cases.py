@@ -78,6 +78,10 @@ def cli(argv: list[str]) -> dict:
     from megatron_seq1f1b import rehearse
 
     with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "stage.json"
+        out, calibration = Path(folder) / "stage.json", Path(folder) / "calibration.json"
+        argv = [str(calibration) if a == "CALIBRATION" else a for a in argv]
         assert rehearse.main(argv + ["--json", str(out)]) == 0
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        if calibration.exists():
+            result["calibration"] = json.loads(calibration.read_text())
+        return result

@@ -74,9 +74,15 @@ def test_cli_measures_and_predicts_the_stage(ranks):
     argv = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--vocab-size", "64", "--pipeline-model-parallel-size", "4",
             "--rehearse-stage", "3", "--num-microbatches", "4", "--seq1f1b-splits", "2",
-            "--iters", "1", "--warmup", "1"]
+            "--iters", "1", "--warmup", "1", "--save-calibration", "CALIBRATION",
+            "--min-segment-length", "8", "--calibration-reps", "1"]
     (out,) = ranks.run(1, cases.cli, case="rehearse-cli", argv=argv)
     rehearsal, predicted = out["rehearsal"], out["predicted"]
+    calibration = out["calibration"]  # the stage's segments timed: a one-stage calibration
+    assert calibration["format"] == "megatron_seq1f1b.calibration"
+    assert len(calibration["stages"]) == 1 and calibration["bytes_per_token"] > 0
+    assert calibration["quadratic"] == "rectangle"  # Megatron's local attention
+    assert "stage 3 of 4 rehearsed alone" in calibration["source"]
     assert rehearsal["stage"] == 3 and rehearsal["lengths"] == [16, 16]
     assert rehearsal["actions"] == [str(a) for a in build_schedule(4, 4, 2)[3]]
     assert rehearsal["parameter_bytes"] == predicted["weights"]
@@ -149,7 +155,7 @@ def test_activation_bytes_follow_units_and_the_kv_buffer():
     (one,) = stage_activation_bytes(build_schedule(1, 2, 1), [4], [[(rest + kv, kv)]])
     assert one == 4 * (rest + kv)
     per_token, kv_part = activation_bytes_per_token(GPT13B, 6, first=True, last=False)
-    assert per_token == 6 * 2 * (4 * 2048 + 2 * 2048 + 8192 + 8192) + 6 * 4 * 2048 + 8
+    assert per_token == 6 * 2 * (4 * 2048 + 3 * 2048 + 8192 + 8192) + 6 * 4 * 2048 + 8
     assert kv_part == 6 * 4 * 2048
 
 
