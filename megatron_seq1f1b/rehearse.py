@@ -189,6 +189,21 @@ def _finalize_on_real_groups(config):
         config.finalize_model_grads_func = original
 
 
+def _lengths(chunks, config, num_splits, partition, split_lengths, seq_length,
+             segment_multiple) -> list[int]:
+    """The segment lengths the executor ran (its own rounding on CUDA included)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from megatron_seq1f1b.executor import resolve_lengths
+
+    try:
+        vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
+    except RuntimeError:
+        vocab_size = None
+    return resolve_lengths(num_splits, partition, split_lengths, seq_length, chunks, config,
+                           vocab_size, segment_multiple)
+
+
 def rehearse_stage(
     model,
     forward_step_func: Callable,
@@ -274,13 +289,14 @@ def rehearse_stage(
             if meter is not None:
                 saved.append(meter.peak_bytes)
     _zero_grads(chunks)
-    setup = next(reversed(executor._SETUPS.values()), None)
+    lengths = _lengths(chunks, config, num_splits, partition, split_lengths, seq_length,
+                       segment_multiple)
     record = recorder.last
     action_s = [iv.end - iv.start for iv in record.compute]
     return Rehearsal(
         num_stages=num_stages, stage=stage, num_model_chunks=len(chunks),
         num_microbatches=num_microbatches,
-        lengths=list(setup.lengths) if setup is not None else list(split_lengths or []),
+        lengths=lengths,
         schedule=schedule, actions=[str(iv.action) for iv in record.compute],
         action_s=action_s, compute_s=sum(action_s), iteration_s=walls,
         peak_bytes=max(peaks), peak_total_bytes=max(totals) if totals else None,
@@ -494,11 +510,13 @@ def prepare(args) -> tuple[list, Any, Any]:
     return model, config, optimizer
 
 
-def predicted(args, rehearsal: Rehearsal) -> dict:
+def predicted(args, rehearsal: Rehearsal, costs=None) -> dict:
     """The planner's memory prediction for this stage, with the rehearsal's own layout
-    (one rank: data-parallel size 1) and its segment lengths."""
+    (one rank: data-parallel size 1), its segment lengths and, for zero bubble, the
+    per-segment costs that placed its W actions (``costs``)."""
     from megatron_seq1f1b.footprint import ModelShape, Training
     from megatron_seq1f1b.planner import stage_memory
+    from megatron_seq1f1b.schedule import build_schedule
 
     shape = ModelShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -511,13 +529,16 @@ def predicted(args, rehearsal: Rehearsal) -> dict:
     training = Training(dtype="bf16" if args.bf16 else "fp32",
                         optimizer=None if args.optimizer == "none" else "adam",
                         distributed_optimizer=args.use_distributed_optimizer)
+    schedule = build_schedule(args.pipeline_model_parallel_size, args.num_microbatches,
+                              len(rehearsal.lengths), rehearsal.num_model_chunks,
+                              schedule=args.seq1f1b_schedule, costs=costs)
     memory = stage_memory(shape, training, args.pipeline_model_parallel_size,
                           args.num_microbatches, rehearsal.lengths,
-                          num_model_chunks=rehearsal.num_model_chunks,
-                          schedule=args.seq1f1b_schedule,
+                          num_model_chunks=rehearsal.num_model_chunks, schedule=schedule,
                           micro_batch_size=args.micro_batch_size,
                           flash=args.attention_backend == "flash")
-    return memory[args.rehearse_stage]
+    mine = [str(a) for a in schedule[args.rehearse_stage]]
+    return dict(memory[args.rehearse_stage], same_actions=mine == rehearsal.actions)
 
 
 def calibrate_stage(model, config, data, args):
@@ -581,7 +602,12 @@ def main(argv=None) -> int:
         partition=args.seq1f1b_partition, schedule=args.seq1f1b_schedule,
         segment_multiple=args.seq1f1b_segment_multiple, iters=args.iters, warmup=args.warmup,
         optimizer=optimizer, count_saved=count)
-    prediction = predicted(args, rehearsal)
+    costs = None
+    if args.seq1f1b_schedule != "1f1b":
+        from megatron_seq1f1b.executor import zero_bubble_costs
+
+        costs = zero_bubble_costs(rehearsal.lengths, model, config, args.vocab_size)
+    prediction = predicted(args, rehearsal, costs)
     result = {"arguments": vars(args), "rehearsal": rehearsal.to_dict(), "predicted": prediction,
               "torch": torch.__version__}
     if args.save_calibration:

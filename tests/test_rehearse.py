@@ -86,6 +86,7 @@ def test_cli_measures_and_predicts_the_stage(ranks):
     assert rehearsal["stage"] == 3 and rehearsal["lengths"] == [16, 16]
     assert rehearsal["actions"] == [str(a) for a in build_schedule(4, 4, 2)[3]]
     assert rehearsal["parameter_bytes"] == predicted["weights"]
+    assert predicted["same_actions"]  # the planner replayed the actions the stage ran
     assert predicted["optimizer"] == 2 * predicted["weights"]  # fp32: Adam's two moments
     assert rehearsal["activation_bytes"] > 0 and rehearsal["compute_s"] > 0
 

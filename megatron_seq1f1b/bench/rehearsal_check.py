@@ -125,7 +125,8 @@ def judge(name: str, result: dict, tolerance: float = TOLERANCE) -> Check:
                "predicted_static_gib": (predicted["total"] - predicted["activations"]) / GIB,
                "peak_above_start_gib": rehearsal["peak_bytes"] / GIB,
                "lengths": rehearsal["lengths"], "compute_s": rehearsal["compute_s"],
-               "iteration_s": rehearsal["iteration_s"]}
+               "iteration_s": rehearsal["iteration_s"],
+               "same_actions": predicted.get("same_actions")}
     if measured is None:
         return Check(name, "skip", "no CUDA: the allocator's peak is what this check compares "
                      "(CPU resident sets cannot tell)", numbers)
