@@ -76,7 +76,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
@@ -491,7 +491,8 @@ class Plan:
     within_budget: bool | None = None  # None: no budget given
     unit: str = "s"
     segment_costs: tuple[tuple[float, float, float], ...] | None = None  # zero bubble: (F, B, W)
-    stages: tuple[dict, ...] | None = None  # with a MemoryModel: bytes per rank (stage_memory)
+    # with a MemoryModel: bytes per rank (stage_memory); derived, so not part of equality
+    stages: tuple[dict, ...] | None = field(default=None, compare=False)
 
     @property
     def peak_stage_bytes(self) -> float | None:
