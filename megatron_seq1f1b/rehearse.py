@@ -488,7 +488,7 @@ def prepare(args) -> tuple[list, Any, Any]:
     config = chunks[0].config
     if torch.cuda.is_available():
         chunks = [chunk.cuda() for chunk in chunks]
-    if args.seq1f1b_splits > 1:
+    if args.seq1f1b_splits > 1 or args.save_calibration:  # the calibration times segments
         s1.enable(chunks)
     if args.bf16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
@@ -550,10 +550,13 @@ def calibrate_stage(model, config, data, args):
     from megatron_seq1f1b import wgrad
     from megatron_seq1f1b.checks import segment_multiple
     from megatron_seq1f1b.measure import calibration_cases, host_floor, time_cases
-    from megatron_seq1f1b.model import chunks_of, unwrap
+    from megatron_seq1f1b.model import chunks_of, is_enabled, unwrap
     from megatron_seq1f1b.planner import Calibration
 
     chunks = chunks_of(model)
+    if not is_enabled(chunks):
+        raise ValueError("the calibration times segments: enable the model first "
+                         "(megatron_seq1f1b.enable)")
     multiple = args.seq1f1b_segment_multiple or segment_multiple(config)
     if torch.cuda.is_available() and args.seq1f1b_segment_multiple is None:
         multiple = max(multiple, 64)

@@ -69,11 +69,12 @@ def test_rehearsed_stage_does_what_the_stage_does_in_a_pipeline(ranks, pp, k, sc
 
 
 def test_cli_measures_and_predicts_the_stage(ranks):
-    """The command line on a one-rank worker: a middle stage of pp=4 with Adam; its
-    parameters equal the planner's weights for that stage exactly."""
+    """The command line on a one-rank worker: the last stage of pp=4 with Adam, k=1, and
+    its calibration (segments timed on the enabled stage); its parameters equal the
+    planner's weights for that stage exactly."""
     argv = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--vocab-size", "64", "--pipeline-model-parallel-size", "4",
-            "--rehearse-stage", "3", "--num-microbatches", "4", "--seq1f1b-splits", "2",
+            "--rehearse-stage", "3", "--num-microbatches", "4", "--seq1f1b-splits", "1",
             "--iters", "1", "--warmup", "1", "--save-calibration", "CALIBRATION",
             "--min-segment-length", "8", "--calibration-reps", "1"]
     (out,) = ranks.run(1, cases.cli, case="rehearse-cli", argv=argv)
@@ -83,8 +84,8 @@ def test_cli_measures_and_predicts_the_stage(ranks):
     assert len(calibration["stages"]) == 1 and calibration["bytes_per_token"] > 0
     assert calibration["quadratic"] == "rectangle"  # Megatron's local attention
     assert "stage 3 of 4 rehearsed alone" in calibration["source"]
-    assert rehearsal["stage"] == 3 and rehearsal["lengths"] == [16, 16]
-    assert rehearsal["actions"] == [str(a) for a in build_schedule(4, 4, 2)[3]]
+    assert rehearsal["stage"] == 3 and rehearsal["lengths"] == [32]  # Megatron's 1F1B
+    assert rehearsal["actions"] == [str(a) for a in build_schedule(4, 4, 1)[3]]
     assert rehearsal["parameter_bytes"] == predicted["weights"]
     assert predicted["same_actions"]  # the planner replayed the actions the stage ran
     assert predicted["optimizer"] == 2 * predicted["weights"]  # fp32: Adam's two moments
