@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from megatron.core import parallel_state
 
 import megatron_seq1f1b as s1

@@ -9,9 +9,6 @@ the rehearsal's measure on a GPU (scripts/gpu_rehearse.sh).
 """
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +22,6 @@ from megatron_seq1f1b.footprint import (
 from megatron_seq1f1b.planner import MemoryModel, choose_plan, stage_memory
 from megatron_seq1f1b.schedule import build_schedule
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ModelSpec(tied_embeddings=False)
 DATA = DataSpec(num_microbatches=4)
 
