@@ -42,7 +42,7 @@ _SUBMODULES = {
     "cpu", "schedule", "simulate", "validate", "partition", "plan", "replay", "draw",
     "interleaved", "segments", "model", "api", "executor", "checks", "p2p", "kv_cache",
     "attention", "trace", "megatron_lm", "memory", "trainer", "actions", "bench", "compat",
-    "zero_bubble", "wgrad", "gpu_check", "planner",
+    "zero_bubble", "wgrad", "planner",
 }
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)

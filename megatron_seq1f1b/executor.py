@@ -382,8 +382,13 @@ def _rehearsal_groups(config, num_stages: int, stage: int):
                   f"({num_stages!r}, {stage!r})"])
     _, pg_collection = _process_groups(config, None, None)
     rehearsal = copy.copy(pg_collection)
-    rehearsal.pp = _StandInGroup(num_stages, stage)
+    rehearsal.pp = _stand_in_group(num_stages, stage)  # one object: the setup cache keys it
     return rehearsal, Peers.stand_ins(num_stages, stage)
+
+
+@functools.lru_cache(maxsize=None)
+def _stand_in_group(num_stages: int, stage: int) -> _StandInGroup:
+    return _StandInGroup(num_stages, stage)
 
 
 class ActionError(RuntimeError):

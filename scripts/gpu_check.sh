@@ -13,14 +13,14 @@
 #    It installs megatron-core and megatron-seq1f1b from DIR only (pip --no-index,
 #    nothing is downloaded) into the current Python, or into a venv made with
 #    --system-site-packages (so the preinstalled torch is used), then runs
-#    `python -m megatron_seq1f1b.gpu_check` (a few minutes; checks not started after
+#    `python -m megatron_seq1f1b.bench.gpu_check` (a few minutes; checks not started after
 #    7 minutes are skipped, so the whole script stays under 8): Seq1F1B against the
 #    full sequence on CUDA (fp32, bf16; local and Transformer Engine attention),
 #    CUDA peak memory, and 20 bf16 iterations of scripts/pretrain_gpt.py under
 #    torchrun. Results: OUT/gpu_check.json, a table on stdout; exit status 0 when no
 #    check failed, 1 when one did, 2 when it could not start.
 #
-# Options after `--` go to the check (python -m megatron_seq1f1b.gpu_check --help).
+# Options after `--` go to the check (python -m megatron_seq1f1b.bench.gpu_check --help).
 # --run MODULE runs another prepared GPU module after the same offline install (its --out is
 # OUT; scripts/gpu_bench.sh is this with --run megatron_seq1f1b.bench.gpu).
 # PYTHON selects the interpreter (default python3). --dry-run prints the commands only.
@@ -36,7 +36,7 @@ usage() {
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
 
 wheels="" out="" venv="" prepare="" pyver=3.12 mcore="$MCORE_DEFAULT" dry=0
-module=megatron_seq1f1b.gpu_check
+module=megatron_seq1f1b.bench.gpu_check
 check_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -171,7 +171,7 @@ run "$PY" -W ignore -c "import torch, megatron.core.pipeline_parallel, megatron_
 run mkdir -p "$out"
 run cd "$out"
 rc=0
-if [ "$module" = megatron_seq1f1b.gpu_check ]; then
+if [ "$module" = megatron_seq1f1b.bench.gpu_check ]; then
     run "$PY" -m "$module" --out "$out" \
         --pretrain-script "$ROOT/scripts/pretrain_gpt.py" "${check_args[@]}" || rc=$?
 else

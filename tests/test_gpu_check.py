@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and megatron_seq1f1b.gpu_check, without a GPU.
+"""scripts/gpu_check.sh and megatron_seq1f1b.bench.gpu_check, without a GPU.
 
 What runs here: the script's argument handling (``--dry-run`` prints the
 commands it would run), the one-line failure without CUDA, the JSON summary
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_seq1f1b import gpu_check as gc
+from megatron_seq1f1b.bench import gpu_check as gc
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -93,7 +93,7 @@ def test_script_installs_offline_then_runs_the_check(tmp_path):
     assert any(c.endswith("--no-deps --force-reinstall megatron-seq1f1b") for c in installs)
     assert not any(" download " in c or "index-url" in c for c in commands)
     assert f"cd {out}" in commands
-    assert commands[-1] == (f"{py} -m megatron_seq1f1b.gpu_check --out {out} --pretrain-script "
+    assert commands[-1] == (f"{py} -m megatron_seq1f1b.bench.gpu_check --out {out} --pretrain-script "
                             f"{ROOT}/scripts/pretrain_gpt.py --no-trainer --dtypes bf16")
     assert not out.exists() and not venv.exists()  # a dry run runs nothing
 
@@ -280,7 +280,7 @@ def test_the_comparison_catches_injected_errors_on_cpu(tmp_path):
     an off-by-one loss mask in the segments fail."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "megatron_seq1f1b.gpu_check", "--out", str(tmp_path), *TINY,
+        [sys.executable, "-m", "megatron_seq1f1b.bench.gpu_check", "--out", str(tmp_path), *TINY,
          "--backends", "local,flash", "--dtypes", "fp32,bf16", "--no-trainer",
          "--_device", "cpu", "--_faults", "none,grad,shift-mask"],
         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)

@@ -112,9 +112,7 @@ def test_schedule_reexports_the_shared_vocabulary():
 
 # Core modules that still reach into trainer/ or bench/, and why (each one is a debt: the
 # test fails when a new one appears, and when one listed here is cleaned up).
-CORE_EXCEPTIONS = {
-    "megatron_seq1f1b.gpu_check": "its last check runs the trainer's setup and arguments",
-}
+CORE_EXCEPTIONS: dict[str, str] = {}
 
 
 def test_core_never_imports_bench_or_trainer():

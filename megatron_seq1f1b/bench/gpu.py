@@ -213,7 +213,7 @@ def model_argv(opts: argparse.Namespace, size: Size, shape: Shape) -> list[str]:
 def build(opts: argparse.Namespace, size: Size, shape: Shape | None = None):
     """(model chunks, config) as the trainer builds them: DDP, Float16Module for bf16,
     Seq1F1B-enabled (inactive outside segments), the attention backend asked for."""
-    from megatron_seq1f1b.gpu_check import _provider
+    from megatron_seq1f1b.bench.gpu_check import _provider
     from megatron_seq1f1b.trainer import arguments, setup
 
     shape = shape or Shape(num_layers=opts.num_layers)
@@ -241,7 +241,7 @@ def host_batches(opts: argparse.Namespace, size: Size) -> list[dict]:
 def forward_step(data_iterator, model):
     """The trainer's forward step: the micro-batch to the device, this segment's part."""
     import megatron_seq1f1b as s1
-    from megatron_seq1f1b.gpu_check import _loss_func
+    from megatron_seq1f1b.bench.gpu_check import _loss_func
 
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     batch = {k: t.to(device, non_blocking=True) for k, t in next(data_iterator).items()}
@@ -397,7 +397,7 @@ def iteration_ms(log: str, skip: int = 2) -> float | None:
 
 def megatron_lm_rows(opts: argparse.Namespace, out_dir: Path, say) -> list[Row]:
     """Megatron-LM's own loop with Megatron's schedule and with --seq1f1b."""
-    from megatron_seq1f1b.gpu_check import _free_port
+    from megatron_seq1f1b.bench.gpu_check import _free_port
 
     script = Path(opts.megatron_lm) / "pretrain_gpt.py"
     size = opts.lm_size
@@ -551,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_seq1f1b import gpu_check
+    from megatron_seq1f1b.bench import gpu_check
 
     opts = build_parser().parse_args(argv)
     out_dir = Path(opts.out)

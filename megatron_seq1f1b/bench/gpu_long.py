@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_seq1f1b import gpu_check
+    from megatron_seq1f1b.bench import gpu_check
 
     opts = build_parser().parse_args(argv)
     if opts._shrink > 1:  # the tests' CPU path: the same code on tiny models

@@ -4,7 +4,7 @@ The suite proves Seq1F1B equal to full-sequence training on CPU (gloo,
 fp32). NCCL, CUDA memory, bf16 and Transformer Engine attention exist only
 on a GPU; this module runs them in a few minutes and writes one JSON summary::
 
-    python -m megatron_seq1f1b.gpu_check --out out/gpu_check
+    python -m megatron_seq1f1b.bench.gpu_check --out out/gpu_check
 
 (``scripts/gpu_check.sh`` installs the wheels offline, then runs this.) In order:
 
@@ -68,7 +68,7 @@ BACKENDS = ("local", "flash", "te")
 DTYPES = ("fp32", "bf16")
 FAULTS = ("none", "grad", "shift-mask")  # injected errors: the tests prove they are caught
 SUMMARY_FILE = "gpu_check.json"
-DEFAULT_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_gpt.py"
+DEFAULT_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_gpt.py"
 
 
 # ---------------------------------------------------------------- results
@@ -756,7 +756,7 @@ def _comma_list(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m megatron_seq1f1b.gpu_check",
+        prog="python -m megatron_seq1f1b.bench.gpu_check",
         description="Check Seq1F1B on one NVIDIA GPU (NCCL, bf16, CUDA memory, Transformer "
                     "Engine) and write gpu_check.json.",
         allow_abbrev=False,
