@@ -119,6 +119,7 @@ if [ -z "$out" ]; then
     case "$module" in
         megatron_seq1f1b.bench.gpu) out="$ROOT/out/gpu_bench" ;;
         megatron_seq1f1b.bench.gpu_long) out="$ROOT/out/gpu_long" ;;
+        megatron_seq1f1b.bench.rehearsal_check) out="$ROOT/out/gpu_rehearse" ;;
         *) out="$ROOT/out/${module##*.}" ;;
     esac
 fi

@@ -5,7 +5,8 @@
 # network (megatron-core, its requirements, this package). On the GPU machine:
 #   scripts/gpu_rehearse.sh --wheels DIR [--out DIR] [--venv DIR] [--no-calibrate] [-- OPTIONS]
 #   scripts/gpu_rehearse.sh --no-install ...   (megatron-core and this package already import)
-# It installs megatron-core and megatron-seq1f1b from DIR only (pip --no-index), then runs
+# It installs megatron-core and megatron-seq1f1b from DIR only (pip --no-index; the install of
+# scripts/gpu_check.sh, whose --venv and --dry-run it takes too), then runs
 # `python -m megatron_seq1f1b.bench.rehearsal_check --out OUT --calibrate`:
 #   1. stage 0 of configuration (a) (GPT 1.3B, PP=4, 32768 tokens, 4 micro-batches, bf16,
 #      flash attention, Adam with the distributed optimizer) rehearsed alone with k=1 and
@@ -24,78 +25,32 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-
-usage() {
-    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-}
-die() { echo "gpu_rehearse.sh: $*" >&2; exit 2; }
-
-wheels="" out="$ROOT/out/gpu_rehearse" venv="" dry=0 install=1 calibrate=(--calibrate)
-check_args=()
+install=1 calibrate=(--calibrate) dry=0 out="$ROOT/out/gpu_rehearse"
+forward=() check_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
-        -h|--help) usage; exit 0 ;;
-        --wheels|--out|--venv)
-            [ $# -ge 2 ] && [ -n "$2" ] && [ "${2#--}" = "$2" ] || die "$1 needs a value"
-            case "$1" in
-                --wheels) wheels="$2" ;; --out) out="$2" ;; --venv) venv="$2" ;;
-            esac
-            shift 2 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+                   exit 0 ;;
         --no-install) install=0; shift ;;
         --no-calibrate) calibrate=(); shift ;;
-        --dry-run) dry=1; shift ;;
+        --dry-run) dry=1; forward+=("$1"); shift ;;
+        --out) [ $# -ge 2 ] || { echo "gpu_rehearse.sh: --out needs a value" >&2; exit 2; }
+               out="$2"; shift 2 ;;
         --) shift; check_args=("$@"); break ;;
-        *) die "unknown option $1 (see --help)" ;;
+        *) forward+=("$1"); shift ;;
     esac
 done
-
-run() {
-    if [ "$dry" = 1 ]; then
-        printf '+'; printf ' %q' "$@"; printf '\n'
-    else
-        "$@"
-    fi
-}
-
-PY="${PYTHON:-python3}"
-case "$PY" in */*) PY="$(realpath -m "$PY")" ;; esac   # the check runs from OUT
 if [ "$install" = 1 ]; then
-    [ -n "$wheels" ] || die "give --wheels DIR (scripts/gpu_check.sh --prepare-wheels DIR makes it), or --no-install"
-    [ -d "$wheels" ] || die "--wheels $wheels: no such folder"
-    shopt -s nullglob
-    mcore_wheels=("$wheels"/megatron_core-*.whl)
-    own_wheels=("$wheels"/megatron_seq1f1b-*.whl)
-    shopt -u nullglob
-    [ ${#mcore_wheels[@]} -eq 1 ] || die "need exactly one megatron_core-*.whl in $wheels, found ${#mcore_wheels[@]}"
-    [ ${#own_wheels[@]} -gt 0 ] || die "no megatron_seq1f1b-*.whl in $wheels"
-    wheels="$(realpath -m "$wheels")"
+    exec bash "$ROOT/scripts/gpu_check.sh" --run megatron_seq1f1b.bench.rehearsal_check \
+        --out "$out" "${forward[@]}" -- "${calibrate[@]}" "${check_args[@]}"
 fi
+# --no-install: megatron-core is there; this checkout's package, from OUT
 out="$(realpath -m "$out")"
-
-if [ -n "$venv" ]; then
-    [ -x "$venv/bin/python" ] || run "$PY" -m venv --system-site-packages "$venv"
-    PY="$venv/bin/python"
+command=("${PYTHON:-python3}" -m megatron_seq1f1b.bench.rehearsal_check --out "$out"
+         "${calibrate[@]}" "${check_args[@]}")
+if [ "$dry" = 1 ]; then
+    printf '+'; printf ' %q' "${command[@]}"; printf '\n'
+    exit 0
 fi
-if [ "$dry" = 0 ]; then
-    "$PY" -c "import torch" 2>/dev/null \
-        || die "$PY cannot import torch: install a CUDA build of PyTorch first (or pass --venv/PYTHON)"
-fi
-
-if [ "$install" = 1 ]; then
-    # Every wheel of the folder, no dependency resolution: the preinstalled torch stays;
-    # this package again even at the same version number (newer code).
-    echo "[gpu_rehearse.sh] installing the wheels of $wheels (offline)"
-    pip_offline=("$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile)
-    run "${pip_offline[@]}" "$wheels"/*.whl
-    run "${pip_offline[@]}" --force-reinstall "${own_wheels[@]}"
-else
-    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # this checkout
-fi
-
-run mkdir -p "$out"
-run cd "$out"   # the installed package is what gets imported
-rc=0
-run "$PY" -m megatron_seq1f1b.bench.rehearsal_check --out "$out" "${calibrate[@]}" \
-    "${check_args[@]}" || rc=$?
-[ "$dry" = 1 ] || echo "[gpu_rehearse.sh] finished in ${SECONDS} s with exit status $rc; summary: $out/gpu_rehearse.json"
-exit $rc
+mkdir -p "$out" && cd "$out"
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "${command[@]}"

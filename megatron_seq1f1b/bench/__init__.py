@@ -17,6 +17,12 @@ Data flows one way, runner -> measurements -> reports:
 * :mod:`.summary`, :mod:`.markdown`, :mod:`.pictures`  rows, tables, charts and timelines
 * :mod:`.units`        byte units of logs and reports
 
+One GPU (``scripts/gpu_*.sh``, one process each): :mod:`.gpu_check` (Seq1F1B equal to the
+full sequence on CUDA), :mod:`.gpu` (Megatron's schedule vs Seq1F1B per size, host and GPU
+time per unit), :mod:`.gpu_long` (long sequences with the flash attention, calibrations),
+:mod:`.rehearsal_check` and :mod:`.predictions` (a pipeline stage rehearsed alone, published
+configurations predicted from one-GPU calibrations).
+
 Nothing here imports Megatron-Core at import time; the phases that run models
 import it when called.
 """

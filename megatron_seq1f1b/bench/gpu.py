@@ -514,6 +514,16 @@ def targets(rows: list[Row]) -> dict[str, str]:
     return verdicts
 
 
+def write_report(out_dir: Path, report: dict, table: str, verdicts: dict, say) -> None:
+    """results.json, results.md (the table, then the targets' verdicts), and both printed."""
+    (out_dir / RESULTS).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    lines = "\n".join(f"- {name}: {verdict}" for name, verdict in verdicts.items())
+    (out_dir / TABLE).write_text(f"{table}\n{lines}\n")
+    say("\n" + table)
+    for name, verdict in verdicts.items():
+        say(f"{name}: {verdict}")
+
+
 # ------------------------------------------------------------------ the run
 
 
@@ -597,13 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.monotonic() - start, 1), "targets": verdicts,
         "rows": [asdict(r) for r in rows],
     }
-    (out_dir / RESULTS).write_text(json.dumps(report, indent=1) + "\n")
-    table = markdown(rows, env, settings, command)
-    (out_dir / TABLE).write_text(table + "\n" + "\n".join(f"- {k}: {v}"
-                                                         for k, v in verdicts.items()) + "\n")
-    say("\n" + table)
-    for name, verdict in verdicts.items():
-        say(f"{name}: {verdict}")
+    write_report(out_dir, report, markdown(rows, env, settings, command), verdicts, say)
     if skipped:
         say(f"[gpu_bench] time budget spent: sizes left out: {', '.join(skipped)}")
     return 0

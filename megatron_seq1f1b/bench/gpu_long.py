@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from dataclasses import asdict
@@ -46,7 +45,7 @@ CONFIGS = {
 }
 DEFAULT_RUNS = ("1.3b:32768", "7b:32768", "7b:65536")
 CASE_SPLITS = (1, 2, 4, 8)
-RESULTS, TABLE = "results.json", "results.md"
+RESULTS, TABLE = gpu.RESULTS, gpu.TABLE
 
 
 def parse_run(text: str) -> tuple[str, int]:
@@ -318,13 +317,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": command, "environment": env, "settings": settings,
               "seconds": round(time.monotonic() - start, 1), "skipped": skipped,
               "targets": verdicts, "runs": runs, "longest": longest_rows}
-    (out_dir / RESULTS).write_text(json.dumps(report, indent=1, default=str) + "\n")
-    table = markdown(runs, longest_rows, env, command)
-    (out_dir / TABLE).write_text(table + "\n" + "\n".join(f"- {k}: {v}"
-                                                         for k, v in verdicts.items()) + "\n")
-    say("\n" + table)
-    for key, value in verdicts.items():
-        say(f"{key}: {value}")
+    gpu.write_report(out_dir, report, markdown(runs, longest_rows, env, command), verdicts, say)
     if skipped:
         say(f"[gpu_long] time budget spent: left out {', '.join(skipped)}")
     return 0
