@@ -192,6 +192,20 @@ def test_links_transport_equals_no_pipelining(ranks, pp, vpp, k):
         assert r["links"] == [link for link in expected if r["pp_rank"] in link], r["links"]
 
 
+@pytest.mark.parametrize("vpp,k,schedule,forward_only", [
+    (None, 2, "zb-h1", False), (None, 3, "zb-h2", False), (2, 3, "zb-h1", False),
+    (2, 2, "1f1b", True), (None, 3, "1f1b", True)])
+def test_links_transport_zero_bubble_and_forward_only(ranks, vpp, k, schedule, forward_only):
+    """More of the links transport on gloo (pp=4): zero-bubble steps, whose sends and
+    receives fall unevenly, interleaved wrap-around, evaluation."""
+    results = ranks.run(4, cases.with_links_transport,
+                        case=f"links-{vpp}-{k}-{schedule}-{forward_only}",
+                        model=ModelSpec(num_layers=8), data=DataSpec(num_microbatches=4), pp=4,
+                        vpp=vpp, forward_only=forward_only,
+                        seq1f1b=dict(num_splits=k, partition="balanced", schedule=schedule))
+    _check(results)
+
+
 def test_segment_multiple_rounds_lengths_and_stays_exact(ranks):
     """segment_multiple=8 (what 64 is on CUDA, at this model's size): 32 tokens in 3 balanced
     segments become multiples of 8, still equal to no pipelining."""
