@@ -10,11 +10,17 @@ Per (micro-batch, model chunk, attention layer) one entry holds:
   concatenated prefix per segment would cost ~(k+1)/2 times as much). Writes
   go through ``.data`` so they do not bump the version counter of views saved
   by earlier segments; they touch rows no earlier segment reads.
-* ``pending``: per earlier segment, the gradient later segments' attention
-  left for its rows (allocated when the first one arrives; half precision
-  accumulates in fp32). Each segment's backward adds what it owes to the
-  segments it attended to and takes its own share when its turn comes, so a
-  share lives only between its first contributor and its owner.
+* the gradient later segments' attention leaves for earlier rows (half
+  precision accumulates in fp32). Without a window one buffer ``prefix``
+  holds rows ``[0, start)`` of the first segment that contributes (the last
+  one, backward runs in reverse): each backward adds what it owes with one
+  operation per tensor, and each segment takes its rows when its turn comes
+  (the buffer goes with segment 0's backward). A per-segment share would cost
+  a slice and an add per earlier segment, per layer and segment: O(k) more
+  small kernels where Megatron's schedule has none. With a sliding window
+  ``pending`` keeps one share per earlier segment in reach instead, so
+  segments out of reach hold nothing, and a share lives only between its
+  first contributor and its owner.
 
 With a sliding window of ``w`` keys (``window_size=(w, 0)``), segment j
 attends to rows ``[max(0, start_j - w), end_j)`` only: its attention never
@@ -45,14 +51,38 @@ class KVEntry:
         shape_v = (seq_length,) + tuple(value.shape[1:])
         self.keys = torch.empty(shape_k, dtype=key.dtype, device=key.device)
         self.values = torch.empty(shape_v, dtype=value.dtype, device=value.device)
-        self.pending: dict[int, list[torch.Tensor]] = {}  # segment -> [key grad, value grad]
+        # What segments write through: aliases with a version counter of their own (``.data``,
+        # made once), so a write never invalidates the views earlier segments saved.
+        self.writable = (self.keys.data, self.values.data)
+        self.prefix: list[torch.Tensor] | None = None  # [key grads, value grads] of rows [0, R)
+        self.pending: dict[int, list[torch.Tensor]] = {}  # windows: segment -> its share
+        self.owed: set[int] = set()  # segments with gradient waiting for them
         self.forwarded: set[int] = set()
         self.store_key: tuple = ()
+
+    @staticmethod
+    def _accumulation_dtype(grad: torch.Tensor) -> torch.dtype:
+        return torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
 
     def accumulate(self, first_row: int, grad_keys: torch.Tensor, grad_values: torch.Tensor,
                    lengths: tuple[int, ...]) -> None:
         """Add gradient for rows ``[first_row, first_row + len(grad_keys))`` to their segments."""
         last_row = first_row + grad_keys.shape[0]
+        start = 0
+        for index, length in enumerate(lengths):  # plain integers: who is owed something
+            if start >= last_row:
+                break
+            if start + length > first_row:
+                self.owed.add(index)
+            start += length
+        if self.prefix is not None or (first_row == 0 and not self.pending):
+            if self.prefix is None:  # the first contributor reaches furthest: rows [0, R)
+                dtype = self._accumulation_dtype(grad_keys)
+                self.prefix = [grad.new_zeros((last_row,) + tuple(grad.shape[1:]), dtype=dtype)
+                               for grad in (grad_keys, grad_values)]
+            self.prefix[0][first_row:last_row] += grad_keys
+            self.prefix[1][first_row:last_row] += grad_values
+            return
         start = 0
         for index, length in enumerate(lengths):
             end = start + length
@@ -60,8 +90,7 @@ class KVEntry:
             if low < high:
                 shares = self.pending.get(index)
                 if shares is None:
-                    dtype = (torch.float32 if grad_keys.dtype in (torch.float16, torch.bfloat16)
-                             else grad_keys.dtype)
+                    dtype = self._accumulation_dtype(grad_keys)
                     shares = [grad.new_zeros((length,) + tuple(grad.shape[1:]), dtype=dtype)
                               for grad in (grad_keys, grad_values)]
                     self.pending[index] = shares
@@ -69,13 +98,20 @@ class KVEntry:
                 shares[1][low - start : high - start] += grad_values[low - first_row : high - first_row]
             start = end
 
-    def take(self, index: int, grad_keys: torch.Tensor, grad_values: torch.Tensor):
-        """Segment `index`'s own gradient plus what later segments left for it."""
-        shares = self.pending.pop(index, None)
-        if shares is None:
+    def take(self, index: int, start: int, end: int, grad_keys: torch.Tensor,
+             grad_values: torch.Tensor):
+        """Segment `index`'s (rows ``[start, end)``) own gradient plus what later segments
+        left for it."""
+        if index not in self.owed:
             return grad_keys, grad_values
-        return (grad_keys + shares[0].to(grad_keys.dtype),
-                grad_values + shares[1].to(grad_values.dtype))
+        self.owed.discard(index)
+        if self.prefix is not None:
+            keys, values = self.prefix[0][start:end], self.prefix[1][start:end]
+            if index == 0:
+                self.prefix = None
+        else:
+            keys, values = self.pending.pop(index)
+        return grad_keys + keys.to(grad_keys.dtype), grad_values + values.to(grad_values.dtype)
 
 
 class KVStore:
@@ -109,7 +145,7 @@ class KVStore:
         """Cached tensors still referenced by the store (for leak tests)."""
         count = 0
         for entry in self._entries.values():
-            count += 2 + 2 * len(entry.pending)
+            count += 2 + 2 * len(entry.pending) + (2 if entry.prefix is not None else 0)
         return count
 
     def clear(self) -> None:
@@ -126,8 +162,8 @@ class KVAppend(torch.autograd.Function):
     @staticmethod
     def forward(ctx, key, value, store, entry, info, write, first_row=0):
         if write:
-            entry.keys.data[info.start : info.end].copy_(key)
-            entry.values.data[info.start : info.end].copy_(value)
+            entry.writable[0][info.start : info.end].copy_(key)
+            entry.writable[1][info.start : info.end].copy_(value)
         # Weak: a graph that outlives the iteration (Megatron's MoE dispatcher keeps the last
         # forward's tensors) must not keep the cache objects alive.
         ctx.store, ctx.entry = weakref.ref(store), weakref.ref(entry)
@@ -147,7 +183,8 @@ class KVAppend(torch.autograd.Function):
             grad_keys = torch.zeros_like(entry.keys[first_row : info.end])
         if grad_values is None:
             grad_values = torch.zeros_like(entry.values[first_row : info.end])
-        own_k, own_v = entry.take(info.index, grad_keys[own:], grad_values[own:])
+        own_k, own_v = entry.take(info.index, info.start, info.end, grad_keys[own:],
+                                  grad_values[own:])
         if own > 0:
             entry.accumulate(first_row, grad_keys[:own], grad_values[:own], info.lengths)
         if info.index == 0:

@@ -1,5 +1,6 @@
-"""The K/V cache's gradient bookkeeping, without a model: shares go where they belong and
-leave as soon as their owner takes them; a window keeps out-of-reach segments out."""
+"""The K/V cache's gradient bookkeeping, without a model: gradient goes where it belongs and
+each owner takes it once; a window keeps out-of-reach segments out; without a window the
+work per segment does not grow with the number of segments."""
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def _run(lengths, window):
     pending = []
     for out in reversed(outputs):
         out.backward()
-        pending.append(sorted(entry.pending))
+        pending.append(sorted(entry.owed))
     assert store.live_entries() == 0
     return keys.grad, values.grad, pending
 
@@ -61,3 +62,37 @@ def test_a_window_keeps_pending_gradient_to_segments_in_reach():
     _, _, windowed = _run((8, 8, 8, 8), 5)
     assert full == [[0, 1, 2], [0, 1], [0], []]
     assert windowed == [[2], [1], [0], []]
+
+
+def test_without_a_window_a_backward_costs_the_same_operations_whatever_k():
+    """One prefix buffer: each segment's backward adds what it owes with one operation per
+    tensor, not one per earlier segment (the host dispatches every operation on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def last_backward_ops(k):
+        store, seq = KVStore(), 8 * k
+        keys = torch.randn(seq, 2, 3, requires_grad=True)
+        entry, outputs, start = None, [], 0
+        for index in range(k):
+            info = SegmentInfo(0, index, k, start, start + 8, (8,) * k)
+            k_seg = keys[start:start + 8]
+            if entry is None:
+                entry = store.create(0, 0, "layer", k_seg, k_seg, seq)
+            view_k, view_v = KVAppend.apply(k_seg, k_seg, store, entry, info, True, 0)
+            outputs.append(view_k.sum() + view_v.sum())
+            start += 8
+        with Count() as count:
+            outputs[-1].backward()
+        assert entry.prefix is not None and not entry.pending
+        return count.ops
+
+    assert last_backward_ops(8) == last_backward_ops(2)
