@@ -221,16 +221,19 @@ class _Setup:
 
 _SETUPS: "collections.OrderedDict[tuple, _Setup]" = collections.OrderedDict()
 _MAX_SETUPS = 16
-_SCALARS = (type(None), bool, int, float, str, torch.dtype, enum.Enum)
+_PLAIN = frozenset((type(None), bool, int, float, str, torch.dtype))
 
 
 def _config_fingerprint(config) -> tuple:
-    """The config's scalar fields (what the checks read); callables and objects are left out."""
-    return tuple(
+    """The config's scalar fields (what the checks read); callables and objects are left out.
+
+    (Once per call over a few hundred fields: exact type tests, no generator per field.)
+    """
+    return tuple([
         (name, value) for name, value in vars(config).items()
-        if isinstance(value, _SCALARS)
-        or (isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value))
-    )
+        if type(value) in _PLAIN or isinstance(value, enum.Enum)
+        or (type(value) is tuple and all(type(v) in _PLAIN for v in value))
+    ])
 
 
 def clear_setups() -> None:
@@ -574,8 +577,12 @@ class _Pipeline:
             sent_outputs = []
             for unit in units:
                 start = recorder.now() if record is not None else 0.0
-                with self._naming_failures(unit.action, index):
+                try:
                     sent = self.compute(unit, in_flight)
+                except (PipelineCommError, ConfigError, ActionError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - re-raised with where and what
+                    raise self._failure(unit.action, index, exc) from exc
                 if sent is not None:
                     sent_outputs.append(sent)
                 if record is not None:
@@ -607,21 +614,15 @@ class _Pipeline:
             self.weight(action)
         return None
 
-    @contextlib.contextmanager
-    def _naming_failures(self, action: Action, index: int):
-        """An exception in the user's code or the model names this rank, unit and step."""
-        try:
-            yield
-        except (PipelineCommError, ConfigError, ActionError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - re-raised with where and what
-            peers = self.peers
-            raise ActionError(
-                f"Seq1F1B: rank {peers.global_rank} (pipeline stage {peers.pp_rank}) failed in "
-                f"{action} ({_KINDS[action.kind]} of micro-batch {action.microbatch}, segment "
-                f"{action.segment}, model chunk {action.chunk}) at step {index}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+    def _failure(self, action: Action, index: int, exc: Exception) -> ActionError:
+        """An exception in the user's code or the model, naming this rank, unit and step."""
+        peers = self.peers
+        return ActionError(
+            f"Seq1F1B: rank {peers.global_rank} (pipeline stage {peers.pp_rank}) failed in "
+            f"{action} ({_KINDS[action.kind]} of micro-batch {action.microbatch}, segment "
+            f"{action.segment}, model chunk {action.chunk}) at step {index}: "
+            f"{type(exc).__name__}: {exc}"
+        )
 
     def close(self) -> None:
         self.run.close()

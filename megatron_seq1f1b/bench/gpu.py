@@ -98,6 +98,8 @@ class Row:
     gpu_ms_per_unit: float | None
     gpu_idle_share: float | None
     syncs_per_iter: int | None
+    kernels_per_unit: float | None = None  # CUDA kernels launched (profiler), GPU only
+    ops_per_unit: float | None = None  # ATen operations dispatched, CPU only
     ratio: float | None = None
     peak_ratio: float | None = None
     note: str = ""
@@ -140,10 +142,11 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def gpu_busy_s(run: Callable[[], None]) -> float | None:
-    """The GPU's busy seconds in one call of ``run`` (CUDA kernels' union, torch.profiler)."""
+def gpu_busy_s(run: Callable[[], None]) -> tuple[float | None, int | None]:
+    """The GPU's busy seconds in one call of ``run`` (CUDA kernels' union, torch.profiler),
+    and how many kernels ran."""
     if not torch.cuda.is_available():
-        return None
+        return None, None
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -151,7 +154,27 @@ def gpu_busy_s(run: Callable[[], None]) -> float | None:
         torch.cuda.synchronize()
     kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
                if "cuda" in str(getattr(e, "device_type", "")).lower()]
-    return busy_seconds(kernels) / 1e6 if kernels else None
+    return (busy_seconds(kernels) / 1e6 if kernels else None), len(kernels)
+
+
+def count_ops(run: Callable[[], None]) -> int | None:
+    """The ATen operations one call of ``run`` dispatches: what a host has to launch, counted
+    exactly (a noise-free stand-in for dispatch time). CPU only: a GPU's backward runs on
+    autograd's device thread, which a dispatch mode does not see (there: kernels, above)."""
+    if torch.cuda.is_available():
+        return None
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run()
+    return Count.ops
 
 
 def count_syncs(run: Callable[[], None]) -> int | None:
@@ -281,7 +304,8 @@ def measure_row(name: str, forward_backward: Callable, model: list, batches: lis
     wall = statistics.median(s["wall"] for s in samples)
     device = statistics.median(s.get("device", s["wall"]) for s in samples)
     host = statistics.median(s["host"] for s in samples)
-    busy = gpu_busy_s(run) if detail else None
+    busy, kernels = gpu_busy_s(run) if detail else (None, None)
+    ops = count_ops(run) if detail else None
     return Row(
         size=str(size), name=name, k=k, lengths=lengths, units=units,
         tokens_per_s=len(batches) * size.seq / wall, ms_per_iter=wall * 1e3, peak_gib=peak,
@@ -290,6 +314,8 @@ def measure_row(name: str, forward_backward: Callable, model: list, batches: lis
         gpu_idle_share=None if busy is None else max(0.0, 1.0 - busy / device),
         syncs_per_iter=count_syncs(run) if detail else None,
         samples_ms=[s["wall"] * 1e3 for s in samples],
+        kernels_per_unit=None if kernels is None else kernels / units,
+        ops_per_unit=None if ops is None else ops / units,
     )
 
 
@@ -448,8 +474,19 @@ def _line(row: Row) -> str:
     return (f"[gpu_bench] {row.size}: {row.name}: {row.tokens_per_s:,.0f} tokens/s, "
             f"{row.ms_per_iter:.1f} ms/iter, peak {_fmt(row.peak_gib, '.2f')} GiB, host "
             f"{row.host_ms_per_unit:.2f} ms/unit, GPU {_fmt(row.gpu_ms_per_unit, '.2f')} ms/unit, "
-            f"idle {_fmt(row.gpu_idle_share, '.0%')}, syncs {_fmt(row.syncs_per_iter, 'd')}"
-            + (f" ({row.note})" if row.note else ""))
+            f"idle {_fmt(row.gpu_idle_share, '.0%')}, syncs {_fmt(row.syncs_per_iter, 'd')}, "
+            f"{_dispatch(row)}" + (f" ({row.note})" if row.note else ""))
+
+
+def _launched(row: Row) -> float | None:
+    return row.kernels_per_unit if row.kernels_per_unit is not None else row.ops_per_unit
+
+
+def _dispatch(row: Row) -> str:
+    """Kernels (GPU) or ATen operations (CPU) per unit: what the host launches."""
+    if row.kernels_per_unit is not None:
+        return f"{row.kernels_per_unit:.0f} kernels/unit"
+    return "-" if row.ops_per_unit is None else f"{row.ops_per_unit:.0f} ops/unit"
 
 
 def markdown(rows: list[Row], environment: dict, settings: dict, command: str) -> str:
@@ -464,15 +501,16 @@ def markdown(rows: list[Row], environment: dict, settings: dict, command: str) -
         f"Command: `{command}`",
         "",
         "| size | schedule | tokens/s | vs Megatron | peak GiB | vs Megatron | host ms/unit | "
-        "GPU ms/unit | GPU idle | syncs/iter | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "GPU ms/unit | GPU idle | syncs/iter | launched per unit | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.size} | {r.name} | {r.tokens_per_s:,.0f} | {_ratio(r.ratio)} | "
             f"{_fmt(r.peak_gib, '.2f')} | {_ratio(r.peak_ratio)} | "
             f"{r.host_ms_per_unit:.2f} | {_fmt(r.gpu_ms_per_unit, '.2f')} | "
-            f"{_fmt(r.gpu_idle_share, '.0%')} | {_fmt(r.syncs_per_iter, 'd')} | {r.note} |")
+            f"{_fmt(r.gpu_idle_share, '.0%')} | {_fmt(r.syncs_per_iter, 'd')} | {_dispatch(r)} | "
+            f"{r.note} |")
     return "\n".join(lines) + "\n"
 
 
@@ -505,6 +543,12 @@ def targets(rows: list[Row]) -> dict[str, str]:
             else:
                 verdicts[key] = ("not judged: the GPU was busy throughout, so the host's time "
                                  "includes waits for the launch queue (an upper bound)")
+        launched = [r for r in segmented if _launched(r) is not None]
+        if launched and _launched(base):
+            worst = max(launched, key=_launched)
+            ratio = _launched(worst) / _launched(base)
+            verdicts[f"{size}: launched per segment vs per micro-batch"] = (
+                f"{_dispatch(worst)} (k={worst.k}) vs {_dispatch(base)} ({ratio:.3f}x)")
         if auto is not None and fixed:
             best = max(fixed, key=lambda r: r.tokens_per_s)
             share = auto.tokens_per_s / best.tokens_per_s
