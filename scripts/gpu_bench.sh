@@ -12,9 +12,5 @@
 # on an H200 with the default sizes; add `-- --megatron-lm DIR` for Megatron-LM's own loop
 # (a checkout patched by scripts/apply_patches.sh, ~1 minute more).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-case "${1:-}" in
-    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-               exit 0 ;;
-esac
-exec bash "$ROOT/scripts/gpu_check.sh" --run megatron_seq1f1b.bench.gpu "$@"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/gpu_check.sh" --usage-from "${BASH_SOURCE[0]}" \
+    --run megatron_seq1f1b.bench.gpu "$@"

@@ -30,8 +30,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MCORE_DEFAULT=0.19.2   # the newest supported release (scripts/setup.sh)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
 
+usage_from="${BASH_SOURCE[0]}"   # --usage-from FILE: a wrapper's header (gpu_bench.sh, ...)
 usage() {
-    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+    sed -n '2,/^set -euo/p' "$usage_from" | sed '$d' | sed 's/^# \{0,1\}//'
 }
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
 
@@ -41,6 +42,7 @@ check_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
+        --usage-from) usage_from="$2"; shift 2 ;;
         --wheels|--out|--venv|--prepare-wheels|--python-version|--mcore|--run)
             [ $# -ge 2 ] && [ -n "$2" ] && [ "${2#--}" = "$2" ] || die "$1 needs a value"
             case "$1" in

@@ -13,9 +13,5 @@
 # out/gpu_long). Without CUDA it stops with a message and exit status 2. Its time budget
 # (--time-budget-s, default 390 s) keeps it, with the install, inside 8 minutes.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-case "${1:-}" in
-    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-               exit 0 ;;
-esac
-exec bash "$ROOT/scripts/gpu_check.sh" --run megatron_seq1f1b.bench.gpu_long "$@"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/gpu_check.sh" --usage-from "${BASH_SOURCE[0]}" \
+    --run megatron_seq1f1b.bench.gpu_long "$@"

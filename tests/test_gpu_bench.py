@@ -77,11 +77,9 @@ def test_without_cuda_it_stops_with_a_message(tmp_path, capsys, monkeypatch):
 
 
 def test_script_installs_offline_then_runs_the_benchmark(tmp_path):
-    folder = tmp_path / "wheels"
-    folder.mkdir()
-    for name in ("megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl",
-                 "megatron_seq1f1b-0.1.0-py3-none-any.whl"):
-        (folder / name).write_bytes(b"")
+    from test_gpu_check import MCORE_WHEEL, OWN_WHEEL, wheel_folder
+
+    folder = wheel_folder(tmp_path / "wheels", MCORE_WHEEL, OWN_WHEEL)
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "--wheels",
                            str(folder), "--dry-run", "--", "--sizes", "256:1024"],
                           capture_output=True, text=True, timeout=30)

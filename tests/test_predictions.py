@@ -176,11 +176,9 @@ def test_script_rejects_bad_arguments(args, message):
 
 
 def test_script_installs_offline_then_runs_the_check(tmp_path):
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    for name in ("megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl",
-                 "megatron_seq1f1b-0.1.0-py3-none-any.whl"):
-        (wheels / name).write_bytes(b"")
+    from test_gpu_check import MCORE_WHEEL, OWN_WHEEL, wheel_folder
+
+    wheels = wheel_folder(tmp_path / "wheels", MCORE_WHEEL, OWN_WHEEL)
     done = sh("--wheels", str(wheels), "--out", str(tmp_path / "out"), "--dry-run", "--",
               "--budget-s", "200")
     assert done.returncode == 0, done.stderr
