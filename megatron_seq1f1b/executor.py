@@ -12,9 +12,8 @@ wgrad helpers and ``finalize_model_grads``. Loss normalization is in
 :mod:`megatron_seq1f1b.loss`, point-to-point in :mod:`megatron_seq1f1b.p2p`,
 the checks in :mod:`megatron_seq1f1b.checks`.
 
-What depends only on the configuration (segment lengths, the checks, process
-groups, the communicator, the steps and their messages) is computed once per
-configuration and reused (:func:`_setup_for`, a small cache keyed by the
+What depends only on the configuration (segment lengths, the checks, the steps
+and their messages) is computed once per configuration and reused (:func:`_setup_for`, a small cache keyed by the
 model chunks, the config's scalar fields and the call's arguments); an
 iteration then only runs its steps, after one tiny all-gather in which the
 pipeline stages check that they run the same schedule.
@@ -203,8 +202,6 @@ class _Setup:
     lengths: tuple[int, ...]
     num_microbatches: int
     forward_only: bool
-    schedule: str
-    costs: tuple | None
     steps: tuple[plan_mod.Step, ...]
     units: tuple[tuple[_Unit, ...], ...]  # per step
     shapes: tuple[tuple[int, int, int], ...]  # per segment: [tokens on this rank, b, h]
@@ -345,7 +342,7 @@ def _build_setup(chunks, config, iterators, pg_collection, peers, *,
                       for chunk in te_wgrad.delayed_layers(chunks)) if split else ()
     return _Setup(
         lengths=tuple(lengths), num_microbatches=num_microbatches, forward_only=forward_only,
-        schedule=schedule, costs=costs, steps=tuple(steps), units=units,
+        steps=tuple(steps), units=units,
         shapes=tuple((n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths),
         final_grad_actions=frozenset(final), last_grad_action=last,
         first_backward=next((i for i, a in enumerate(actions) if a.is_backward), len(actions)),

@@ -96,11 +96,6 @@ class Peers:
                    stage_to_global=[rank] * num_stages, group=None, sync_after_batch=False,
                    stand_in=True)
 
-    @property
-    def send_slack(self) -> int:
-        """How many steps a send may lag (the replay's ``send_slack``) with this transport."""
-        return 1 if self.links is not None or not _coalesces(self.group) else 0
-
 
 def transport(group) -> str:
     """``links`` on NCCL (unless ``SEQ1F1B_P2P=batch``), ``batch`` elsewhere."""

@@ -16,14 +16,14 @@ from megatron_seq1f1b.bench.predict import matching_mode
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.checks import segment_multiple
 from megatron_seq1f1b.measure import message_fit
+from megatron_seq1f1b.p2p import send_slack_of_runtime
 from megatron_seq1f1b.planner import (
     MEASURED_TIE_TOLERANCE, BudgetError, Calibration, Plan, choose_plan,
 )
 
 
 def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
-           shared_cores: float | None, on_gpu: bool,
-           dense_attention: bool = False) -> tuple[Plan, dict]:
+           shared_cores: float | None, dense_attention: bool = False) -> tuple[Plan, dict]:
     """The planner's choice for the plain layout, and its record for results.json.
 
     Identical on every rank (same samples, deterministic planner); prints every candidate.
@@ -42,7 +42,7 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
             config=config, vocab_size=args.vocab_size,  # adds the FLOP-balanced partition
             dense_attention=dense_attention,
             min_segment_length=args.min_segment_length, multiple_of=segment_multiple(config),
-            send_slack=0 if on_gpu else 1,  # NCCL steps wait for their sends; gloo's finish later
+            send_slack=send_slack_of_runtime(),  # sends finish a step later (NCCL links, gloo)
             tie_tolerance=MEASURED_TIE_TOLERANCE,  # as the start-up measurement's plan
         )
     except BudgetError as exc:  # the same on every rank: all stop
@@ -52,5 +52,5 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
     return plan, {"k": plan.num_splits, "partition": plan.partition, "schedule": plan.schedule,
                   "lengths": list(plan.lengths), "predicted_s": plan.time, "bubble": plan.bubble,
                   "memory_microbatches": plan.memory, "calibration_mode": mode,
-                  "send_slack": 0 if on_gpu else 1, "reason": choice.reason,
+                  "send_slack": send_slack_of_runtime(), "reason": choice.reason,
                   "table": choice.table()}

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
     if args.splits == AUTO:  # the seq1f1b-auto row needs its plan: calibrate before measuring
         samples = calibrate(args, layouts, batches[0], forward_step)
         plan, plan_record = autoplan.choose(samples, args, layouts["plain"].config,
-                                            shared_cores, on_gpu,
+                                            shared_cores,
                                             dense_attention(layouts["plain"].model))
     schedules = make_schedules(args, layouts, args.vocab_size, plan)
     memory = PeakMemory(device)
