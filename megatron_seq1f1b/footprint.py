@@ -175,7 +175,8 @@ class Training:
 
 def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: bool, last: bool,
                                dtype: str = "bf16", flash: bool = True,
-                               micro_batch_size: int = 1) -> tuple[float, float]:
+                               micro_batch_size: int = 1,
+                               whole_qkv: bool = False) -> tuple[float, float]:
     """(bytes one token leaves for the backward, the part of it that is keys and values) on a
     chunk of ``num_layers`` layers, per sample of the micro-batch.
 
@@ -190,6 +191,12 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
     ``bytes_per_token`` there. Keys and values are returned apart because Seq1F1B keeps a
     micro-batch's keys and values in one buffer of the whole sequence from its first
     segment's forward to that segment's backward (:mod:`megatron_seq1f1b.kv_cache`).
+
+    ``whole_qkv``: the unit is a whole micro-batch (Megatron's schedule, Seq1F1B with
+    one segment), whose attention gets the values as a view of the QKV projection's
+    output: the saved values then keep all of that output alive, its query and key parts
+    too (RoPE's rotated copies are what the kernel saves). Segments get their keys and
+    values copied into the buffer instead, and the projection's output is freed.
     """
     e, h = DTYPE_BYTES[dtype], shape.hidden_size
     fc1 = shape.ffn * (2 if shape.gated_linear_unit else 1)
@@ -197,6 +204,8 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
     per_layer = e * (4 * h + 2 * shape.q_dim + fc1 + shape.ffn) + kv
     if flash:
         per_layer += e * shape.q_dim  # SDPA's output, kept for its backward
+    if whole_qkv and shape.position_embedding_type == "rope":
+        per_layer += e * (shape.q_dim + shape.kv_dim)  # the rest of the viewed QKV output
     total = num_layers * per_layer
     if first:
         total += 8  # token ids (int64)

@@ -170,6 +170,8 @@ def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], data: It
             deferred = (time_segments(chunk, chunk_index, lengths, data, forward_step, config,
                                       micro_batch_size, pre, post, True, timer=timer)
                         if split_weights else None)
+            if not rep:
+                timer.reset()  # the warm-up's stalls are not the units' dispatch
             if rep:
                 whole.append(got)
                 if deferred is not None:

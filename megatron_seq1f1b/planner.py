@@ -423,14 +423,16 @@ class MemoryModel:
     bytes_per_token: float | None = None
     activation_scale: float = 1.0  # e.g. measured / estimated activations of a rehearsal
 
-    def chunk_bytes_per_token(self, num_stages: int, num_model_chunks: int = 1
-                              ) -> list[list[tuple[float, float]]]:
-        """[rank][chunk] -> (bytes per token, of which keys and values)."""
+    def chunk_bytes_per_token(self, num_stages: int, num_model_chunks: int = 1,
+                              whole_qkv: bool = False) -> list[list[tuple[float, float]]]:
+        """[rank][chunk] -> (bytes per token, of which keys and values); ``whole_qkv`` for
+        unsegmented micro-batches (see :func:`activation_bytes_per_token`)."""
         p, v = num_stages, num_model_chunks
         layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
         table = [[activation_bytes_per_token(
             self.shape, layers, first=c * p + r == 0, last=c * p + r == p * v - 1,
-            dtype=self.training.dtype, flash=self.flash) for c in range(v)] for r in range(p)]
+            dtype=self.training.dtype, flash=self.flash, whole_qkv=whole_qkv)
+            for c in range(v)] for r in range(p)]
         scale = self.activation_scale
         if self.bytes_per_token:
             scale = self.bytes_per_token / max(sum(b for b, _ in rank) for rank in table)
@@ -449,7 +451,8 @@ class MemoryModel:
         bytes, activations replayed over the rank's actions."""
         p = len(schedule)
         activations = stage_activation_bytes(
-            schedule, lengths, self.chunk_bytes_per_token(p, num_model_chunks), micro_batch_size)
+            schedule, lengths, self.chunk_bytes_per_token(p, num_model_chunks, len(lengths) == 1),
+            micro_batch_size)
         stages = []
         for static, act in zip(self.static_bytes(p, num_model_chunks), activations):
             entry = dict(static, activations=act)

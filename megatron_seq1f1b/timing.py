@@ -35,28 +35,38 @@ class UnitTimer:
     """``with timer.time() as t: ...`` fills ``t`` (a :class:`Timing`) when the block ends.
 
     CUDA: synchronizes before and after the block (timing only, never in training).
-    The hold grows to twice the longest dispatch seen, so a block that outlasted it
-    is marked ``held=False`` and the next one is held long enough.
+    The hold grows to twice the longest dispatch seen (at most ``max_hold_s``), so a
+    block that outlasted it is marked ``held=False`` and the next one is held long
+    enough. :meth:`reset` goes back to ``hold_s`` after a warm-up, whose one-off stalls
+    (compilation, first cuBLAS calls) would otherwise hold every later block that long.
     """
 
-    def __init__(self, device: torch.device | str | None = None, hold_s: float = 0.05):
+    def __init__(self, device: torch.device | str | None = None, hold_s: float = 0.02,
+                 max_hold_s: float = 0.25):
         device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
             else torch.device("cpu"))
         self.cuda = device.type == "cuda"
-        self.hold_s = hold_s
+        self.base_hold_s = self.hold_s = hold_s
+        self.max_hold_s = max(max_hold_s, hold_s)
         self._cycles_per_s: float | None = None
 
+    def reset(self) -> None:
+        """Forget the dispatch times seen so far (call after a warm-up)."""
+        self.hold_s = self.base_hold_s
+
     def _cycles(self) -> float:
-        """Clock cycles per second of ``torch.cuda._sleep`` (measured once)."""
+        """Clock cycles per second of ``torch.cuda._sleep`` (measured once, after a sleep
+        that wakes an idle GPU's clock: measured at idle clocks, holds would fall short)."""
         if self._cycles_per_s is None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
+            torch.cuda._sleep(20_000_000)
             start.record()
-            torch.cuda._sleep(10_000_000)
+            torch.cuda._sleep(20_000_000)
             end.record()
             torch.cuda.synchronize()
-            self._cycles_per_s = 10_000_000 / max(start.elapsed_time(end) / 1e3, 1e-6)
+            self._cycles_per_s = 20_000_000 / max(start.elapsed_time(end) / 1e3, 1e-6)
         return self._cycles_per_s
 
     @contextlib.contextmanager
@@ -79,5 +89,5 @@ class UnitTimer:
         torch.cuda.synchronize()
         timing.device = begin.elapsed_time(end) / 1e3
         timing.held = timing.host < self.hold_s
-        if timing.host > self.hold_s / 2:  # (a block that synchronizes itself: at most 1 s)
-            self.hold_s = min(2 * timing.host, 1.0)
+        if timing.host > self.hold_s / 2:
+            self.hold_s = min(2 * timing.host, self.max_hold_s)

@@ -88,6 +88,24 @@ def test_cli_measures_and_predicts_the_stage(ranks):
     assert rehearsal["activation_bytes"] > 0 and rehearsal["compute_s"] > 0
 
 
+def test_whole_micro_batches_keep_the_qkv_projection_segments_do_not(ranks):
+    """Megatron's attention gets the values as a view of the QKV projection's output, so a
+    whole micro-batch keeps all of it; segments copy keys and values into the K/V buffer.
+    The planner must see both: its activations stay the same share of the bytes counted
+    on the rehearsed stage at k=1 and k=2 (without the whole-QKV term, k=1's prediction
+    falls ~12% further short; the rest of the gap is the unfused attention's
+    probabilities, which the estimate leaves out)."""
+    argv = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4",
+            "--seq-length", "16", "--vocab-size", "64", "--pipeline-model-parallel-size", "4",
+            "--rehearse-stage", "1", "--num-microbatches", "4", "--iters", "1", "--warmup", "1",
+            "--count-saved", "yes", "--min-segment-length", "8", "--seq1f1b-splits"]
+    share = {}
+    for k in (1, 2):
+        (out,) = ranks.run(1, cases.cli, case=f"rehearse-qkv-k{k}", argv=argv + [str(k)])
+        share[k] = out["predicted"]["activations"] / out["rehearsal"]["activation_bytes"]
+    assert 0.85 < share[2] <= 1.0 and abs(share[1] - share[2]) < 0.03, share
+
+
 def test_stage_building_refuses_what_it_cannot_rehearse():
     from megatron_seq1f1b.checks import ConfigError
     from megatron_seq1f1b.rehearse import build_stage_chunks
@@ -155,6 +173,8 @@ def test_activation_bytes_follow_units_and_the_kv_buffer():
     per_token, kv_part = activation_bytes_per_token(GPT13B, 6, first=True, last=False)
     assert per_token == 6 * 2 * (4 * 2048 + 3 * 2048 + 8192 + 8192) + 6 * 4 * 2048 + 8
     assert kv_part == 6 * 4 * 2048
+    whole, _ = activation_bytes_per_token(GPT13B, 6, first=True, last=False, whole_qkv=True)
+    assert whole - per_token == 6 * 2 * (2048 + 2048)  # the projection's query and key parts
 
 
 def test_stage_memory_adds_weights_gradients_optimizer_and_activations():
@@ -168,7 +188,7 @@ def test_stage_memory_adds_weights_gradients_optimizer_and_activations():
         assert entry["total"] == pytest.approx(sum(v for k, v in entry.items() if k != "total"))
     # 1F1B with k=1: stage 0 holds p micro-batches; with k=4 fewer
     one = stage_memory(GPT13B, training, 4, 4, [32768])
-    per_token, _ = activation_bytes_per_token(GPT13B, 6, first=True, last=False)
+    per_token, _ = activation_bytes_per_token(GPT13B, 6, first=True, last=False, whole_qkv=True)
     assert one[0]["activations"] == 4 * 32768 * per_token
     assert stages[0]["activations"] < one[0]["activations"]
     # a measured bytes_per_token rescales every chunk so the busiest stage matches it
