@@ -232,9 +232,13 @@ def test_cuda_fusions_are_megatrons_own_and_only_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for swiglu, no_bias, activation in [(False, False, True), (True, True, True),
                                         (False, True, False)]:
-        fusions = cuda_fusions(SimpleNamespace(swiglu=swiglu, disable_bias_linear=no_bias))
+        fusions = cuda_fusions(SimpleNamespace(swiglu=swiglu, disable_bias_linear=no_bias,
+                                               bf16=True))
         assert fusions["bias_activation_fusion"] is activation
         assert fusions["bias_dropout_fusion"] and fusions["cross_entropy_loss_fusion"]
+        # Megatron's fused cross entropy returns bf16 gradients: not for fp32 / fp16
+        assert not cuda_fusions(SimpleNamespace(swiglu=swiglu, disable_bias_linear=no_bias,
+                                                bf16=False))["cross_entropy_loss_fusion"]
         assert not fusions["apply_rope_fusion"] and not fusions["gradient_accumulation_fusion"]
         TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                           gated_linear_unit=swiglu, add_bias_linear=not no_bias,

@@ -120,7 +120,8 @@ def cuda_fusions(args) -> dict:
     fused cross entropy (Megatron's own ``jit_fuser``, i.e. ``torch.compile``). Off, as they
     need kernels that are not there: RoPE fusion (TE), gradient-accumulation fusion (Apex),
     the fused masked softmax (Apex's or Megatron-LM's compiled ``scaled_masked_softmax_cuda``,
-    used only where it imports).
+    used only where it imports). The fused cross entropy only in bf16: Megatron-Core's
+    (0.19) casts the logits' gradient to bf16 whatever the dtype.
     """
     cuda = torch.cuda.is_available()
     gelu_with_bias = not args.swiglu and not args.disable_bias_linear
@@ -129,7 +130,7 @@ def cuda_fusions(args) -> dict:
                                is not None),
         bias_activation_fusion=cuda and (args.swiglu or gelu_with_bias),
         bias_dropout_fusion=cuda,
-        cross_entropy_loss_fusion=cuda,
+        cross_entropy_loss_fusion=cuda and bool(getattr(args, "bf16", False)),
         cross_entropy_fusion_impl="native",
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
