@@ -261,5 +261,15 @@ def install() -> None:
     layers.LinearWithGradAccumulationAndAsyncCommunication = cls
 
 
+def uninstall() -> None:
+    """Give Megatron back its own linear Function (benchmarks: rows after a zero-bubble
+    measurement run what a plain Megatron run would)."""
+    from megatron.core.tensor_parallel import layers
+
+    current = layers.LinearWithGradAccumulationAndAsyncCommunication
+    if getattr(current, "_seq1f1b_deferrable", False):
+        layers.LinearWithGradAccumulationAndAsyncCommunication = current.__mro__[1]
+
+
 __all__ = ["WeightGradStore", "collecting", "deferral_problems", "deferring", "deliver",
-           "install", "without_w_problems"]
+           "install", "uninstall", "without_w_problems"]

@@ -68,6 +68,48 @@ def test_targets_are_judged_from_one_invocation():
     assert table.count("\n| s |") == 5 and "Command: `cmd`" in table
 
 
+def test_a_failing_row_is_kept_with_its_reason_and_the_others_run(monkeypatch):
+    """Out of memory inside a unit (the executor re-raises it as an ActionError's cause)
+    costs that row only; every row is saved as it ends; rows after the deadline are kept
+    as not run, and the targets say what is missing."""
+    import torch
+
+    from megatron_seq1f1b import executor
+    from megatron_seq1f1b.executor import ActionError
+
+    def measure(name, fb, model, batches, size, opts, units, k, lengths, detail=True):
+        if k == 4:
+            try:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+            except torch.cuda.OutOfMemoryError as exc:
+                raise ActionError("rank 0, F0.1: CUDA out of memory") from exc
+        if k == 8:
+            raise ValueError("something else\nsecond line")
+        row = _row(name, k, 100.0 / (k or 1) ** 0.1, 1.0)
+        row.size = str(size)
+        return row
+
+    monkeypatch.setattr(gpu, "build", lambda opts, size, shape=None: (["model"], None))
+    monkeypatch.setattr(gpu, "host_batches", lambda opts, size: [{}, {}])
+    monkeypatch.setattr(gpu, "measure_row", measure)
+    monkeypatch.setattr(executor, "resolve_lengths", lambda k, *args: [64 // k] * k)
+    opts = gpu.build_parser().parse_args(["--out", "x", "--no-auto", "--splits", "1", "4", "8"])
+    saved = []
+    rows = gpu.bench_size(opts, gpu.Size(32, 64, 4), lambda line: None,
+                          saved=lambda rows: saved.append([r.name for r in rows]))
+    assert [r.name for r in rows] == ["Megatron-Core", "Seq1F1B k=1", "Seq1F1B k=4",
+                                      "Seq1F1B k=8"]
+    assert rows[2].note == "out of memory" and rows[2].tokens_per_s == 0
+    assert rows[3].note == "failed: ValueError: something else"
+    assert saved[-1] == [r.name for r in rows] and len(saved) == 4
+    verdicts = gpu.targets(rows)
+    assert verdicts["hidden 32, seq 64: Seq1F1B k=4"] == "MISSED: out of memory"
+    assert verdicts["hidden 32, seq 64: k=1 within 2% of Megatron"].endswith("ok")
+    late = gpu.bench_size(opts, gpu.Size(32, 64, 4), lambda line: None, deadline=0.0)
+    assert {r.note for r in late} == {"not run: time budget spent"}
+    assert "not judged" in gpu.targets(late)["hidden 32, seq 64: targets"]
+
+
 def test_without_cuda_it_stops_with_a_message(tmp_path, capsys, monkeypatch):
     import torch
 
@@ -101,6 +143,7 @@ def test_a_whole_run_on_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / gpu.RESULTS).read_text())
     rows = report["rows"]
+    assert report["complete"] and not list(tmp_path.glob("*.partial"))
     assert [row["name"] for row in rows] == ["Megatron-Core", "Seq1F1B k=1", "Seq1F1B k=8", "auto"]
     assert rows[0]["ratio"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows)
     assert rows[2]["units"] == 16 and sum(rows[2]["lengths"]) == 128

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import re
@@ -41,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -152,9 +154,12 @@ def gpu_busy_s(run: Callable[[], None]) -> tuple[float | None, int | None]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
-               if "cuda" in str(getattr(e, "device_type", "")).lower()]
-    return (busy_seconds(kernels) / 1e6 if kernels else None), len(kernels)
+    device = [e for e in prof.events() if "cuda" in str(getattr(e, "device_type", "")).lower()]
+    if not device:  # the profiler saw nothing (no CUPTI): unknown, not zero
+        return None, None
+    busy = busy_seconds([(e.time_range.start, e.time_range.end) for e in device]) / 1e6
+    kernels = sum(not e.name.startswith(("Memcpy", "Memset")) for e in device)
+    return busy, kernels
 
 
 def count_ops(run: Callable[[], None]) -> int | None:
@@ -203,6 +208,34 @@ def profile_table(run: Callable[[], None], rows: int = 25) -> str:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def out_of_memory(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or came from, the device running out of memory (the executor
+    re-raises a unit's error as its ``ActionError``'s cause)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def release_memory() -> None:
+    """Free what deleted models held (their configs' bound methods form reference cycles,
+    so only the collector frees them), then the allocator's cache."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def flash_kernels_only() -> None:
+    """SDPA without cuDNN attention. PyTorch may prefer cuDNN for equal query and key
+    lengths (full sequences, first segments) while a segment over its prefix goes to the
+    flash kernel: comparisons would mix kernels."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 # ------------------------------------------------------------------ the model and its data
@@ -319,49 +352,108 @@ def measure_row(name: str, forward_backward: Callable, model: list, batches: lis
     )
 
 
-def bench_size(opts: argparse.Namespace, size: Size, say: Callable[[str], None]) -> list[Row]:
-    """Every row of one size; ratios against Megatron's schedule."""
+def unmeasured_row(size: Size | str, name: str, k: int | None, note: str) -> Row:
+    """A row that has no numbers: it failed (``note`` says how) or was not started."""
+    return Row(size=str(size), name=name, k=k, lengths=[], units=0, tokens_per_s=0.0,
+               ms_per_iter=0.0, peak_gib=None, host_ms_per_unit=0.0, gpu_ms_per_unit=None,
+               gpu_idle_share=None, syncs_per_iter=None, note=note)
+
+
+def failure_note(exc: BaseException) -> str:
+    """What a failed row's table says (the traceback goes to stderr)."""
+    traceback.print_exception(exc, file=sys.stderr)
+    if out_of_memory(exc):
+        return "out of memory"
+    return f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+
+
+def set_ratios(rows: list[Row]) -> None:
+    """tokens/s and peak memory against the first row (Megatron's schedule), if it ran."""
+    base = rows[0]
+    for row in rows:
+        row.ratio = row.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
+        if row.peak_gib is not None and base.peak_gib:
+            row.peak_ratio = row.peak_gib / base.peak_gib
+
+
+def bench_size(opts: argparse.Namespace, size: Size, say: Callable[[str], None],
+               deadline: float = float("inf"),
+               saved: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+    """Every row of one size; ratios against Megatron's schedule. A row that fails (e.g.
+    out of memory) is kept with its note and the next row runs; rows not started by
+    ``deadline`` (``time.monotonic()``) are kept as not run. ``saved`` gets the rows so far
+    after each one (the report is written as the run goes)."""
     import megatron_seq1f1b as s1
     from megatron.core.pipeline_parallel import schedules
 
+    from megatron_seq1f1b import wgrad
     from megatron_seq1f1b.executor import clear_setups, resolve_lengths
 
-    model, config = build(opts, size)
+    rows: list[Row] = []
+
+    def attempt(name: str, k: int | None, measure: Callable[[], Row]) -> None:
+        if time.monotonic() > deadline:
+            rows.append(unmeasured_row(size, name, k, "not run: time budget spent"))
+        else:
+            try:
+                rows.append(measure())
+            except Exception as exc:  # noqa: BLE001 - the row says what failed; others run
+                rows.append(unmeasured_row(size, name, k, failure_note(exc)))
+                release_memory()
+        set_ratios(rows)
+        say(_line(rows[-1]))
+        saved(rows)
+
+    try:
+        model, config = build(opts, size)
+    except Exception as exc:  # noqa: BLE001 - e.g. the model does not fit: the size says so
+        rows.append(unmeasured_row(size, "Megatron-Core", None,
+                                   "model not built: " + failure_note(exc)))
+        release_memory()
+        say(_line(rows[-1]))
+        saved(rows)
+        return rows
     batches = host_batches(opts, size)
     m = len(batches)
-    rows = [measure_row("Megatron-Core", schedules.forward_backward_no_pipelining, model,
-                        batches, size, opts, m, None, [size.seq])]
-    say(_line(rows[-1]))
+    attempt("Megatron-Core", None, lambda: measure_row(
+        "Megatron-Core", schedules.forward_backward_no_pipelining, model, batches, size, opts,
+        m, None, [size.seq]))
     for k in opts.splits:
         if size.seq // k < 1:
             continue
-        fb = s1.get_forward_backward_func(k, opts.partition)
-        lengths = resolve_lengths(k, opts.partition, None, size.seq, model, config,
-                                  opts.vocab_size)
-        rows.append(measure_row(f"Seq1F1B k={k}", fb, model, batches, size, opts, m * k, k,
-                                lengths))
-        say(_line(rows[-1]))
-    if opts.auto:
-        from megatron_seq1f1b.auto import plan_by_measuring
 
-        choice = plan_by_measuring(model, forward_step, _repeat(batches[0]), seq_length=size.seq,
-                                   num_microbatches=m, micro_batch_size=1)
-        plan = choice.plan
-        fb = s1.get_forward_backward_func(plan.num_splits, plan.partition,
-                                          split_lengths=plan.lengths, schedule=plan.schedule,
-                                          segment_costs=plan.segment_costs)
-        row = measure_row("auto", fb, model, batches, size, opts, m * plan.num_splits,
-                          plan.num_splits, list(plan.lengths))
-        row.note = f"chose k={plan.num_splits} {plan.partition} {plan.schedule}"
-        rows.append(row)
-        say(_line(row))
-    base = rows[0]
-    for row in rows:
-        row.ratio = row.tokens_per_s / base.tokens_per_s
-        if row.peak_gib is not None and base.peak_gib:
-            row.peak_ratio = row.peak_gib / base.peak_gib
+        def seq1f1b(k=k) -> Row:
+            fb = s1.get_forward_backward_func(k, opts.partition)
+            lengths = resolve_lengths(k, opts.partition, None, size.seq, model, config,
+                                      opts.vocab_size)
+            return measure_row(f"Seq1F1B k={k}", fb, model, batches, size, opts, m * k, k,
+                               lengths)
+
+        attempt(f"Seq1F1B k={k}", k, seq1f1b)
+    if opts.auto:
+        def auto() -> Row:
+            from megatron_seq1f1b.auto import plan_by_measuring
+
+            try:
+                choice = plan_by_measuring(model, forward_step, _repeat(batches[0]),
+                                           seq_length=size.seq, num_microbatches=m,
+                                           micro_batch_size=1)
+                plan = choice.plan
+                fb = s1.get_forward_backward_func(plan.num_splits, plan.partition,
+                                                  split_lengths=plan.lengths,
+                                                  schedule=plan.schedule,
+                                                  segment_costs=plan.segment_costs)
+                row = measure_row("auto", fb, model, batches, size, opts, m * plan.num_splits,
+                                  plan.num_splits, list(plan.lengths))
+            finally:
+                wgrad.uninstall()  # the next size's rows run Megatron's own linear layers
+            row.note = f"chose k={plan.num_splits} {plan.partition} {plan.schedule}"
+            return row
+
+        attempt("auto", None, auto)
     del model
     clear_setups()
+    release_memory()
     return rows
 
 
@@ -414,6 +506,13 @@ def megatron_lm_command(script: Path, size: Size, opts: argparse.Namespace, seq1
 ITER_MS = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 
 
+def _text(output: str | bytes | None) -> str:
+    """A timed-out subprocess's captured output (bytes even with text=True)."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
+
+
 def iteration_ms(log: str, skip: int = 2) -> float | None:
     """Median of Megatron-LM's logged 'elapsed time per iteration (ms)', first ``skip`` left out."""
     values = [float(x) for x in ITER_MS.findall(log)]
@@ -421,8 +520,11 @@ def iteration_ms(log: str, skip: int = 2) -> float | None:
     return statistics.median(values) if values else None
 
 
-def megatron_lm_rows(opts: argparse.Namespace, out_dir: Path, say) -> list[Row]:
-    """Megatron-LM's own loop with Megatron's schedule and with --seq1f1b."""
+def megatron_lm_rows(opts: argparse.Namespace, out_dir: Path, say,
+                     timeout_s: float | None = None) -> list[Row]:
+    """Megatron-LM's own loop with Megatron's schedule and with --seq1f1b (each run stopped
+    after ``timeout_s``, default ``--lm-timeout-s``)."""
+    timeout_s = opts.lm_timeout_s if timeout_s is None else timeout_s
     from megatron_seq1f1b.bench.gpu_check import _free_port
 
     script = Path(opts.megatron_lm) / "pretrain_gpt.py"
@@ -438,10 +540,10 @@ def megatron_lm_rows(opts: argparse.Namespace, out_dir: Path, say) -> list[Row]:
         command = megatron_lm_command(script, size, opts, seq1f1b, _free_port())
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=env,
-                                  timeout=opts.lm_timeout_s, cwd=opts.megatron_lm)
+                                  timeout=timeout_s, cwd=opts.megatron_lm)
             log = done.stdout + done.stderr
         except subprocess.TimeoutExpired as exc:
-            log = f"timed out after {opts.lm_timeout_s} s\n{exc.stdout or ''}{exc.stderr or ''}"
+            log = f"timed out after {timeout_s:.0f} s\n{_text(exc.stdout)}{_text(exc.stderr)}"
         log_file.write_text(" ".join(command) + "\n\n" + log)
         ms = iteration_ms(log)
         name = "Megatron-LM" if not seq1f1b else f"Megatron-LM --seq1f1b k={opts.lm_splits}"
@@ -523,10 +625,17 @@ def targets(rows: list[Row]) -> dict[str, str]:
     verdicts = {}
     for size, group in by_size.items():
         base = group[0]
+        if not base.tokens_per_s:
+            verdicts[f"{size}: targets"] = f"not judged: Megatron's row has no time ({base.note})"
+            continue
         k1 = next((r for r in group if r.k == 1 and r.name != "auto"), None)
-        fixed = [r for r in group if r.k is not None and r.name != "auto"]
         auto = next((r for r in group if r.name == "auto"), None)
-        if k1 is not None:
+        unmeasured = [r for r in group if not r.tokens_per_s]
+        group = [r for r in group if r.tokens_per_s]
+        fixed = [r for r in group if r.k is not None and r.name != "auto"]
+        for row in unmeasured:
+            verdicts[f"{size}: {row.name}"] = f"MISSED: {row.note}"
+        if k1 is not None and k1.tokens_per_s:
             verdicts[f"{size}: k=1 within 2% of Megatron"] = (
                 f"{k1.ratio:.3f} {'ok' if abs(k1.ratio - 1) <= 0.02 else 'MISSED'}")
         segmented = [r for r in fixed if (r.k or 1) > 1]
@@ -549,7 +658,7 @@ def targets(rows: list[Row]) -> dict[str, str]:
             ratio = _launched(worst) / _launched(base)
             verdicts[f"{size}: launched per segment vs per micro-batch"] = (
                 f"{_dispatch(worst)} (k={worst.k}) vs {_dispatch(base)} ({ratio:.3f}x)")
-        if auto is not None and fixed:
+        if auto is not None and auto.tokens_per_s and fixed:
             best = max(fixed, key=lambda r: r.tokens_per_s)
             share = auto.tokens_per_s / best.tokens_per_s
             verdicts[f"{size}: auto within 3% of the best k and >= 0.98x Megatron"] = (
@@ -558,14 +667,21 @@ def targets(rows: list[Row]) -> dict[str, str]:
     return verdicts
 
 
-def write_report(out_dir: Path, report: dict, table: str, verdicts: dict, say) -> None:
-    """results.json, results.md (the table, then the targets' verdicts), and both printed."""
-    (out_dir / RESULTS).write_text(json.dumps(report, indent=1, default=str) + "\n")
-    lines = "\n".join(f"- {name}: {verdict}" for name, verdict in verdicts.items())
-    (out_dir / TABLE).write_text(f"{table}\n{lines}\n")
-    say("\n" + table)
-    for name, verdict in verdicts.items():
-        say(f"{name}: {verdict}")
+def write_report(out_dir: Path, report: dict, table: str, verdicts: dict, say=None) -> None:
+    """results.json, results.md (the table, then the targets' verdicts), and both printed
+    (unless ``say`` is None: a partial report, saved as a run goes, so a run cut short
+    still leaves what it measured)."""
+    for name, text in ((RESULTS, json.dumps(report, indent=1, default=str) + "\n"),
+                       (TABLE, table + "\n" + "\n".join(f"- {name}: {verdict}"
+                                                          for name, verdict in verdicts.items())
+                        + "\n")):
+        partial_file = out_dir / (name + ".partial")
+        partial_file.write_text(text)
+        partial_file.replace(out_dir / name)  # whole files only, even if killed meanwhile
+    if say is not None:
+        say("\n" + table)
+        for name, verdict in verdicts.items():
+            say(f"{name}: {verdict}")
 
 
 # ------------------------------------------------------------------ the run
@@ -599,7 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lm-iters", type=int, default=8)
     p.add_argument("--lm-timeout-s", type=float, default=150.0)
     p.add_argument("--time-budget-s", type=float, default=400.0,
-                   help="sizes not started by then are left out (the install comes on top)")
+                   help="rows not started by then are left out, Megatron-LM's runs too unless "
+                        "a minute is left (the install comes on top; results are saved after "
+                        "every row)")
     p.add_argument("--_device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
     return p
 
@@ -624,34 +742,60 @@ def main(argv: list[str] | None = None) -> int:
     settings["sizes"] = [str(s) for s in opts.sizes]
     env = gpu_check.environment(torch.device("cuda", 0) if opts._device == "cuda"
                                 else torch.device("cpu"))
+    if opts.attention_backend == "flash":
+        flash_kernels_only()
+    env["sdpa_cudnn"] = torch.backends.cuda.cudnn_sdp_enabled()
+    deadline = start + opts.time_budget_s
+    rows: list[Row] = []
+    skipped: list[str] = []
+
+    def report(final: bool = False) -> dict:
+        verdicts = targets(rows)
+        data = {
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"),
+            "command": command, "environment": env, "settings": settings, "complete": final,
+            "skipped_sizes": skipped, "seconds": round(time.monotonic() - start, 1),
+            "targets": verdicts, "rows": [asdict(r) for r in rows],
+        }
+        write_report(out_dir, data, markdown(rows, env, settings, command), verdicts,
+                     say if final else None)
+        return data
+
     gpu_check.init_single_rank(argparse.Namespace(
         num_layers=opts.num_layers, hidden_size=opts.sizes[0].hidden,
         num_attention_heads=opts.sizes[0].heads, seq_length=opts.sizes[0].seq,
         microbatches=opts.microbatches, vocab_size=opts.vocab_size, seed=1234, splits=1,
         partition=opts.partition))
-    rows: list[Row] = []
-    skipped = []
     try:
         for size in opts.sizes:
-            if time.monotonic() - start > opts.time_budget_s:
+            if time.monotonic() > deadline:
                 skipped.append(str(size))
                 continue
             say(f"[gpu_bench] {size}, heads {size.heads}")
-            rows += bench_size(opts, size, say)
-        profile = seq1f1b_profile(opts, opts.sizes[0], opts.profile_k)
-        (out_dir / PROFILE).write_text(profile)
+
+            def saved(size_rows: list[Row], before: int = len(rows)) -> None:
+                rows[before:] = size_rows
+                report()
+
+            bench_size(opts, size, say, deadline, saved)
+        if time.monotonic() < deadline:
+            try:
+                profile = seq1f1b_profile(opts, opts.sizes[0], opts.profile_k)
+                (out_dir / PROFILE).write_text(profile)
+            except Exception as exc:  # noqa: BLE001 - the rows are what matters
+                say(f"[gpu_bench] profile not taken: {failure_note(exc)}")
+            release_memory()
     finally:
-        gpu_check.shutdown_single_rank()
-    if opts.megatron_lm and time.monotonic() - start < opts.time_budget_s:
-        rows += megatron_lm_rows(opts, out_dir, say)
-    verdicts = targets(rows)
-    report = {
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command, "environment": env, "settings": settings, "skipped_sizes": skipped,
-        "seconds": round(time.monotonic() - start, 1), "targets": verdicts,
-        "rows": [asdict(r) for r in rows],
-    }
-    write_report(out_dir, report, markdown(rows, env, settings, command), verdicts, say)
+        try:
+            gpu_check.shutdown_single_rank()
+        except Exception as exc:  # noqa: BLE001 - e.g. after a CUDA error: keep the rows
+            say(f"[gpu_bench] shutdown failed: {type(exc).__name__}: {exc}")
+        report()
+    left = deadline - time.monotonic()
+    if opts.megatron_lm and left > 60:
+        rows += megatron_lm_rows(opts, out_dir, say, timeout_s=min(opts.lm_timeout_s, left / 2))
+    report(final=True)
     if skipped:
         say(f"[gpu_bench] time budget spent: sizes left out: {', '.join(skipped)}")
     return 0
