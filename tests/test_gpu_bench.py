@@ -182,22 +182,54 @@ def test_long_sequence_run_on_cpu_with_shrunk_models(tmp_path):
     assert all(u["weight_ms"] is not None for u in run["unit_times"])
     calibration = load_calibration(tmp_path / run["calibration"])
     assert calibration.stages[0].weight is not None and calibration.unit == "s"
-    assert report["longest"][0]["fits"] is True
+    assert report["complete"] and report["longest"][0]["fits"] is True
     assert "1.3b stage, 32768 tokens: k=4 at most 5% longer than k=1" not in report["targets"]
     assert "Longest sequence that trains" in (tmp_path / gpu_long.TABLE).read_text()
+
+
+def test_longest_probe_stops_at_the_first_length_out_of_memory(monkeypatch):
+    """Out of memory inside a unit reaches the probe as an ActionError's cause: that length
+    does not fit, the probe moves to the next schedule, and every step is saved."""
+    import torch
+
+    from megatron_seq1f1b.bench import gpu_long
+    from megatron_seq1f1b.executor import ActionError
+
+    def iteration(fb, model, batches, size):
+        if size.seq > 100:
+            try:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+            except torch.cuda.OutOfMemoryError as exc:
+                raise ActionError("rank 0, F0.3 failed") from exc
+
+    monkeypatch.setattr(gpu, "build", lambda opts, size, shape=None: (["model"], None))
+    monkeypatch.setattr(gpu, "host_batches", lambda opts, size: [{}])
+    monkeypatch.setattr(gpu, "_iteration", iteration)
+    opts = gpu_long.build_parser().parse_args(["--out", "x", "--longest", "64", "128", "256"])
+    saved = []
+    rows = gpu_long.longest(opts, lambda line: None, float("inf"), saved.append)
+    assert [(r["schedule"], r["seq_length"], r["fits"]) for r in rows] == [
+        ("Megatron-Core", 64, True), ("Megatron-Core", 128, False),
+        ("Seq1F1B k=8", 64, True), ("Seq1F1B k=8", 128, False)]
+    assert rows[1]["note"] == "out of memory" and len(saved) == 4
 
 
 def test_long_sequence_targets():
     from megatron_seq1f1b.bench import gpu_long
 
-    rows = [{"name": "Seq1F1B k=1", "ms_per_iter": 100.0},
-            {"name": "Seq1F1B k=4 balanced", "ms_per_iter": 104.0}]
+    rows = [{"name": "Seq1F1B k=1", "ms_per_iter": 100.0, "tokens_per_s": 10.0, "note": ""},
+            {"name": "Seq1F1B k=4 balanced", "ms_per_iter": 104.0, "tokens_per_s": 9.6,
+             "note": ""}]
     longest = [{"schedule": "Megatron-Core", "seq_length": 65536, "fits": True},
                {"schedule": "Megatron-Core", "seq_length": 131072, "fits": False},
                {"schedule": "Seq1F1B k=8", "seq_length": 65536, "fits": True},
                {"schedule": "Seq1F1B k=8", "seq_length": 131072, "fits": True}]
     verdicts = gpu_long.targets([{"config": "1.3b", "seq_length": 32768, "rows": rows}], longest)
     assert verdicts["1.3b stage, 32768 tokens: k=4 at most 5% longer than k=1"] == "+4.0% ok"
+    failed = [rows[0], dict(rows[1], tokens_per_s=0.0, ms_per_iter=0.0, note="out of memory")]
+    assert gpu_long.targets([{"config": "1.3b", "seq_length": 32768, "rows": failed}], [])[
+        "1.3b stage, 32768 tokens: k=4 at most 5% longer than k=1"] == (
+        "MISSED: k=1 ran, k=4 out of memory")
     assert verdicts["1.3b stage, longest that trains, Megatron-Core"] == "65536 tokens"
     assert verdicts["1.3b stage, longest that trains, Seq1F1B k=8"] == "131072 tokens"
     with pytest.raises(SystemExit):

@@ -399,7 +399,8 @@ def bench_size(opts: argparse.Namespace, size: Size, say: Callable[[str], None],
                 rows.append(measure())
             except Exception as exc:  # noqa: BLE001 - the row says what failed; others run
                 rows.append(unmeasured_row(size, name, k, failure_note(exc)))
-                release_memory()
+            if rows[-1].note.startswith(("out of memory", "failed")):
+                release_memory()  # here, once the traceback's frames (and tensors) are gone
         set_ratios(rows)
         say(_line(rows[-1]))
         saved(rows)

@@ -94,58 +94,100 @@ def unit_times(model: list, size: Size, opts: argparse.Namespace, batches: list[
     return rows, host, calibration
 
 
-def bench_run(opts: argparse.Namespace, name: str, seq: int, out_dir: Path, say) -> dict:
-    """Every row of one configuration and length, its unit times and its calibration."""
+def bench_run(opts: argparse.Namespace, name: str, seq: int, out_dir: Path, say,
+              deadline: float = float("inf"), saved=lambda run: None) -> dict:
+    """Every row of one configuration and length, its unit times and its calibration. A
+    failing row (e.g. out of memory) keeps its reason and the others run; rows not started
+    by ``deadline`` are kept as not run; ``saved`` gets the run so far after each step."""
     import megatron_seq1f1b as s1
     from megatron.core.pipeline_parallel import schedules
 
+    from megatron_seq1f1b import wgrad
     from megatron_seq1f1b.executor import clear_setups, resolve_lengths
     from megatron_seq1f1b.planner import save_calibration
 
     shape, hidden, heads = shape_of(name, opts.layers_7b)
     size = Size(hidden, seq, heads)
-    model, config = gpu.build(opts, size, shape)
+    label = f"{name} stage, seq {seq}"
+    rows: list[Row] = []
+    run = {"config": name, "seq_length": seq, "rows": [], "unit_times": [],
+           "calibration": None, "note": ""}
+
+    def attempt(row_name: str, k: int | None, measure) -> None:
+        if time.monotonic() > deadline:
+            row = gpu.unmeasured_row(label, row_name, k, "not run: time budget spent")
+        else:
+            try:
+                row = measure()
+            except Exception as exc:  # noqa: BLE001 - the row says what failed; others run
+                row = gpu.unmeasured_row(label, row_name, k, gpu.failure_note(exc))
+            if not row.tokens_per_s:
+                gpu.release_memory()  # here, once the traceback's frames (and tensors) are gone
+        row.size = label
+        rows.append(row)
+        gpu.set_ratios(rows)
+        run["rows"] = [asdict(r) for r in rows]
+        say(gpu._line(row))
+        saved(run)
+
+    try:
+        model, config = gpu.build(opts, size, shape)
+    except Exception as exc:  # noqa: BLE001 - e.g. the stage's weights do not fit
+        run["note"] = "model not built: " + gpu.failure_note(exc)
+        gpu.release_memory()
+        saved(run)
+        return run
     batches = gpu.host_batches(opts, size)
     m = len(batches)
-    label = f"{name} stage, seq {seq}"
-    rows = [gpu.measure_row("Megatron-Core", schedules.forward_backward_no_pipelining, model,
-                            batches, size, opts, m, None, [seq], detail=False)]
-    rows[-1].size = label
-    say(gpu._line(rows[-1]))
+    attempt("Megatron-Core", None, lambda: gpu.measure_row(
+        "Megatron-Core", schedules.forward_backward_no_pipelining, model, batches, size, opts,
+        m, None, [seq], detail=False))
     for partition in opts.partitions:
         for k in opts.splits:
             if k == 1 and partition != opts.partitions[0]:
                 continue
-            fb = s1.get_forward_backward_func(k, partition)
-            lengths = resolve_lengths(k, partition, None, seq, model, config, opts.vocab_size)
-            row = gpu.measure_row(f"Seq1F1B k={k}" + (f" {partition}" if k > 1 else ""), fb,
-                                  model, batches, size, opts, m * k, k, lengths, detail=False)
-            row.size = label
-            rows.append(row)
-            say(gpu._line(row))
-    for row in rows:
-        row.ratio = row.tokens_per_s / rows[0].tokens_per_s
-        if row.peak_gib is not None and rows[0].peak_gib:
-            row.peak_ratio = row.peak_gib / rows[0].peak_gib
-    units, host, calibration = unit_times(model, size, opts, batches)
-    path = out_dir / f"calibration_{name}_{seq}.json"
-    save_calibration(calibration, path)
-    say(f"[gpu_long] {label}: calibration saved to {path}")
+            row_name = f"Seq1F1B k={k}" + (f" {partition}" if k > 1 else "")
+
+            def seq1f1b(k=k, partition=partition, row_name=row_name) -> Row:
+                fb = s1.get_forward_backward_func(k, partition)
+                lengths = resolve_lengths(k, partition, None, seq, model, config,
+                                          opts.vocab_size)
+                return gpu.measure_row(row_name, fb, model, batches, size, opts, m * k, k,
+                                       lengths, detail=False)
+
+            attempt(row_name, k, seq1f1b)
+    if time.monotonic() > deadline:
+        run["note"] = "unit times not taken: time budget spent"
+    else:
+        try:
+            units, host, calibration = unit_times(model, size, opts, batches)
+            path = out_dir / f"calibration_{name}_{seq}.json"
+            save_calibration(calibration, path)
+            say(f"[gpu_long] {label}: calibration saved to {path}")
+            run["calibration"] = path.name
+            run["unit_times"] = [
+                {"length": r[0], "end": r[1], "forward_ms": r[2] * 1e3,
+                 "backward_ms": r[3] * 1e3,
+                 "weight_ms": r[4] * 1e3 if len(r) > 4 else None,
+                 "input_grad_ms": r[5] * 1e3 if len(r) > 5 else None,
+                 "host_forward_ms": h[0] * 1e3, "host_backward_ms": h[1] * 1e3}
+                for r, h in zip(units, host)]
+        except Exception as exc:  # noqa: BLE001 - the rows stand without them
+            run["note"] = "unit times not taken: " + gpu.failure_note(exc)
+        finally:
+            wgrad.uninstall()  # the next configuration's rows run Megatron's own layers
     del model
     clear_setups()
-    return {"config": name, "seq_length": seq, "rows": [asdict(r) for r in rows],
-            "unit_times": [{"length": r[0], "end": r[1], "forward_ms": r[2] * 1e3,
-                            "backward_ms": r[3] * 1e3,
-                            "weight_ms": r[4] * 1e3 if len(r) > 4 else None,
-                            "input_grad_ms": r[5] * 1e3 if len(r) > 5 else None,
-                            "host_forward_ms": h[0] * 1e3, "host_backward_ms": h[1] * 1e3}
-                           for r, h in zip(units, host)],
-            "calibration": str(path.name)}
+    gpu.release_memory()
+    saved(run)
+    return run
 
 
-def longest(opts: argparse.Namespace, say, deadline: float) -> list[dict]:
+def longest(opts: argparse.Namespace, say, deadline: float,
+            saved=lambda rows: None) -> list[dict]:
     """For the 1.3B stage: Megatron's schedule and Seq1F1B k=8 at each length of
-    ``--longest`` (one micro-batch, one iteration after a warm-up) until one does not fit."""
+    ``--longest`` (one micro-batch; one warm-up iteration, then one timed) until one does
+    not fit; ``saved`` gets the rows so far after each length."""
     import megatron_seq1f1b as s1
     from megatron.core.pipeline_parallel import schedules
 
@@ -163,32 +205,39 @@ def longest(opts: argparse.Namespace, say, deadline: float) -> list[dict]:
                                 "note": "time budget spent"})
                 break
             size = Size(hidden, seq, heads)
-            model = None
+            model = fits = None
             try:
                 model, _ = gpu.build(single, size, shape)
                 batches = gpu.host_batches(single, size)
                 memory = PeakMemory()
                 memory.reset()
-                start = time.perf_counter()
-                for _ in range(2):
-                    gpu._iteration(make(), model, batches, size)
+                gpu._iteration(make(), model, batches, size)  # warm-up: kernels chosen
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-                seconds = (time.perf_counter() - start) / 2
+                start = time.perf_counter()
+                gpu._iteration(make(), model, batches, size)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
                 peak = memory.peak_above_baseline() / 2**30
                 results.append({"schedule": name, "seq_length": seq, "fits": True,
                                 "peak_gib": peak, "seconds_per_iter": seconds})
                 say(f"[gpu_long] longest, {name}: {seq} tokens train, peak {peak:.1f} GiB")
-            except torch.cuda.OutOfMemoryError as exc:
-                results.append({"schedule": name, "seq_length": seq, "fits": False,
-                                "note": str(exc).splitlines()[0][:200]})
-                say(f"[gpu_long] longest, {name}: {seq} tokens do not fit")
-                break
+                fits = True
+            except Exception as exc:  # noqa: BLE001 - out of memory ends this schedule's probe
+                fits = False
+                oom = gpu.out_of_memory(exc)
+                note = "out of memory" if oom else gpu.failure_note(exc)
+                results.append({"schedule": name, "seq_length": seq,
+                                "fits": False if oom else None, "note": note})
+                say(f"[gpu_long] longest, {name}: {seq} tokens: {note}")
             finally:
                 del model
                 clear_setups()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                gpu.release_memory()
+                saved(results)
+            if not fits:
+                break
     return results
 
 
@@ -198,7 +247,10 @@ def targets(runs: list[dict], longest_rows: list[dict]) -> dict[str, str]:
         if run["config"] == "1.3b" and run["seq_length"] == 32768:
             by = {r["name"]: r for r in run["rows"]}
             k1, k4 = by.get("Seq1F1B k=1"), by.get("Seq1F1B k=4 balanced")
-            if k1 and k4:
+            if k1 and k4 and not (k1["tokens_per_s"] and k4["tokens_per_s"]):
+                verdicts["1.3b stage, 32768 tokens: k=4 at most 5% longer than k=1"] = (
+                    f"MISSED: k=1 {k1['note'] or 'ran'}, k=4 {k4['note'] or 'ran'}")
+            elif k1 and k4:
                 slower = k4["ms_per_iter"] / k1["ms_per_iter"] - 1
                 verdicts["1.3b stage, 32768 tokens: k=4 at most 5% longer than k=1"] = (
                     f"{slower:+.1%} {'ok' if slower <= 0.05 else 'MISSED'}")
@@ -293,31 +345,54 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m megatron_seq1f1b.bench.gpu_long " + " ".join(argv or sys.argv[1:])
     env = gpu_check.environment(torch.device("cuda", 0) if opts._device == "cuda"
                                 else torch.device("cpu"))
+    if opts.attention_backend == "flash":
+        gpu.flash_kernels_only()
+    env["sdpa_cudnn"] = torch.backends.cuda.cudnn_sdp_enabled()
+    settings = {k: v for k, v in vars(opts).items() if k != "out"}
+    runs: list[dict] = []
+    longest_rows: list[dict] = []
+    skipped: list[str] = []
+
+    def report(final: bool = False) -> None:
+        verdicts = targets(runs, longest_rows)
+        data = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"),
+                "command": command, "environment": env, "settings": settings,
+                "complete": final, "seconds": round(time.monotonic() - start, 1),
+                "skipped": skipped, "targets": verdicts, "runs": runs, "longest": longest_rows}
+        gpu.write_report(out_dir, data, markdown(runs, longest_rows, env, command), verdicts,
+                         say if final else None)
+
     first, hidden, heads = shape_of(opts.runs[0][0], opts.layers_7b)
     gpu_check.init_single_rank(argparse.Namespace(
         num_layers=first.num_layers, hidden_size=hidden, num_attention_heads=heads,
         seq_length=opts.runs[0][1], microbatches=opts.microbatches, vocab_size=opts.vocab_size,
         seed=1234, splits=1, partition="balanced"))
-    runs, longest_rows, skipped = [], [], []
     try:
         for name, seq in opts.runs:
             if time.monotonic() > deadline:
                 skipped.append(f"{name}:{seq}")
                 continue
             say(f"[gpu_long] {name} stage at {seq} tokens")
-            runs.append(bench_run(opts, name, seq, out_dir, say))
+
+            def saved(run: dict, index: int = len(runs)) -> None:
+                runs[index:] = [run]
+                report()
+
+            bench_run(opts, name, seq, out_dir, say, deadline, saved)
         if opts.longest:
-            longest_rows = longest(opts, say, deadline)
+
+            def saved_longest(rows: list[dict]) -> None:
+                longest_rows[:] = rows
+                report()
+
+            longest(opts, say, deadline, saved_longest)
     finally:
-        gpu_check.shutdown_single_rank()
-    verdicts = targets(runs, longest_rows)
-    settings = {k: v for k, v in vars(opts).items() if k != "out"}
-    report = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                  timespec="seconds"),
-              "command": command, "environment": env, "settings": settings,
-              "seconds": round(time.monotonic() - start, 1), "skipped": skipped,
-              "targets": verdicts, "runs": runs, "longest": longest_rows}
-    gpu.write_report(out_dir, report, markdown(runs, longest_rows, env, command), verdicts, say)
+        try:
+            gpu_check.shutdown_single_rank()
+        except Exception as exc:  # noqa: BLE001 - e.g. after a CUDA error: keep the rows
+            say(f"[gpu_long] shutdown failed: {type(exc).__name__}: {exc}")
+        report(final=True)
     if skipped:
         say(f"[gpu_long] time budget spent: left out {', '.join(skipped)}")
     return 0
