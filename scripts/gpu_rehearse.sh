@@ -16,9 +16,11 @@
 #   2. (unless --no-calibrate; none starts after 300 s) the first, a middle and the last
 #      stage of both configurations rehearsed with --save-calibration, then
 #      `python -m megatron_seq1f1b.bench.predictions` on them (about 3-4 minutes).
-# Results: OUT/gpu_rehearse.json (checks, numbers), OUT/rehearse_k{1,4}.json, OUT/plan.json,
-# OUT/calibrations/, OUT/predictions.{json,md}; a summary on stdout. Exit status 0 when no
-# check failed, 1 when one did, 2 when it could not start.
+#   A run still going 420 s after the start (--limit-s) is killed and fails its check.
+# Results: OUT/gpu_rehearse.json (checks, numbers; rewritten after every step),
+# OUT/rehearse_k{1,4}.json, OUT/plan.json, OUT/calibrations/, OUT/predictions.{json,md}; a
+# summary on stdout. More than 8 files: on the lent GPU, tar OUT into one. Exit status 0
+# when no check failed, 1 when one did, 2 when it could not start.
 #
 # Options after `--` go to the check (python -m megatron_seq1f1b.bench.rehearsal_check --help).
 # PYTHON selects the interpreter (default python3). --dry-run prints the commands only.

@@ -191,3 +191,15 @@ def test_script_installs_offline_then_runs_the_check(tmp_path):
                               f"{tmp_path / 'out'} --calibrate --budget-s 200")
     done = sh("--no-install", "--no-calibrate", "--dry-run", "--out", str(tmp_path / "o"))
     assert done.returncode == 0 and "--calibrate" not in done.stdout and "pip" not in done.stdout
+
+
+def test_a_stuck_child_is_killed_at_the_time_limit():
+    """A rehearsal that never ends (e.g. stuck in NCCL's start or exit) is killed at the
+    check's time limit and reported as status 124, so the GPU run still ends in time."""
+    import time
+
+    logged = []
+    runner = rc.Runner(deadline=time.monotonic() + 1.0, log=logged.append)
+    start = time.monotonic()
+    assert runner("timeit", ["-n", "1", "import time; time.sleep(60)"]) == 124
+    assert time.monotonic() - start < 20 and "killed" in logged[-1]

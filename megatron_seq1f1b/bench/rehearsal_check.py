@@ -150,16 +150,26 @@ def activation_scale(results: Sequence[dict]) -> float | None:
 
 
 class Runner:
-    """Runs ``python -m MODULE ARGS``: a subprocess (default) or in this process."""
+    """Runs ``python -m MODULE ARGS``: a subprocess (default) or in this process. A
+    subprocess still running at ``deadline`` (``time.monotonic()``) is killed and reported
+    with status 124, so a stuck child (NCCL start or exit) cannot hold the machine."""
 
     def __init__(self, in_process: bool = False, python: str = sys.executable,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, deadline: float = float("inf")):
         self.in_process, self.python, self.log = in_process, python, log
+        self.deadline = deadline
 
     def __call__(self, module: str, args: list[str]) -> int:
         self.log(f"[rehearsal_check] python -m {module} {' '.join(args)}")
         if not self.in_process:
-            return subprocess.run([self.python, "-m", module, *args]).returncode
+            left = self.deadline - time.monotonic()
+            try:
+                return subprocess.run([self.python, "-m", module, *args],
+                                      timeout=max(left, 1.0) if left != float("inf")
+                                      else None).returncode
+            except subprocess.TimeoutExpired:
+                self.log("[rehearsal_check] killed: still running at the time limit")
+                return 124
         import importlib
 
         main = importlib.import_module(module).main
@@ -177,6 +187,12 @@ def run_check(out: Path, *, tiny: bool = False, calibrate: bool = False, budget_
     start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     checks, results = [], []
+
+    def write_summary() -> None:  # after every step: a run cut short keeps its checks
+        summary = {"checks": [vars(c) for c in checks], "elapsed_s": time.monotonic() - start,
+                   "activation_scale": activation_scale(results), "tolerance": TOLERANCE}
+        (out / "gpu_rehearse.json").write_text(json.dumps(summary, indent=1) + "\n")
+
     for index, (name, args) in enumerate(check_rows(tiny)):
         path = out / f"rehearse_k{_flag(args, '--seq1f1b-splits')}.json"
         code = runner("megatron_seq1f1b.rehearse", args + ["--json", str(path)])
@@ -186,6 +202,7 @@ def run_check(out: Path, *, tiny: bool = False, calibrate: bool = False, budget_
         result = json.loads(path.read_text())
         results.append(result)
         checks.append(judge(name, result))
+        write_summary()
     plan_path = out / "plan.json"
     code = runner("megatron_seq1f1b.planner", planner_args(tiny, plan_path))
     if code == 0 and plan_path.exists():
@@ -195,20 +212,21 @@ def run_check(out: Path, *, tiny: bool = False, calibrate: bool = False, budget_
             f"k={k}: {v:.2f} GiB" for k, v in sorted(totals.items())), {"stage0_total_gib": totals}))
     else:
         checks.append(Check("planner command line", "fail", f"exited with status {code}"))
-    scale = activation_scale(results)
+    write_summary()
     if calibrate:
-        checks += _calibrate_and_predict(out, tiny, runner, start, budget_s, scale)
-    summary = {"checks": [vars(c) for c in checks], "elapsed_s": time.monotonic() - start,
-               "activation_scale": scale, "tolerance": TOLERANCE}
-    (out / "gpu_rehearse.json").write_text(json.dumps(summary, indent=1) + "\n")
+        _calibrate_and_predict(out, tiny, runner, start, budget_s, activation_scale(results),
+                               checks, write_summary)
+    write_summary()
     for c in checks:
         runner.log(f"[rehearsal_check] {c.status:>4}  {c.name}: {c.summary}")
     return checks
 
 
 def _calibrate_and_predict(out: Path, tiny: bool, runner: Runner, start: float,
-                           budget_s: float, scale: float | None) -> list[Check]:
-    checks, files = [], {}
+                           budget_s: float, scale: float | None, checks: list[Check],
+                           saved: Callable[[], None]) -> None:
+    """Appends to ``checks``, calling ``saved`` after each step."""
+    files = {}
     for name, stage, args, path in calibration_runs(tiny, out):
         label = f"calibration {name} stage {stage}"
         if time.monotonic() - start > budget_s:
@@ -219,13 +237,14 @@ def _calibrate_and_predict(out: Path, tiny: bool, runner: Runner, start: float,
         ok = code == 0 and path.exists()
         checks.append(Check(label, "pass" if ok else "fail",
                             str(path) if ok else f"exited with status {code}"))
+        saved()
         if ok:
             files.setdefault(name, []).append(str(path))
     complete = {name: paths for name, paths in files.items() if len(paths) == 3}
     if not complete:
         checks.append(Check("predictions", "skip", "no configuration has all three stages "
                             "calibrated"))
-        return checks
+        return
     args = [x for name, paths in complete.items()
             for x in ("--calibration", f"{name}={','.join(paths)}")]
     args += ["--out", str(out / "predictions.json"), "--markdown", str(out / "predictions.md")]
@@ -235,7 +254,6 @@ def _calibrate_and_predict(out: Path, tiny: bool, runner: Runner, start: float,
     checks.append(Check("predictions", "pass" if code == 0 else "fail",
                         f"{out / 'predictions.json'} for {', '.join(complete)}"
                         if code == 0 else f"exited with status {code}"))
-    return checks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "predict them")
     p.add_argument("--budget-s", type=float, default=300,
                    help="no calibration starts after this many seconds")
+    p.add_argument("--limit-s", type=float, default=420,
+                   help="a rehearsal, calibration or planner run still going this many "
+                        "seconds after the start is killed (keeps the script inside 8 minutes "
+                        "with the install)")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model (tests)")
     p.add_argument("--in-process", action="store_true",
                    help="run the rehearsals in this process (CPU tests)")
@@ -261,8 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("rehearsal_check: no CUDA device (use --tiny for a CPU-sized dry run)",
               file=sys.stderr)
         return 2
+    runner = Runner(in_process=args.in_process, deadline=time.monotonic() + args.limit_s)
     checks = run_check(Path(args.out), tiny=args.tiny, calibrate=args.calibrate,
-                       budget_s=args.budget_s, runner=Runner(in_process=args.in_process))
+                       budget_s=args.budget_s, runner=runner)
     return 1 if any(c.status == "fail" for c in checks) else 0
 
 
