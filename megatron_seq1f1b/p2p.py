@@ -11,14 +11,15 @@ its neighbour has not yet taken what it sent. Two transports give that:
 * **Links** (NCCL): every direction of every pipeline link (stage ``a`` to
   stage ``b``) has a process group of its own, so its operations run on a
   communicator, and a stream, of their own; operations are posted one by one,
-  each with its own work. On one link one side only sends and the other only
+  each with its own work, in one order of links both ends agree on
+  (:func:`link_order`). On one link one side only sends and the other only
   receives, in the same order (the validator checks it), so a receive posted
   early can never sit in front of a send its peer waits for, the trap of
   posting one by one on one pipeline group (NCCL runs a pair's operations in
   posting order on one stream). The groups are made once per pipeline group,
-  by every rank of the world in one global order (:func:`link_groups`), and
-  their communicators started in that order too (NCCL starts one by a
-  blocking handshake of both sides).
+  by every rank of the world in one global order (:func:`link_groups`), with
+  the pipeline group's timeout, and their communicators started in that order
+  too (NCCL starts one by a blocking handshake of both sides).
 * **Batch** (gloo, or ``SEQ1F1B_P2P=batch``): a step's operations are posted
   together as one ``batch_isend_irecv`` on the pipeline group, whatever
   ``batch_p2p_comm`` says (transfers progress together, the semantics the
@@ -75,7 +76,7 @@ class Peers:
         stage_to_global = [dist.get_global_rank(group, r) for r in range(size)]
         links = None
         if size > 1 and transport(group) == LINKS:
-            links = link_groups(stage_to_global, wraparound)
+            links = link_groups(stage_to_global, wraparound, group_timeout(group))
         return cls(
             pp_rank=rank,
             pp_size=size,
@@ -144,7 +145,8 @@ def pipeline_links(num_stages: int, wraparound: bool) -> list[tuple[int, int]]:
     return links
 
 
-def link_groups(stage_to_global: Sequence[int], wraparound: bool) -> dict[tuple[int, int], object]:
+def link_groups(stage_to_global: Sequence[int], wraparound: bool,
+                timeout=None) -> dict[tuple[int, int], object]:
     """This pipeline's process group per link direction; made once, collectively.
 
     ``new_group`` must be entered by every rank of the world in the same
@@ -153,11 +155,16 @@ def link_groups(stage_to_global: Sequence[int], wraparound: bool) -> dict[tuple[
     groups in one sorted order; then each rank starts its own links'
     communicators in that order with a one-element message (both sides of a
     link start it together; the global order keeps those handshakes from
-    waiting on each other in a cycle). Later calls return the cached groups.
+    waiting on each other in a cycle). Later calls return the cached groups
+    (made again if they were destroyed). ``timeout``: the groups' (None: the
+    backend's default).
     """
     key = (tuple(stage_to_global), bool(wraparound))
-    if key in _LINK_GROUPS:
-        return _LINK_GROUPS[key]
+    cached = _LINK_GROUPS.get(key)
+    if cached is not None and all(_alive(group) for group in cached.values()):
+        return cached
+    if cached is not None:  # the process groups were destroyed (e.g. an in-process restart)
+        _LINK_GROUPS.clear()
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, key)
     pipelines = {}
@@ -169,7 +176,7 @@ def link_groups(stage_to_global: Sequence[int], wraparound: bool) -> dict[tuple[
     for ranks in sorted(pipelines):
         groups = created.setdefault((ranks, pipelines[ranks]), {})
         for src, dst in pipeline_links(len(ranks), pipelines[ranks]):
-            group = dist.new_group(ranks=[ranks[src], ranks[dst]])
+            group = dist.new_group(ranks=[ranks[src], ranks[dst]], timeout=timeout)
             if me in (ranks[src], ranks[dst]):
                 groups[(src, dst)] = group
                 mine_in_order.append((ranks[src], ranks[dst], group))
@@ -181,8 +188,24 @@ def link_groups(stage_to_global: Sequence[int], wraparound: bool) -> dict[tuple[
             dist.send(token, dst, group=group)
         else:
             dist.recv(token, src, group=group)
-    _LINK_GROUPS[key] = next(groups for (ranks, _), groups in created.items() if me in ranks)
+    _LINK_GROUPS[key] = created[(key[0], pipelines[key[0]])]
     return _LINK_GROUPS[key]
+
+
+def _alive(group) -> bool:
+    """Whether a process group is still registered (not destroyed)."""
+    return group in dist.distributed_c10d._world.pg_map
+
+
+def group_timeout(group):
+    """The timeout ``group`` was made with (link groups inherit the pipeline group's, e.g.
+    Megatron-LM's ``--distributed-timeout-minutes``), or None (the backend's default)."""
+    try:
+        backend = group._get_backend(torch.device("cuda" if torch.cuda.is_available()
+                                                  else "cpu"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def destroy_link_groups() -> None:
@@ -261,6 +284,19 @@ class InFlight:
         self.release(tensors)
 
 
+def link_order(msg: Message) -> tuple[int, int, int]:
+    """Where a message's operation goes among its step's, the same on both of its ranks:
+    links between lower stages first (one direction, then the other).
+
+    A hedge for the links transport: CUDA does not promise that NCCL kernels on different
+    streams progress together. Were a GPU to run a rank's transfers one at a time in
+    posting order, two neighbours posting in one agreed order of links still meet, where
+    each posting its sends first would wait for the other (Megatron's own one-by-one path
+    orders by stage parity for the same reason).
+    """
+    return (min(msg.src, msg.dst), max(msg.src, msg.dst), msg.src)
+
+
 def _post(step: Step, peers: Peers, sent: list[torch.Tensor],
           received: dict[Message, torch.Tensor]) -> tuple[list, list]:
     """Post the step's operations; (send works, receive works). With one work for the
@@ -268,10 +304,17 @@ def _post(step: Step, peers: Peers, sent: list[torch.Tensor],
     ranks = peers.stage_to_global
     if peers.links is not None:
         links = peers.links
-        sends = [dist.isend(tensor, ranks[msg.dst], group=links[(msg.src, msg.dst)])
-                 for msg, tensor in zip(step.sends, sent)]
-        recvs = [dist.irecv(buffer, ranks[msg.src], group=links[(msg.src, msg.dst)])
-                 for msg, buffer in received.items()]
+        operations = [(msg, tensor, True) for msg, tensor in zip(step.sends, sent)]
+        operations += [(msg, buffer, False) for msg, buffer in received.items()]
+        if len(operations) > 1:
+            operations.sort(key=lambda op: link_order(op[0]))  # stable: a link keeps its order
+        sends, recvs = [], []
+        for msg, tensor, is_send in operations:
+            group = links[(msg.src, msg.dst)]
+            if is_send:
+                sends.append(dist.isend(tensor, ranks[msg.dst], group=group))
+            else:
+                recvs.append(dist.irecv(tensor, ranks[msg.src], group=group))
         return sends, recvs
     ops = [dist.P2POp(dist.isend, tensor, ranks[msg.dst], peers.group)
            for msg, tensor in zip(step.sends, sent)]

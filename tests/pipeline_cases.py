@@ -467,7 +467,10 @@ def with_links_transport(**layout) -> dict:
     os.environ[p2p.TRANSPORT_ENV] = p2p.LINKS
     try:
         result = run_layout(**layout)
-        result["links"] = sorted(next(iter(p2p._LINK_GROUPS.values()), {}))
+        links = next(iter(p2p._LINK_GROUPS.values()), {})
+        result["links"] = sorted(links)
+        result["link_timeouts_s"] = sorted({p2p.group_timeout(g).total_seconds()
+                                            for g in links.values()})
         return result
     finally:
         del os.environ[p2p.TRANSPORT_ENV]

@@ -3,6 +3,7 @@
 import pytest
 
 from gpt import DataSpec, ModelSpec, run_layout
+from harness import COMM_TIMEOUT_S
 
 ROPE = ModelSpec()
 LEARNED = ModelSpec(position_embedding_type="learned_absolute")
@@ -190,6 +191,26 @@ def test_links_transport_equals_no_pipelining(ranks, pp, vpp, k):
         expected = sorted(expected + [(3, 0), (0, 3)])
     for r in results:  # each rank holds the links it is an end of
         assert r["links"] == [link for link in expected if r["pp_rank"] in link], r["links"]
+        # with the pipeline group's timeout (Megatron's distributed_timeout_minutes)
+        assert r["link_timeouts_s"] == [COMM_TIMEOUT_S], r["link_timeouts_s"]
+
+
+def test_link_order_is_one_order_both_ends_of_every_link_agree_on():
+    """Each rank posts a step's transfers with the lower links first, so two neighbours
+    never each wait on their own send first (were a GPU to run them one at a time)."""
+    from megatron_seq1f1b.p2p import link_order
+    from megatron_seq1f1b.plan import Message
+
+    def msg(src, dst, kind="act"):
+        return Message(kind, 0, 0, 0, src, dst)
+
+    # stage 1 of 4 exchanging both ways with both neighbours in one step
+    posted = sorted([msg(1, 2), msg(1, 0, "grad"), msg(0, 1), msg(2, 1, "grad")], key=link_order)
+    assert [(m.src, m.dst) for m in posted] == [(0, 1), (1, 0), (1, 2), (2, 1)]
+    # both ends of a link give its messages the same key
+    assert link_order(msg(2, 3)) == link_order(msg(2, 3)) < link_order(msg(3, 2))
+    # the wrap-around link (last -> first) sorts with stage 0's links
+    assert link_order(msg(3, 0)) < link_order(msg(1, 2))
 
 
 @pytest.mark.parametrize("vpp,k,schedule,forward_only", [
