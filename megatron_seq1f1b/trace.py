@@ -52,8 +52,11 @@ class TimelineRecorder:
         return time.perf_counter()
 
     def _sync(self) -> None:
+        # The compute stream only: it waits for a step's receives, not for the sends still
+        # in flight on their own NCCL streams (a device-wide synchronize would, and a traced
+        # run would then be a rendezvous run, its send waits counted as compute).
         if self.synchronize:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
 
     def compute(self, start: float, action: Action, step: int, live_units: int) -> None:
         record = self.iterations[-1]
