@@ -170,6 +170,20 @@ fi
 
 run "$PY" -W ignore -c "import torch, megatron.core.pipeline_parallel, megatron_seq1f1b; print(f'[gpu_check.sh] torch {torch.__version__} (CUDA {torch.version.cuda}), megatron-core {megatron.core.__version__}')"
 
+# Megatron-Core's fusions are torch.compile'd; Triton builds its launchers with a C compiler
+# and Python's headers. Without them, run the fusions eagerly rather than fail every row.
+if [ "$dry" = 0 ] && ! "$PY" - <<'PYTHON'
+import os, shutil, sys, sysconfig
+headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+compiler = any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc", "clang"))
+sys.exit(0 if headers and compiler else 1)
+PYTHON
+then
+    echo "[gpu_check.sh] warning: no C compiler or Python headers for Triton: torch.compile" \
+         "is switched off (TORCHDYNAMO_DISABLE=1); Megatron's fusions run unfused" >&2
+    export TORCHDYNAMO_DISABLE=1
+fi
+
 # From the output folder, so the installed package is what gets imported.
 run mkdir -p "$out"
 run cd "$out"

@@ -366,6 +366,7 @@ def environment(device: torch.device | None) -> dict:
         "megatron_seq1f1b_path": str(Path(megatron_seq1f1b.__file__).parent),
         "torch_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "NVIDIA_TF32_OVERRIDE": os.environ.get("NVIDIA_TF32_OVERRIDE"),
+        "TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE"),  # scripts/gpu_check.sh
     }
     if device is not None and device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
