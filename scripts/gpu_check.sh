@@ -170,6 +170,27 @@ fi
 
 run "$PY" -W ignore -c "import torch, megatron.core.pipeline_parallel, megatron_seq1f1b; print(f'[gpu_check.sh] torch {torch.__version__} (CUDA {torch.version.cuda}), megatron-core {megatron.core.__version__}')"
 
+# The wheel is built from a checkout; one built before the latest changes would run old code.
+# Then this checkout's package goes first on the path (and the results say so).
+stale_wheel() {
+    "$PY" - "$ROOT/megatron_seq1f1b" <<'PYTHON'
+import sys
+from pathlib import Path
+
+import megatron_seq1f1b
+
+installed, checkout = Path(megatron_seq1f1b.__file__).parent, Path(sys.argv[1])
+files = lambda root: {p.relative_to(root): p.read_bytes() for p in root.rglob("*.py")}
+sys.exit(1 if files(installed) != files(checkout) else 0)
+PYTHON
+}
+if [ "$dry" = 0 ] && ! stale_wheel; then
+    echo "[gpu_check.sh] warning: the megatron_seq1f1b wheel in $wheels differs from this" \
+         "checkout (rebuild it with --prepare-wheels); running this checkout's code" >&2
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    export SEQ1F1B_STALE_WHEEL=1
+fi
+
 # Megatron-Core's fusions are torch.compile'd; Triton builds its launchers with a C compiler
 # and Python's headers. Without them, run the fusions eagerly rather than fail every row.
 if [ "$dry" = 0 ] && ! "$PY" - <<'PYTHON'

@@ -367,6 +367,7 @@ def environment(device: torch.device | None) -> dict:
         "torch_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "NVIDIA_TF32_OVERRIDE": os.environ.get("NVIDIA_TF32_OVERRIDE"),
         "TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE"),  # scripts/gpu_check.sh
+        "stale_wheel_replaced_by_checkout": os.environ.get("SEQ1F1B_STALE_WHEEL") == "1",
     }
     if device is not None and device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
