@@ -429,13 +429,18 @@ class MemoryModel:
         unsegmented micro-batches (see :func:`activation_bytes_per_token`)."""
         p, v = num_stages, num_model_chunks
         layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
-        table = [[activation_bytes_per_token(
-            self.shape, layers, first=c * p + r == 0, last=c * p + r == p * v - 1,
-            dtype=self.training.dtype, flash=self.flash, whole_qkv=whole_qkv)
-            for c in range(v)] for r in range(p)]
+
+        def estimate(whole: bool) -> list[list[tuple[float, float]]]:
+            return [[activation_bytes_per_token(
+                self.shape, layers, first=c * p + r == 0, last=c * p + r == p * v - 1,
+                dtype=self.training.dtype, flash=self.flash, whole_qkv=whole)
+                for c in range(v)] for r in range(p)]
+
+        table = estimate(whole_qkv)
         scale = self.activation_scale
-        if self.bytes_per_token:
-            scale = self.bytes_per_token / max(sum(b for b, _ in rank) for rank in table)
+        if self.bytes_per_token:  # measured on a whole micro-batch (the calibration's k=1)
+            measured_kind = table if whole_qkv else estimate(True)
+            scale = self.bytes_per_token / max(sum(b for b, _ in rank) for rank in measured_kind)
         if scale != 1.0:
             table = [[(b * scale, kv * scale) for b, kv in rank] for rank in table]
         return table

@@ -10,7 +10,7 @@
 # Results: OUT/results.json, OUT/results.md, OUT/profile_seq1f1b.txt (default OUT:
 # out/gpu_bench), saved after every row, so a run cut short keeps what it measured. Without
 # CUDA it stops with a message and exit status 2. About 3-5 minutes on an H200 with the
-# default sizes; rows not started within --time-budget-s (400 s) are left out. Add
+# default sizes; rows not started within --time-budget-s (400 s) are listed as not run. Add
 # `-- --megatron-lm DIR` for Megatron-LM's own loop (a checkout patched by
 # scripts/apply_patches.sh, ~1-2 minutes more, within the same budget: raise it to ~480).
 set -euo pipefail

@@ -172,8 +172,8 @@ run "$PY" -W ignore -c "import torch, megatron.core.pipeline_parallel, megatron_
 
 # The wheel is built from a checkout; one built before the latest changes would run old code.
 # Then this checkout's package goes first on the path (and the results say so).
-stale_wheel() {
-    "$PY" - "$ROOT/megatron_seq1f1b" <<'PYTHON'
+stale_wheel() {  # from /: Python puts the current folder first, and that may be the checkout
+    (cd / && "$PY" - "$ROOT/megatron_seq1f1b") <<'PYTHON'
 import sys
 from pathlib import Path
 
@@ -196,7 +196,8 @@ fi
 if [ "$dry" = 0 ] && ! "$PY" - <<'PYTHON'
 import os, shutil, sys, sysconfig
 headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-compiler = any(shutil.which(c) for c in (os.environ.get("CC") or "cc", "gcc", "clang"))
+compiler = shutil.which(os.environ["CC"]) if os.environ.get("CC") else \
+    shutil.which("gcc") or shutil.which("clang")  # what Triton's build looks for
 sys.exit(0 if headers and compiler else 1)
 PYTHON
 then

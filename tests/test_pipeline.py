@@ -213,6 +213,32 @@ def test_link_order_is_one_order_both_ends_of_every_link_agree_on():
     assert link_order(msg(3, 0)) < link_order(msg(1, 2))
 
 
+def test_links_transport_posts_in_link_order(monkeypatch):
+    """The links transport posts a step's transfers in ``link_order`` (not sends first), and
+    two messages of one link direction in the step's own order (NCCL matches them so)."""
+    import torch
+
+    from megatron_seq1f1b import p2p
+    from megatron_seq1f1b.plan import Message, Step
+
+    posted = []
+    monkeypatch.setattr(p2p.dist, "isend", lambda t, dst, group: posted.append(("send", group,
+                                                                                 int(t))))
+    monkeypatch.setattr(p2p.dist, "irecv", lambda t, src, group: posted.append(("recv", group,
+                                                                                int(t))))
+    links = {(a, b): f"{a}->{b}" for a, b in [(0, 1), (1, 0), (1, 2), (2, 1)]}
+    peers = p2p.Peers(pp_rank=1, pp_size=3, global_rank=1, stage_to_global=[0, 1, 2],
+                      group=None, sync_after_batch=False, links=links)
+    sends = (Message("act", 0, 0, 0, 1, 2), Message("act", 0, 1, 0, 1, 2),
+             Message("grad", 0, 0, 0, 1, 0))
+    recvs = (Message("grad", 1, 0, 0, 2, 1), Message("act", 1, 0, 0, 0, 1))
+    step = Step(sends=sends, recvs=recvs, actions=())
+    received = {m: torch.tensor(10 + i) for i, m in enumerate(recvs)}
+    p2p._post(step, peers, [torch.tensor(i) for i in range(3)], received)
+    assert posted == [("recv", "0->1", 11), ("send", "1->0", 2), ("send", "1->2", 0),
+                      ("send", "1->2", 1), ("recv", "2->1", 10)]
+
+
 @pytest.mark.parametrize("vpp,k,schedule,forward_only", [
     (None, 2, "zb-h1", False), (None, 3, "zb-h2", False), (2, 3, "zb-h1", False),
     (2, 2, "1f1b", True), (None, 3, "1f1b", True)])

@@ -371,7 +371,8 @@ def set_ratios(rows: list[Row]) -> None:
     """tokens/s and peak memory against the first row (Megatron's schedule), if it ran."""
     base = rows[0]
     for row in rows:
-        row.ratio = row.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
+        row.ratio = row.tokens_per_s / base.tokens_per_s if base.tokens_per_s and \
+            row.tokens_per_s else None
         if row.peak_gib is not None and base.peak_gib:
             row.peak_ratio = row.peak_gib / base.peak_gib
 
@@ -410,7 +411,8 @@ def bench_size(opts: argparse.Namespace, size: Size, say: Callable[[str], None],
     except Exception as exc:  # noqa: BLE001 - e.g. the model does not fit: the size says so
         rows.append(unmeasured_row(size, "Megatron-Core", None,
                                    "model not built: " + failure_note(exc)))
-        release_memory()
+    if rows:
+        release_memory()  # here, once the traceback's frames (and tensors) are gone
         say(_line(rows[-1]))
         saved(rows)
         return rows
@@ -565,6 +567,11 @@ def megatron_lm_rows(opts: argparse.Namespace, out_dir: Path, say,
 # ------------------------------------------------------------------ reports
 
 
+def cell(text: str) -> str:
+    """Text for a markdown table cell (a ``|`` in an error message would split it)."""
+    return text.replace("|", "/").replace("\n", " ")
+
+
 def _fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
@@ -613,7 +620,7 @@ def markdown(rows: list[Row], environment: dict, settings: dict, command: str) -
             f"{_fmt(r.peak_gib, '.2f')} | {_ratio(r.peak_ratio)} | "
             f"{r.host_ms_per_unit:.2f} | {_fmt(r.gpu_ms_per_unit, '.2f')} | "
             f"{_fmt(r.gpu_idle_share, '.0%')} | {_fmt(r.syncs_per_iter, 'd')} | {_dispatch(r)} | "
-            f"{r.note} |")
+            f"{cell(r.note)} |")
     return "\n".join(lines) + "\n"
 
 

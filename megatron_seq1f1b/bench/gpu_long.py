@@ -134,7 +134,8 @@ def bench_run(opts: argparse.Namespace, name: str, seq: int, out_dir: Path, say,
         model, config = gpu.build(opts, size, shape)
     except Exception as exc:  # noqa: BLE001 - e.g. the stage's weights do not fit
         run["note"] = "model not built: " + gpu.failure_note(exc)
-        gpu.release_memory()
+    if run["note"]:
+        gpu.release_memory()  # here, once the traceback's frames (and tensors) are gone
         saved(run)
         return run
     batches = gpu.host_batches(opts, size)
@@ -202,7 +203,8 @@ def longest(opts: argparse.Namespace, say, deadline: float,
         for seq in opts.longest:
             if time.monotonic() > deadline:
                 results.append({"schedule": name, "seq_length": seq, "fits": None,
-                                "note": "time budget spent"})
+                                "note": "not run: time budget spent"})
+                saved(results)
                 break
             size = Size(hidden, seq, heads)
             model = fits = None
@@ -268,20 +270,26 @@ def markdown(runs: list[dict], longest_rows: list[dict], environment: dict, comm
         f"{environment.get('cuda')}), megatron-core {environment.get('megatron_core')}, bf16, "
         "flash attention (PyTorch SDPA), pipeline size 1.",
         "", f"Command: `{command}`", "",
-        "| stage | schedule | tokens/s | vs Megatron | peak GiB | vs Megatron | lengths |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| stage | schedule | tokens/s | vs Megatron | peak GiB | vs Megatron | lengths | note |",
+        "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for run in runs:
+        if run.get("note") and not run["rows"]:
+            lines.append(f"| {run['config']} stage, seq {run['seq_length']} | - | - | - | - | - "
+                         f"| - | {gpu.cell(run['note'])} |")
         for r in run["rows"]:
             lengths = ",".join(map(str, r["lengths"][:4])) + (",.." if len(r["lengths"]) > 4
                                                               else "")
             lines.append(f"| {r['size']} | {r['name']} | {r['tokens_per_s']:,.0f} | "
                          f"{gpu._ratio(r['ratio'])} | {gpu._fmt(r['peak_gib'], '.1f')} | "
-                         f"{gpu._ratio(r['peak_ratio'])} | {lengths} |")
+                         f"{gpu._ratio(r['peak_ratio'])} | {lengths} | {gpu.cell(r['note'])} |")
     lines += ["", "Per unit (uniform segments; device time, the host's dispatch apart):", "",
               "| stage | segment | forward ms | input-grad ms | weight-grad ms | whole backward ms "
               "| host fwd/bwd ms |", "|---|---|---:|---:|---:|---:|---:|"]
     for run in runs:
+        if run.get("note") and run["rows"]:
+            lines.append(f"| {run['config']} {run['seq_length']} | {gpu.cell(run['note'])} "
+                         "| | | | | |")
         for u in run["unit_times"]:
             lines.append(
                 f"| {run['config']} {run['seq_length']} | {u['length']} ending {u['end']} | "
@@ -290,12 +298,14 @@ def markdown(runs: list[dict], longest_rows: list[dict], environment: dict, comm
                 f"{u['host_forward_ms']:.1f}/{u['host_backward_ms']:.1f} |")
     if longest_rows:
         lines += ["", "Longest sequence that trains, 1.3B stage (one micro-batch):", "",
-                  "| schedule | tokens | trains | peak GiB | s/iter |", "|---|---:|---|---:|---:|"]
+                  "| schedule | tokens | trains | peak GiB | s/iter | note |",
+                  "|---|---:|---|---:|---:|---|"]
         for r in longest_rows:
             lines.append(f"| {r['schedule']} | {r['seq_length']} | "
-                         f"{ {True: 'yes', False: 'no (out of memory)', None: '-'}[r['fits']]} | "
+                         f"{ {True: 'yes', False: 'no', None: '-'}[r['fits']]} | "
                          f"{gpu._fmt(r.get('peak_gib'), '.1f')} | "
-                         f"{gpu._fmt(r.get('seconds_per_iter'), '.2f')} |")
+                         f"{gpu._fmt(r.get('seconds_per_iter'), '.2f')} | "
+                         f"{gpu.cell(r.get('note', ''))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -368,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         num_layers=first.num_layers, hidden_size=hidden, num_attention_heads=heads,
         seq_length=opts.runs[0][1], microbatches=opts.microbatches, vocab_size=opts.vocab_size,
         seed=1234, splits=1, partition="balanced"))
+    finished = False
     try:
         for name, seq in opts.runs:
             if time.monotonic() > deadline:
@@ -386,13 +397,14 @@ def main(argv: list[str] | None = None) -> int:
                 longest_rows[:] = rows
                 report()
 
-            longest(opts, say, deadline, saved_longest)
+            longest_rows[:] = longest(opts, say, deadline, saved_longest)
+        finished = True
     finally:
         try:
             gpu_check.shutdown_single_rank()
         except Exception as exc:  # noqa: BLE001 - e.g. after a CUDA error: keep the rows
             say(f"[gpu_long] shutdown failed: {type(exc).__name__}: {exc}")
-        report(final=True)
+        report(final=finished)
     if skipped:
         say(f"[gpu_long] time budget spent: left out {', '.join(skipped)}")
     return 0
