@@ -183,9 +183,10 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
     An estimate of what Megatron-Core's local layers save, no dropout, no recomputation:
     per layer the inputs of both norms and of the four linear layers (the output
     projection's is a copy of the attention output in ``[s, b, h]`` order), the query,
-    keys and values the attention kernel keeps, the flash kernel's own output, the MLP's
-    activation input and output; the first chunk adds the token ids, the last its final
-    norm, output-layer input and the fp32 softmax of the cross entropy over the
+    keys and values the attention kernel keeps, the flash kernel's own output and
+    log-sum-exp, the MLP's activation input and output, the cosines and sines Megatron's
+    unfused RoPE makes for queries and keys; the first chunk adds the token ids, the last
+    its final norm, output-layer input and the fp32 softmax of the cross entropy over the
     vocabulary. Without a flash kernel (``flash=False``: Megatron's unfused attention)
     the ``len x end`` probabilities it keeps are not included: use a measured
     ``bytes_per_token`` there. Keys and values are returned apart because Seq1F1B keeps a
@@ -202,8 +203,10 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
     fc1 = shape.ffn * (2 if shape.gated_linear_unit else 1)
     kv = 2 * shape.kv_dim * e
     per_layer = e * (4 * h + 2 * shape.q_dim + fc1 + shape.ffn) + kv
-    if flash:
-        per_layer += e * shape.q_dim  # SDPA's output, kept for its backward
+    if flash:  # SDPA's output and its fp32 log-sum-exp per head, kept for its backward
+        per_layer += e * shape.q_dim + 4 * shape.num_attention_heads
+    if shape.position_embedding_type == "rope":  # unfused RoPE: cos and sin for q and for k
+        per_layer += 4 * shape.head_dim * e
     if whole_qkv and shape.position_embedding_type == "rope":
         per_layer += e * (shape.q_dim + shape.kv_dim)  # the rest of the viewed QKV output
     total = num_layers * per_layer

@@ -91,10 +91,10 @@ def test_cli_measures_and_predicts_the_stage(ranks):
 def test_whole_micro_batches_keep_the_qkv_projection_segments_do_not(ranks):
     """Megatron's attention gets the values as a view of the QKV projection's output, so a
     whole micro-batch keeps all of it; segments copy keys and values into the K/V buffer.
-    The planner must see both: its activations stay the same share of the bytes counted
-    on the rehearsed stage at k=1 and k=2 (without the whole-QKV term, k=1's prediction
-    falls ~12% further short; the rest of the gap is the unfused attention's
-    probabilities, which the estimate leaves out)."""
+    The planner must see both: its activations are within 5% of the bytes counted on the
+    rehearsed stage, at k=1 as at k=2 (without the whole-QKV term k=1's prediction fell
+    ~12% further short; the ~2% left is the unfused attention's probabilities and masks,
+    which the estimate leaves out)."""
     argv = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4",
             "--seq-length", "16", "--vocab-size", "64", "--pipeline-model-parallel-size", "4",
             "--rehearse-stage", "1", "--num-microbatches", "4", "--iters", "1", "--warmup", "1",
@@ -103,7 +103,7 @@ def test_whole_micro_batches_keep_the_qkv_projection_segments_do_not(ranks):
     for k in (1, 2):
         (out,) = ranks.run(1, cases.cli, case=f"rehearse-qkv-k{k}", argv=argv + [str(k)])
         share[k] = out["predicted"]["activations"] / out["rehearsal"]["activation_bytes"]
-    assert 0.85 < share[2] <= 1.0 and abs(share[1] - share[2]) < 0.03, share
+    assert all(0.95 < share[k] <= 1.0 for k in share) and abs(share[1] - share[2]) < 0.02, share
 
 
 def test_stage_building_refuses_what_it_cannot_rehearse():
@@ -171,7 +171,8 @@ def test_activation_bytes_follow_units_and_the_kv_buffer():
     (one,) = stage_activation_bytes(build_schedule(1, 2, 1), [4], [[(rest + kv, kv)]])
     assert one == 4 * (rest + kv)
     per_token, kv_part = activation_bytes_per_token(GPT13B, 6, first=True, last=False)
-    assert per_token == 6 * 2 * (4 * 2048 + 3 * 2048 + 8192 + 8192) + 6 * 4 * 2048 + 8
+    assert per_token == (6 * 2 * (4 * 2048 + 3 * 2048 + 8192 + 8192) + 6 * 4 * 2048 + 8
+                         + 6 * (4 * 16 + 4 * 128 * 2))  # flash's log-sum-exp, RoPE's cos/sin
     assert kv_part == 6 * 4 * 2048
     whole, _ = activation_bytes_per_token(GPT13B, 6, first=True, last=False, whole_qkv=True)
     assert whole - per_token == 6 * 2 * (2048 + 2048)  # the projection's query and key parts
