@@ -14,6 +14,7 @@ block is its dispatch time. On a CPU both are the wall time.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -37,8 +38,9 @@ class UnitTimer:
     CUDA: synchronizes before and after the block (timing only, never in training).
     The hold grows to twice the longest dispatch seen (at most ``max_hold_s``), so a
     block that outlasted it is marked ``held=False`` and the next one is held long
-    enough. :meth:`reset` goes back to ``hold_s`` after a warm-up, whose one-off stalls
-    (compilation, first cuBLAS calls) would otherwise hold every later block that long.
+    enough. :meth:`reset`, after a warm-up, sets the hold from the warm-up's typical
+    (median) dispatch: its one-off stalls (compilation, first cuBLAS calls) would
+    otherwise hold every later block that long.
     """
 
     def __init__(self, device: torch.device | str | None = None, hold_s: float = 0.02,
@@ -50,10 +52,13 @@ class UnitTimer:
         self.base_hold_s = self.hold_s = hold_s
         self.max_hold_s = max(max_hold_s, hold_s)
         self._cycles_per_s: float | None = None
+        self._hosts: list[float] = []  # dispatch times since the last reset
 
     def reset(self) -> None:
-        """Forget the dispatch times seen so far (call after a warm-up)."""
-        self.hold_s = self.base_hold_s
+        """Hold twice the median dispatch seen since the last reset (call after a warm-up)."""
+        typical = statistics.median(self._hosts) if self._hosts else 0.0
+        self.hold_s = min(max(self.base_hold_s, 2 * typical), self.max_hold_s)
+        self._hosts.clear()
 
     def _cycles(self) -> float:
         """Clock cycles per second of ``torch.cuda._sleep`` (measured once, after a sleep
@@ -89,5 +94,6 @@ class UnitTimer:
         torch.cuda.synchronize()
         timing.device = begin.elapsed_time(end) / 1e3
         timing.held = timing.host < self.hold_s
+        self._hosts.append(timing.host)
         if timing.host > self.hold_s / 2:
             self.hold_s = min(2 * timing.host, self.max_hold_s)

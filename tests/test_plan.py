@@ -549,6 +549,22 @@ def test_unit_timer_on_a_cpu_reports_wall_time_for_both():
     assert timing.host == timing.device >= 0.01 and timing.held
 
 
+def test_unit_timer_holds_after_a_warm_up_what_its_typical_dispatch_needs():
+    """A warm-up's one-off stall (a compilation: 5 s) must not set the hold of every later
+    unit (the hold is twice the warm-up's median dispatch, within its bounds)."""
+    from megatron_seq1f1b.timing import UnitTimer
+
+    timer = UnitTimer("cpu", hold_s=0.02, max_hold_s=0.25)
+    timer._hosts[:] = [5.0, 0.015, 0.03, 0.012, 0.028]  # dispatch seconds seen in a warm-up
+    timer.reset()
+    assert timer.hold_s == 0.056 and not timer._hosts
+    timer.reset()  # nothing seen: the base hold
+    assert timer.hold_s == 0.02
+    timer._hosts[:] = [9.0, 8.0, 7.0]
+    timer.reset()
+    assert timer.hold_s == 0.25
+
+
 def test_runtime_send_slack_is_the_default_and_lets_zero_bubble_fill_bubbles():
     """The executor's transports finish sends a step later on NCCL too (send slack 1): the
     planner's default. With it, zero bubble beats 1F1B on attention-heavy FLOP costs of a
