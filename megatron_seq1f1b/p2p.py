@@ -76,7 +76,7 @@ class Peers:
         stage_to_global = [dist.get_global_rank(group, r) for r in range(size)]
         links = None
         if size > 1 and transport(group) == LINKS:
-            links = link_groups(stage_to_global, wraparound, group_timeout(group))
+            links = link_groups(stage_to_global, wraparound, group)
         return cls(
             pp_rank=rank,
             pp_size=size,
@@ -146,7 +146,7 @@ def pipeline_links(num_stages: int, wraparound: bool) -> list[tuple[int, int]]:
 
 
 def link_groups(stage_to_global: Sequence[int], wraparound: bool,
-                timeout=None) -> dict[tuple[int, int], object]:
+                pipeline_group=None) -> dict[tuple[int, int], object]:
     """This pipeline's process group per link direction; made once, collectively.
 
     ``new_group`` must be entered by every rank of the world in the same
@@ -156,8 +156,8 @@ def link_groups(stage_to_global: Sequence[int], wraparound: bool,
     communicators in that order with a one-element message (both sides of a
     link start it together; the global order keeps those handshakes from
     waiting on each other in a cycle). Later calls return the cached groups
-    (made again if they were destroyed). ``timeout``: the groups' (None: the
-    backend's default).
+    (made again if they were destroyed). The groups take ``pipeline_group``'s
+    timeout (without one: the backend's default).
     """
     key = (tuple(stage_to_global), bool(wraparound))
     cached = _LINK_GROUPS.get(key)
@@ -165,6 +165,7 @@ def link_groups(stage_to_global: Sequence[int], wraparound: bool,
         return cached
     if cached is not None:  # the process groups were destroyed (e.g. an in-process restart)
         _LINK_GROUPS.clear()
+    timeout = group_timeout(pipeline_group) if pipeline_group is not None else None
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, key)
     pipelines = {}

@@ -230,6 +230,17 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def shutdown(say: Callable[[str], None], tag: str) -> None:
+    """The one-rank process groups torn down; a failure (e.g. after a CUDA error) is said,
+    not raised, so the rows measured so far are still reported."""
+    from megatron_seq1f1b.bench import gpu_check
+
+    try:
+        gpu_check.shutdown_single_rank()
+    except Exception as exc:  # noqa: BLE001 - keep the rows
+        say(f"[{tag}] shutdown failed: {type(exc).__name__}: {exc}")
+
+
 def flash_kernels_only() -> None:
     """SDPA without cuDNN attention. PyTorch may prefer cuDNN for equal query and key
     lengths (full sequences, first segments) while a segment over its prefix goes to the
@@ -367,6 +378,20 @@ def failure_note(exc: BaseException) -> str:
     return f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
 
 
+def row_or_note(size: Size | str, name: str, k: int | None, measure: Callable[[], Row],
+                deadline: float) -> Row:
+    """``measure()``'s row; if it fails (e.g. out of memory), a row saying why, the memory
+    released; after ``deadline`` (``time.monotonic()``), a row saying it was not run."""
+    if time.monotonic() > deadline:
+        return unmeasured_row(size, name, k, "not run: time budget spent")
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - the row says what failed; others run
+        row = unmeasured_row(size, name, k, failure_note(exc))
+    release_memory()  # here, once the traceback's frames (and tensors) are gone
+    return row
+
+
 def set_ratios(rows: list[Row]) -> None:
     """tokens/s and peak memory against the first row (Megatron's schedule), if it ran."""
     base = rows[0]
@@ -393,15 +418,7 @@ def bench_size(opts: argparse.Namespace, size: Size, say: Callable[[str], None],
     rows: list[Row] = []
 
     def attempt(name: str, k: int | None, measure: Callable[[], Row]) -> None:
-        if time.monotonic() > deadline:
-            rows.append(unmeasured_row(size, name, k, "not run: time budget spent"))
-        else:
-            try:
-                rows.append(measure())
-            except Exception as exc:  # noqa: BLE001 - the row says what failed; others run
-                rows.append(unmeasured_row(size, name, k, failure_note(exc)))
-            if rows[-1].note.startswith(("out of memory", "failed")):
-                release_memory()  # here, once the traceback's frames (and tensors) are gone
+        rows.append(row_or_note(size, name, k, measure, deadline))
         set_ratios(rows)
         say(_line(rows[-1]))
         saved(rows)
@@ -757,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     skipped: list[str] = []
 
-    def report(final: bool = False) -> dict:
+    def report(final: bool = False) -> None:
         verdicts = targets(rows)
         data = {
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -768,7 +785,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         write_report(out_dir, data, markdown(rows, env, settings, command), verdicts,
                      say if final else None)
-        return data
 
     gpu_check.init_single_rank(argparse.Namespace(
         num_layers=opts.num_layers, hidden_size=opts.sizes[0].hidden,
@@ -795,10 +811,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"[gpu_bench] profile not taken: {failure_note(exc)}")
             release_memory()
     finally:
-        try:
-            gpu_check.shutdown_single_rank()
-        except Exception as exc:  # noqa: BLE001 - e.g. after a CUDA error: keep the rows
-            say(f"[gpu_bench] shutdown failed: {type(exc).__name__}: {exc}")
+        shutdown(say, "gpu_bench")
         report()
     left = deadline - time.monotonic()
     if opts.megatron_lm and left > 60:

@@ -114,15 +114,7 @@ def bench_run(opts: argparse.Namespace, name: str, seq: int, out_dir: Path, say,
            "calibration": None, "note": ""}
 
     def attempt(row_name: str, k: int | None, measure) -> None:
-        if time.monotonic() > deadline:
-            row = gpu.unmeasured_row(label, row_name, k, "not run: time budget spent")
-        else:
-            try:
-                row = measure()
-            except Exception as exc:  # noqa: BLE001 - the row says what failed; others run
-                row = gpu.unmeasured_row(label, row_name, k, gpu.failure_note(exc))
-            if not row.tokens_per_s:
-                gpu.release_memory()  # here, once the traceback's frames (and tensors) are gone
+        row = gpu.row_or_note(label, row_name, k, measure, deadline)
         row.size = label
         rows.append(row)
         gpu.set_ratios(rows)
@@ -400,10 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             longest_rows[:] = longest(opts, say, deadline, saved_longest)
         finished = True
     finally:
-        try:
-            gpu_check.shutdown_single_rank()
-        except Exception as exc:  # noqa: BLE001 - e.g. after a CUDA error: keep the rows
-            say(f"[gpu_long] shutdown failed: {type(exc).__name__}: {exc}")
+        gpu.shutdown(say, "gpu_long")
         report(final=finished)
     if skipped:
         say(f"[gpu_long] time budget spent: left out {', '.join(skipped)}")
