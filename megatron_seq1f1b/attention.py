@@ -32,21 +32,19 @@ import contextlib
 import torch
 
 from megatron_seq1f1b import segments
+from megatron_seq1f1b.documents import ALONE, HEAD
 from megatron_seq1f1b.kv_cache import KVAppend
+from megatron_seq1f1b.varlen import PADDING_CAUSAL_BOTTOM_RIGHT
 
 _ORIGINAL = "_seq1f1b_original_forward"
 
 
 def _segmented() -> "segments._Active | None":
+    """The active segment, if attention must treat it as one: several segments, or documents."""
     current = segments.active()
-    if current is None or current.info.num_splits == 1:
+    if current is None or (current.info.num_splits == 1 and current.run.documents is None):
         return None
     return current
-
-
-def first_row(current, window: int | None) -> int:
-    """The oldest key row this segment's queries can see."""
-    return 0 if window is None else max(0, current.info.start - window)
 
 
 def layer_window(core_attention) -> int | None:
@@ -67,8 +65,14 @@ def layer_window(core_attention) -> int | None:
     return int(window[0])
 
 
-def prefix_kv(layer, key, value, current, window: int | None = None):
-    """Keys/values ``[first_row, end)`` of this micro-batch for `layer`, this segment's rows added."""
+def segment_kv(layer, key, value, current, window: int | None = None):
+    """This segment's keys/values for attention, and what it sees (:class:`SegmentView`).
+
+    A segment of a chain (:mod:`megatron_seq1f1b.documents`) gets views of
+    the chain's buffer, rows ``[key_start, end)``, its own rows added; the
+    chain's head its own keys/values (its tail written for later segments); a
+    segment alone its own, untouched.
+    """
     info, run = current.info, current.run
     if key.shape[0] != info.length:
         raise RuntimeError(
@@ -76,21 +80,29 @@ def prefix_kv(layer, key, value, current, window: int | None = None):
             f"{info.length} tokens; batches must be cut with megatron_seq1f1b.slice_batch "
             "and pipeline inputs must have the segment's shape"
         )
-    entry = run.kv.get(info.microbatch, info.chunk, layer)
+    geometry = run.geometry(info.microbatch, window)
+    view = geometry.views[info.index]
+    role, number = geometry.roles[info.index]
+    if role == ALONE:
+        return key, value, view
+    chain = geometry.chains[number]
+    entry = run.kv.get(info.microbatch, info.chunk, layer, chain.head)
     if current.phase == segments.FORWARD:
         if entry is None:
-            if info.index != 0:
-                raise RuntimeError(f"Seq1F1B: {_where(info)} forwarded before segment 0")
+            if role != HEAD:
+                raise RuntimeError(f"Seq1F1B: {_where(info)} forwarded before segment "
+                                   f"{chain.head}")
             entry = run.kv.create(
-                info.microbatch, info.chunk, layer, key, value, sum(info.lengths)
-            )
+                info.microbatch, info.chunk, layer, key, value, head=chain.head, base=chain.base,
+                end=chain.end, starts=geometry.starts, lengths=geometry.lengths,
+                windowed=window is not None)
         if info.index in entry.forwarded:
             raise RuntimeError(
                 f"Seq1F1B: {_where(info)} forwarded twice; a repeated forward would overwrite "
                 "the key/value cache (recomputation must run inside the segment's backward)"
             )
-        if len(entry.forwarded) != info.index:  # segments 0..index-1, each once (checked)
-            missing = sorted(set(range(info.index)) - entry.forwarded)
+        if len(entry.forwarded) != info.index - chain.head:  # head..index-1, each once (checked)
+            missing = sorted(set(range(chain.head, info.index)) - entry.forwarded)
             raise RuntimeError(f"Seq1F1B: {_where(info)} forwarded before segments {missing}")
         entry.forwarded.add(info.index)
         write = True
@@ -100,7 +112,9 @@ def prefix_kv(layer, key, value, current, window: int | None = None):
         if entry is None or info.index not in entry.forwarded:
             raise RuntimeError(f"Seq1F1B: {_where(info)} recomputed without a cached forward")
         write = False
-    return KVAppend.apply(key, value, run.kv, entry, info, write, first_row(current, window))
+    first = None if role == HEAD else view.key_start
+    keys, values = KVAppend.apply(key, value, run.kv, entry, info, write, first)
+    return keys, values, view
 
 
 def _where(info) -> str:
@@ -120,31 +134,59 @@ def _masked_softmax(core_attention):
         softmax.attn_mask_type = saved
 
 
-def _segment_mask(attention_mask, current, device, window: int | None):
-    info = current.info
-    if attention_mask is None:
-        return current.run.causal_mask(info, device, window)
+def _given_mask(attention_mask, info, view):
+    """The user's mask (sliced by ``slice_batch`` to ``[..., L, end]``) over the keys seen."""
     if tuple(attention_mask.shape[-2:]) != (info.length, info.end):
         raise ValueError(
             f"Seq1F1B: attention_mask of shape {tuple(attention_mask.shape)} for segment "
             f"{info.index} (tokens {info.start}..{info.end}); expected [..., {info.length}, "
             f"{info.end}]: cut the batch with megatron_seq1f1b.slice_batch"
         )
-    if window is None:
-        return attention_mask
-    # Megatron's windowed softmax builds its own mask; keep the given one in step.
-    keys = torch.arange(first_row(current, window), info.end, device=device)
-    queries = torch.arange(info.start, info.end, device=device).unsqueeze(1)
-    return attention_mask[..., first_row(current, window):] | (keys < queries - window)
+    return attention_mask[..., view.key_start:]
 
 
-def _reject_unsliceable(packed_seq_params, attention_bias) -> None:
-    """Inputs shaped for the whole sequence that a segment cannot cut (yet)."""
-    if packed_seq_params is not None:
+def _local_mask(attention_mask, current, view, device):
+    """What the local attention masks: the segment's own causal/document/window mask, and the
+    user's mask on top (Megatron's windowed softmax also builds its own window mask)."""
+    info = current.info
+    own = current.run.local_mask(info, view, device)
+    if attention_mask is None:
+        return own
+    given = _given_mask(attention_mask, info, view)
+    if view.pieces is None and view.window is None:
+        return given
+    return given | own
+
+
+def _is_thd(packed_seq_params) -> bool:
+    if packed_seq_params is None:
+        return False
+    if getattr(packed_seq_params, "qkv_format", None) != "thd":
         raise ValueError(
-            "Seq1F1B does not support packed sequences (THD, packed_seq_params); use "
-            "padded [b, s] batches"
+            f"Seq1F1B: packed_seq_params with qkv_format={packed_seq_params.qkv_format!r}; "
+            "segments take packed documents as THD (qkv_format='thd') batches"
         )
+    return True
+
+
+def _thd_checks(current, packed_seq_params, query) -> None:
+    """THD inputs in a segment: documents known to the run, one sample, the segment's tokens."""
+    run, info = current.run, current.info
+    if run.documents is None:
+        raise ValueError(
+            "Seq1F1B: a packed (THD) batch in a segment, but the schedule was not given its "
+            "documents; pass documents='cu_seqlens' to get_forward_backward_func (Megatron-LM "
+            "and scripts/pretrain_gpt.py do it for --dataloader-inter-document-masking / --sft)")
+    if run.documents_of(info.microbatch).micro_batch_size != 1:
+        raise ValueError("Seq1F1B: packed (THD) batches hold one sample per micro-batch")
+    if query.shape[0] != info.length:
+        raise RuntimeError(
+            f"Seq1F1B: {query.shape[0]} packed tokens for segment {info.index} of "
+            f"{info.length} tokens; cut the batch with megatron_seq1f1b.slice_batch")
+
+
+def _reject_bias(attention_bias) -> None:
+    """An attention bias is shaped for the whole sequence; a segment cannot cut it (yet)."""
     if attention_bias is not None:
         raise ValueError(
             "Seq1F1B does not support an attention_bias (it is shaped for the whole "
@@ -162,20 +204,36 @@ def local_attention_forward(core_attention, original):
         if current is None:
             return original(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        _reject_unsliceable(packed_seq_params, attention_bias)
+        _reject_bias(attention_bias)
+        if _is_thd(packed_seq_params):  # THD: one sample; attend as [L, 1, ...]
+            _thd_checks(current, packed_seq_params, query)
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         window = layer_window(core_attention)
-        key, value = prefix_kv(core_attention, key, value, current, window)
-        mask = _segment_mask(attention_mask, current, query.device, window)
+        keys, values, view = segment_kv(core_attention, key, value, current, window)
+        mask = _local_mask(attention_mask, current, view, query.device)
         with _masked_softmax(core_attention):
-            return original(query, key, value, mask, attn_mask_type=AttnMaskType.padding,
-                            attention_bias=attention_bias, packed_seq_params=None)
+            return original(query, keys, values, mask, attn_mask_type=AttnMaskType.padding,
+                            attention_bias=None, packed_seq_params=None)
 
     return forward
 
 
 def te_attention_forward(core_attention, original):
-    """Forward for Transformer Engine's ``TEDotProductAttention`` (and look-alikes)."""
+    """Forward for Transformer Engine's ``TEDotProductAttention`` (and look-alikes: the flash
+    attention on SDPA takes the same calls).
+
+    A segment without documents (or whose documents change nothing) attends over
+    its K/V prefix with ``causal_bottom_right``; a given mask goes along, over the
+    keys it sees, as unsegmented (TE's unfused backend ORs it into the causal
+    mask, its flash and fused backends ignore it). With documents the segment is
+    packed as THD (:mod:`megatron_seq1f1b.varlen`): ``cu_seqlens`` per document
+    piece and ``padding_causal_bottom_right``, which THD requires; no mask.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
+
+    causal = (AttnMaskType.causal, AttnMaskType.causal_bottom_right, AttnMaskType.padding_causal,
+              "causal")
 
     def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
@@ -184,27 +242,62 @@ def te_attention_forward(core_attention, original):
             return original(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params,
                             **kwargs)
-        _reject_unsliceable(packed_seq_params, attention_bias)
+        _reject_bias(attention_bias)
         mask_type = attn_mask_type if attn_mask_type is not None else core_attention.attn_mask_type
-        if mask_type not in (AttnMaskType.causal, AttnMaskType.causal_bottom_right, "causal"):
+        if mask_type not in causal:
             raise ValueError(
                 f"Seq1F1B needs causal self-attention; this layer uses {mask_type}"
             )
-        key, value = prefix_kv(core_attention, key, value, current, layer_window(core_attention))
-        return original(query, key, value, None, attn_mask_type=AttnMaskType.causal_bottom_right,
-                        attention_bias=attention_bias, packed_seq_params=None, **kwargs)
+        if _is_thd(packed_seq_params):
+            _thd_checks(current, packed_seq_params, query)
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        keys, values, view = segment_kv(core_attention, key, value, current,
+                                        layer_window(core_attention))
+        info = current.info
+        if view.pieces is None:
+            mask = None if attention_mask is None else _given_mask(attention_mask, info, view)
+            return original(query, keys, values, mask,
+                            attn_mask_type=AttnMaskType.causal_bottom_right,
+                            attention_bias=None, packed_seq_params=None, **kwargs)
+        packed = current.run.packed(info, view, query.device)
+        q, k, v = packed.pack(query, keys, values)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=packed.cu_q_tensor, cu_seqlens_kv=packed.cu_k_tensor,
+            max_seqlen_q=packed.max_q, max_seqlen_kv=packed.max_k)
+        params.seq1f1b_host = (packed.cu_q, packed.cu_k)
+        out = original(q, k, v, None, attn_mask_type=PADDING_CAUSAL_BOTTOM_RIGHT,
+                       attention_bias=None, packed_seq_params=params, **kwargs)
+        return packed.unpack(out)
 
     return forward
 
 
 def rotary_forward(rotary, original):
-    """RotaryEmbedding.forward with the segment's position offset."""
+    """RotaryEmbedding.forward with the segment's position offset.
+
+    Packed (THD) batches restart positions at every document, and Megatron
+    applies a table as long as the packed tokens row by row: the segment gets
+    one row per token, at its position within its document (the part of a
+    document that crossed from earlier segments continues where it was).
+    """
 
     def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
         current = _segmented()
         if current is None:
             return original(max_seq_len, offset, packed_seq, cp_group)
         info = current.info
+        if packed_seq:
+            run = current.run
+            if run.documents is None:
+                raise ValueError(
+                    "Seq1F1B: rotary embeddings of a packed (THD) batch in a segment, but the "
+                    "schedule was not given its documents; pass documents='cu_seqlens'")
+            positions, longest = run.document_positions(info)
+            table = original(longest, 0, packed_seq, cp_group)
+            if not isinstance(table, torch.Tensor):
+                raise ValueError("Seq1F1B: packed (THD) documents with this rotary embedding "
+                                 f"({type(rotary).__name__}, e.g. YaRN) are not supported")
+            return table.index_select(0, positions.to(table.device))
         if max_seq_len != info.length:
             raise RuntimeError(
                 f"Seq1F1B: rotary embedding asked for {max_seq_len} positions in segment "

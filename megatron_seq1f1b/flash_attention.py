@@ -55,6 +55,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from megatron_seq1f1b import varlen
+from megatron_seq1f1b.varlen import window_mask
+
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
 _TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])
 HAS_ENABLE_GQA = _TORCH >= (2, 5)  # scaled_dot_product_attention(enable_gqa=...)
@@ -64,13 +67,6 @@ def _causal_lower_right(sq: int, sk: int):
     from torch.nn.attention.bias import causal_lower_right
 
     return causal_lower_right(sq, sk)
-
-
-def window_mask(sq: int, sk: int, window: int, device) -> torch.Tensor:
-    """Boolean ``[sq, sk]`` mask (True = attend): causal, bottom-right, ``window`` keys back."""
-    rows = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
-    keys = torch.arange(sk, device=device)
-    return (keys <= rows) & (keys >= rows - window)
 
 
 class FlashDotProductAttention(MegatronModule):
@@ -144,6 +140,9 @@ class FlashDotProductAttention(MegatronModule):
         **kwargs: Any,
     ) -> torch.Tensor:
         """``softmax(Q K^T * scale) V``, causal (bottom-right when keys outnumber queries)."""
+        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd":
+            return self._thd(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                             packed_seq_params, kwargs)
         sq, batch, heads, _ = query.shape
         sk, groups = key.shape[0], key.shape[2]
         mask, is_causal = self._mask(attention_mask, attn_mask_type, attention_bias,
@@ -164,6 +163,58 @@ class FlashDotProductAttention(MegatronModule):
                 scale=self.softmax_scale, **extra)
         # [b, h, sq, dv] -> [sq, b, h * dv]
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * context.shape[-1])
+
+    def _thd(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+             packed_seq_params, kwargs) -> torch.Tensor:
+        """Packed documents (THD): causal attention per document, no mask tensor.
+
+        ``query`` ``[t, heads, d]``, key/value ``[t_k, groups, d]``, cut by
+        ``packed_seq_params.cu_seqlens_q`` / ``cu_seqlens_kv``; aligned
+        bottom-right where a document has more keys than queries (mask type
+        ``padding_causal_bottom_right``, as Seq1F1B's segments pass); out ``[t, heads * dv]``.
+        """
+        problems = []
+        if attention_mask is not None:
+            problems.append("an attention_mask with packed sequences (documents come from "
+                            "cu_seqlens)")
+        if attention_bias is not None:
+            problems.append("an attention_bias")
+        given = sorted(name for name, value in kwargs.items() if value is not None)
+        if given:
+            problems.append(f"the arguments {', '.join(given)}")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        name = getattr(mask_type, "name", mask_type)
+        bottom_right = name in ("causal_bottom_right", "padding_causal_bottom_right")
+        if name not in ("causal", "padding_causal") and not bottom_right:
+            problems.append(f"attn_mask_type={name} with packed sequences (causal only)")
+        if query.dim() != 3:
+            problems.append(f"packed (THD) queries of shape {tuple(query.shape)}; expected "
+                            "[tokens, heads, dim]")
+        params = packed_seq_params
+        for field in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            padded = getattr(params, field, None)
+            if padded is not None and padded is not getattr(params, field[:-7], None) \
+                    and not torch.equal(padded, getattr(params, field[:-7])):
+                problems.append(f"{field} different from {field[:-7]} (padded documents are "
+                                "for context parallelism)")
+        if problems:
+            raise ValueError("FlashDotProductAttention does not support " + "; ".join(problems))
+        host = getattr(params, "seq1f1b_host", None)  # (cu_q, cu_k) as integers, if known
+        cu_q, cu_k = host if host is not None else (
+            tuple(params.cu_seqlens_q.tolist()), tuple(params.cu_seqlens_kv.tolist()))
+        if not bottom_right and cu_q != cu_k:
+            raise ValueError(
+                f"FlashDotProductAttention: attn_mask_type={name} with documents of more keys "
+                "than queries is ambiguous (Transformer Engine aligns it top-left); pass "
+                "padding_causal_bottom_right")
+        dropout = self.dropout_p if self.training else 0.0
+        with self._dropout_rng(dropout):
+            context = varlen.attention(
+                query, key, value, cu_q, cu_k, int(params.max_seqlen_q),
+                int(params.max_seqlen_kv), scale=self.softmax_scale,
+                window=self.window_size[0] if self.window_size[0] >= 0 else None, dropout=dropout,
+                cu_q_tensor=params.cu_seqlens_q, cu_k_tensor=params.cu_seqlens_kv)
+        return context.reshape(context.shape[0], -1)
 
     def _mask(self, attention_mask, attn_mask_type, attention_bias, packed_seq_params, kwargs,
               sq: int, sk: int, device):

@@ -1,39 +1,39 @@
 """Keys and values of earlier segments, and the gradients flowing back to them.
 
-Per (micro-batch, model chunk, attention layer) one entry holds:
+Segments that read earlier segments' keys form a *chain*
+(:func:`megatron_seq1f1b.documents.chains`): without documents all segments
+of a micro-batch, with packed documents the runs of segments a document
+crosses. Per (micro-batch, model chunk, attention layer, chain) one entry holds:
 
-* ``keys`` / ``values``: one buffer of the whole sequence, ``[S, b, g, d]``.
-  Segment j writes its own (post-RoPE) keys and values into rows
-  ``[start_j, end_j)`` and attends over the view ``[0, end_j)``. The views
-  that attention saves for its backward all share this one buffer, so a
-  micro-batch's keys and values exist once, not once per segment (keeping a
-  concatenated prefix per segment would cost ~(k+1)/2 times as much). Writes
+* ``keys`` / ``values``: one buffer of rows ``[base, end)`` of the micro-batch,
+  where ``base`` is the first row the chain's second segment reads (0 without
+  documents or window). The chain's later segments write their own
+  (post-RoPE) keys and values into their rows and attend over the view
+  ``[key_start, end_j)``; the head writes only its rows from ``base`` on and
+  attends over its own tensors. The views attention saves for its backward all
+  share this one buffer, so a chain's keys and values exist once, not once per
+  segment (a concatenated prefix per segment would cost ~(k+1)/2 times as
+  much), and rows of documents no later segment reads are never in it. Writes
   go through ``.data`` so they do not bump the version counter of views saved
   by earlier segments; they touch rows no earlier segment reads.
 * the gradient later segments' attention leaves for earlier rows (half
   precision accumulates in fp32). Without a window one buffer ``prefix``
-  holds rows ``[0, start)`` of the first segment that contributes (the last
-  one, backward runs in reverse): each backward adds what it owes with one
+  holds rows ``[base, R)`` from the first segment that contributes (the last
+  one: backward runs in reverse): each backward adds what it owes with one
   operation per tensor, and each segment takes its rows when its turn comes
-  (the buffer goes with segment 0's backward). A per-segment share would cost
-  a slice and an add per earlier segment, per layer and segment: O(k) more
-  small kernels where Megatron's schedule has none. With a sliding window
+  (the buffer goes with the head's backward). A per-segment share would cost a
+  slice and an add per earlier segment, per layer and segment: O(k) more small
+  kernels where Megatron's schedule has none. With a sliding window
   ``pending`` keeps one share per earlier segment in reach instead, so
   segments out of reach hold nothing, and a share lives only between its
   first contributor and its owner.
 
-With a sliding window of ``w`` keys (``window_size=(w, 0)``), segment j
-attends to rows ``[max(0, start_j - w), end_j)`` only: its attention never
-sees, and its backward never owes gradient to, rows older than the window.
-The rows themselves stay until their own segment's backward (which needs
-them); what the window saves is attention over the prefix (the local
-backend's score and probability matrices are ``L x (L + w)``, not
-``L x end``) and the pending gradient of segments out of reach.
-
-The entry is dropped when segment 0's backward passes through the layer (or,
-forward-only, after the last segment); the storage goes when the last saved
-view is freed. A later segment's backward never runs through an earlier
-segment's graph: :class:`KVAppend` delivers gradients through the entry.
+A segment that reads nothing earlier and is read by nothing later needs no
+entry at all. The entry is dropped when the head's backward passes through
+the layer (or, forward-only, after the micro-batch's last segment); the
+storage goes when the last saved view is freed. A later segment's backward
+never runs through an earlier segment's graph: :class:`KVAppend` delivers
+gradients through the entry.
 """
 
 from __future__ import annotations
@@ -44,17 +44,24 @@ import torch
 
 
 class KVEntry:
-    """Caches of one attention layer for one micro-batch (see module docstring)."""
+    """Caches of one attention layer, one chain of one micro-batch (module docstring).
 
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, seq_length: int):
-        shape_k = (seq_length,) + tuple(key.shape[1:])
-        shape_v = (seq_length,) + tuple(value.shape[1:])
+    ``starts`` / ``lengths``: the micro-batch's segments (to know who is owed
+    gradient for which rows); ``windowed``: keep per-segment shares.
+    """
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, head: int, base: int, end: int,
+                 starts: tuple[int, ...], lengths: tuple[int, ...], windowed: bool = False):
+        shape_k = (end - base,) + tuple(key.shape[1:])
+        shape_v = (end - base,) + tuple(value.shape[1:])
         self.keys = torch.empty(shape_k, dtype=key.dtype, device=key.device)
         self.values = torch.empty(shape_v, dtype=value.dtype, device=value.device)
         # What segments write through: aliases with a version counter of their own (``.data``,
         # made once), so a write never invalidates the views earlier segments saved.
         self.writable = (self.keys.data, self.values.data)
-        self.prefix: list[torch.Tensor] | None = None  # [key grads, value grads] of rows [0, R)
+        self.head, self.base, self.end = head, base, end
+        self.starts, self.lengths, self.windowed = starts, lengths, windowed
+        self.prefix: list[torch.Tensor] | None = None  # [key grads, value grads] of rows [base, R)
         self.pending: dict[int, list[torch.Tensor]] = {}  # windows: segment -> its share
         self.owed: set[int] = set()  # segments with gradient waiting for them
         self.forwarded: set[int] = set()
@@ -64,27 +71,37 @@ class KVEntry:
     def _accumulation_dtype(grad: torch.Tensor) -> torch.dtype:
         return torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
 
-    def accumulate(self, first_row: int, grad_keys: torch.Tensor, grad_values: torch.Tensor,
-                   lengths: tuple[int, ...]) -> None:
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A segment's rows from ``start`` on, as far as the buffer holds them."""
+        skip = max(0, self.base - start)
+        first, last = start + skip - self.base, start + key.shape[0] - self.base
+        self.writable[0][first:last].copy_(key[skip:] if skip else key)
+        self.writable[1][first:last].copy_(value[skip:] if skip else value)
+
+    def view(self, first_row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.keys[first_row - self.base : end - self.base],
+                self.values[first_row - self.base : end - self.base])
+
+    def accumulate(self, first_row: int, grad_keys: torch.Tensor,
+                   grad_values: torch.Tensor) -> None:
         """Add gradient for rows ``[first_row, first_row + len(grad_keys))`` to their segments."""
         last_row = first_row + grad_keys.shape[0]
-        start = 0
-        for index, length in enumerate(lengths):  # plain integers: who is owed something
+        for index, (start, length) in enumerate(zip(self.starts, self.lengths)):
             if start >= last_row:
                 break
             if start + length > first_row:
                 self.owed.add(index)
-            start += length
-        if self.prefix is not None or (first_row == 0 and not self.pending):
-            if self.prefix is None:  # the first contributor reaches furthest: rows [0, R)
+        if not self.windowed:
+            if self.prefix is None:  # the first contributor reaches furthest: rows [base, R)
                 dtype = self._accumulation_dtype(grad_keys)
-                self.prefix = [grad.new_zeros((last_row,) + tuple(grad.shape[1:]), dtype=dtype)
+                self.prefix = [grad.new_zeros((last_row - self.base,) + tuple(grad.shape[1:]),
+                                              dtype=dtype)
                                for grad in (grad_keys, grad_values)]
-            self.prefix[0][first_row:last_row] += grad_keys
-            self.prefix[1][first_row:last_row] += grad_values
+            low, high = first_row - self.base, last_row - self.base
+            self.prefix[0][low:high] += grad_keys
+            self.prefix[1][low:high] += grad_values
             return
-        start = 0
-        for index, length in enumerate(lengths):
+        for index, (start, length) in enumerate(zip(self.starts, self.lengths)):
             end = start + length
             low, high = max(start, first_row), min(end, last_row)
             if low < high:
@@ -96,36 +113,44 @@ class KVEntry:
                     self.pending[index] = shares
                 shares[0][low - start : high - start] += grad_keys[low - first_row : high - first_row]
                 shares[1][low - start : high - start] += grad_values[low - first_row : high - first_row]
-            start = end
 
     def take(self, index: int, start: int, end: int, grad_keys: torch.Tensor,
              grad_values: torch.Tensor):
         """Segment `index`'s (rows ``[start, end)``) own gradient plus what later segments
-        left for it."""
+        left for it (rows from ``base`` on)."""
         if index not in self.owed:
             return grad_keys, grad_values
         self.owed.discard(index)
+        low = max(start, self.base)
         if self.prefix is not None:
-            keys, values = self.prefix[0][start:end], self.prefix[1][start:end]
-            if index == 0:
+            keys = self.prefix[0][low - self.base : end - self.base]
+            values = self.prefix[1][low - self.base : end - self.base]
+            if index == self.head:
                 self.prefix = None
         else:
             keys, values = self.pending.pop(index)
-        return grad_keys + keys.to(grad_keys.dtype), grad_values + values.to(grad_values.dtype)
+            keys, values = keys[low - start:], values[low - start:]
+        skip = low - start
+        if skip == 0:
+            return grad_keys + keys.to(grad_keys.dtype), grad_values + values.to(grad_values.dtype)
+        return (torch.cat([grad_keys[:skip], grad_keys[skip:] + keys.to(grad_keys.dtype)]),
+                torch.cat([grad_values[:skip], grad_values[skip:] + values.to(grad_values.dtype)]))
 
 
 class KVStore:
-    """All entries of one iteration, keyed by (micro-batch, chunk, layer)."""
+    """All entries of one iteration, keyed by (micro-batch, chunk, layer, chain head)."""
 
     def __init__(self):
-        self._entries: dict[tuple[int, int, int], KVEntry] = {}
+        self._entries: dict[tuple[int, int, int, int], KVEntry] = {}
 
-    def get(self, microbatch: int, chunk: int, layer: object) -> KVEntry | None:
-        return self._entries.get((microbatch, chunk, id(layer)))
+    def get(self, microbatch: int, chunk: int, layer: object, head: int = 0) -> KVEntry | None:
+        return self._entries.get((microbatch, chunk, id(layer), head))
 
-    def create(self, microbatch: int, chunk: int, layer: object, key, value, seq_length: int):
-        entry = KVEntry(key, value, seq_length)
-        entry.store_key = (microbatch, chunk, id(layer))
+    def create(self, microbatch: int, chunk: int, layer: object, key, value, *, head: int = 0,
+               base: int = 0, end: int, starts: tuple[int, ...], lengths: tuple[int, ...],
+               windowed: bool = False) -> KVEntry:
+        entry = KVEntry(key, value, head, base, end, starts, lengths, windowed)
+        entry.store_key = (microbatch, chunk, id(layer), head)
         self._entries[entry.store_key] = entry
         return entry
 
@@ -153,26 +178,30 @@ class KVStore:
 
 
 class KVAppend(torch.autograd.Function):
-    """[earlier segments' K/V within reach ; this segment's K/V] as views of the entry's buffers.
+    """A chain segment's keys/values: its own, or earlier rows and its own as views of the entry.
 
-    Rows ``[first_row, end)`` of the micro-batch: ``first_row`` is 0 without a
-    window, ``max(0, start - w)`` with a window of ``w`` keys.
+    ``first_row`` None: the chain's head, which attends over its own tensors
+    (they come back as views of themselves) and writes its rows from the
+    buffer's base on. Otherwise a later segment, which writes its rows and
+    attends over rows ``[first_row, end)``.
     """
 
     @staticmethod
-    def forward(ctx, key, value, store, entry, info, write, first_row=0):
+    def forward(ctx, key, value, store, entry, info, write, first_row=None):
         if write:
-            entry.writable[0][info.start : info.end].copy_(key)
-            entry.writable[1][info.start : info.end].copy_(value)
+            entry.write(info.start, key, value)
         # Weak: a graph that outlives the iteration (Megatron's MoE dispatcher keeps the last
         # forward's tensors) must not keep the cache objects alive.
         ctx.store, ctx.entry = weakref.ref(store), weakref.ref(entry)
         ctx.info, ctx.first_row = info, first_row
-        return entry.keys[first_row : info.end], entry.values[first_row : info.end]
+        if first_row is None:
+            return key.view_as(key), value.view_as(value)
+        return entry.view(first_row, info.end)
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
-        entry, store, info, first_row = ctx.entry(), ctx.store(), ctx.info, ctx.first_row
+        entry, store, info = ctx.entry(), ctx.store(), ctx.info
+        first_row = info.start if ctx.first_row is None else ctx.first_row
         if entry is None or store is None:
             raise RuntimeError(
                 f"Seq1F1B: backward of micro-batch {info.microbatch}, segment {info.index} "
@@ -180,13 +209,15 @@ class KVAppend(torch.autograd.Function):
             )
         own = info.start - first_row
         if grad_keys is None:
-            grad_keys = torch.zeros_like(entry.keys[first_row : info.end])
+            grad_keys = torch.zeros((info.end - first_row,) + tuple(entry.keys.shape[1:]),
+                                    dtype=entry.keys.dtype, device=entry.keys.device)
         if grad_values is None:
-            grad_values = torch.zeros_like(entry.values[first_row : info.end])
+            grad_values = torch.zeros((info.end - first_row,) + tuple(entry.values.shape[1:]),
+                                      dtype=entry.values.dtype, device=entry.values.device)
         own_k, own_v = entry.take(info.index, info.start, info.end, grad_keys[own:],
                                   grad_values[own:])
         if own > 0:
-            entry.accumulate(first_row, grad_keys[:own], grad_values[:own], info.lengths)
-        if info.index == 0:
+            entry.accumulate(first_row, grad_keys[:own], grad_values[:own])
+        if info.index == entry.head:
             store.release_entry(entry)
         return own_k, own_v, None, None, None, None, None

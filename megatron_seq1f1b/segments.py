@@ -17,7 +17,9 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from megatron_seq1f1b.checks import raise_if, segment_length_problems
+from megatron_seq1f1b.documents import Chain, Documents, SegmentView, chains, roles, views_of
 from megatron_seq1f1b.kv_cache import KVStore
+from megatron_seq1f1b.varlen import Packed
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -42,6 +44,25 @@ class SegmentInfo:
     @property
     def is_last(self) -> bool:
         return self.index == self.num_splits - 1
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One micro-batch's segments for layers of one window: what each sees, and the chains."""
+
+    views: tuple[SegmentView, ...]
+    chains: tuple[Chain, ...]
+    roles: tuple[tuple[str, int], ...]
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+def _starts(lengths: Sequence[int]) -> tuple[int, ...]:
+    out, total = [], 0
+    for n in lengths:
+        out.append(total)
+        total += n
+    return tuple(out)
 
 
 @dataclass
@@ -73,26 +94,66 @@ class SegmentRun:
     write caches again nor count a second forward.
     """
 
-    def __init__(self, lengths: Sequence[int], *, forward_only: bool = False, config=None):
+    def __init__(self, lengths: Sequence[int], *, forward_only: bool = False, config=None,
+                 documents: Sequence[Documents | None] | None = None,
+                 microbatch_lengths: Sequence[Sequence[int]] | None = None):
         raise_if(segment_length_problems(lengths, config=config))
         self.lengths = tuple(int(n) for n in lengths)
-        self.starts = tuple(sum(self.lengths[:i]) for i in range(len(self.lengths)))
+        self.starts = _starts(self.lengths)
         self.forward_only = forward_only
         self.kv = KVStore()
+        # Per micro-batch (plan data, the same on every rank): its documents, and its own
+        # segment lengths where they differ between micro-batches (``documents`` partition).
+        self.documents = tuple(documents) if documents is not None else None
+        self.microbatch_lengths = (tuple(tuple(int(n) for n in row) for row in microbatch_lengths)
+                                   if microbatch_lengths is not None else None)
+        if self.microbatch_lengths is not None:
+            for row in self.microbatch_lengths:
+                raise_if(segment_length_problems(row, sum(self.lengths), config))
+                if len(row) != len(self.lengths):
+                    raise_if([f"micro-batch segment lengths {list(row)} differ in number from "
+                              f"{list(self.lengths)}"])
         self._masks: dict = {}
+        self._views: dict = {}
+        self._packed: dict = {}
 
     @property
     def num_splits(self) -> int:
         return len(self.lengths)
 
+    def lengths_of(self, microbatch: int) -> tuple[int, ...]:
+        """The segment lengths of one micro-batch."""
+        if self.microbatch_lengths is None:
+            return self.lengths
+        return self.microbatch_lengths[microbatch]
+
+    def documents_of(self, microbatch: int) -> Documents | None:
+        if self.documents is None:
+            return None
+        return self.documents[microbatch]
+
     def info(self, microbatch: int, segment: int, chunk: int = 0) -> SegmentInfo:
         if not 0 <= segment < self.num_splits:
             raise IndexError(f"segment {segment} outside 0..{self.num_splits - 1}")
-        start = self.starts[segment]
-        return SegmentInfo(
-            microbatch, segment, self.num_splits, start, start + self.lengths[segment],
-            self.lengths, chunk,
-        )
+        if self.microbatch_lengths is None:
+            lengths, start = self.lengths, self.starts[segment]
+        else:
+            lengths = self.microbatch_lengths[microbatch]
+            start = sum(lengths[:segment])
+        return SegmentInfo(microbatch, segment, self.num_splits, start, start + lengths[segment],
+                           lengths, chunk)
+
+    def geometry(self, microbatch: int, window: int | None) -> Geometry:
+        """Views, chains and roles of one micro-batch's segments for layers with ``window``."""
+        key = (microbatch, window)
+        found = self._views.get(key)
+        if found is None:
+            lengths = self.lengths_of(microbatch)
+            views = views_of(_starts(lengths), lengths, self.documents_of(microbatch), window)
+            linked = chains(views)
+            found = Geometry(views, linked, roles(views, linked), _starts(lengths), lengths)
+            self._views[key] = found
+        return found
 
     @contextlib.contextmanager
     def _enter(self, info: SegmentInfo, phase: str) -> Iterator[SegmentInfo]:
@@ -111,6 +172,7 @@ class SegmentRun:
             yield info
         if self.forward_only and info.is_last:
             self.kv.release(microbatch, chunk)
+            self.forget(microbatch)
 
     @contextlib.contextmanager
     def backward(self, microbatch: int, segment: int, chunk: int = 0) -> Iterator[SegmentInfo]:
@@ -120,31 +182,74 @@ class SegmentRun:
         if segment == 0:
             # Normally already released layer by layer inside the backward pass.
             self.kv.release(microbatch, chunk)
+            self.forget(microbatch)
 
-    def causal_mask(self, info: SegmentInfo, device, window: int | None = None) -> torch.Tensor:
-        """[1, 1, L, keys] boolean mask, True = masked: query i sees keys <= start + i.
+    def local_mask(self, info: SegmentInfo, view: SegmentView, device) -> torch.Tensor:
+        """Boolean mask of queries x keys ``[key_start, end)``, True = masked (local attention).
 
-        With a ``window`` of w keys the columns start at ``max(0, start - w)``
-        and query i sees keys ``start + i - w .. start + i``.
+        Without documents ``[1, 1, L, keys]``: query i sees keys ``<= start + i``
+        (and, with a window of w keys, ``>= start + i - w``). With documents
+        ``[b, 1, L, keys]``: the keys of its own document only.
         """
-        key = (info.start, info.end, device, window)
+        key = (info.microbatch if view.pieces is not None else None, info.start, info.end,
+               view.key_start, view.window, device)
         mask = self._masks.get(key)
         if mask is None:
-            first = 0 if window is None else max(0, info.start - window)
             queries = torch.arange(info.start, info.end, device=device).unsqueeze(1)
-            keys = torch.arange(first, info.end, device=device)
-            mask = keys > queries
-            if window is not None:
-                mask |= keys < queries - window
-            mask = mask.view(1, 1, info.length, info.end - first)
+            keys = torch.arange(view.key_start, info.end, device=device)
+            if view.pieces is None:
+                mask = keys > queries
+                if view.window is not None:
+                    mask |= keys < queries - view.window
+                mask = mask.view(1, 1, info.length, view.num_keys)
+            else:
+                rows = []
+                for sample in view.pieces:
+                    lows = [piece.doc for piece in sample for _ in range(piece.queries)]
+                    lowest = torch.tensor(lows, device=device).unsqueeze(1)
+                    if view.window is not None:
+                        lowest = torch.maximum(lowest, queries - view.window)
+                    rows.append((keys > queries) | (keys < lowest))
+                mask = torch.stack(rows).unsqueeze(1)
             self._masks[key] = mask
         return mask
+
+    def packed(self, info: SegmentInfo, view: SegmentView, device) -> Packed:
+        """The segment as variable-length (THD) attention sees it, its index tensors on
+        ``device`` (made once per segment and window, shared by its layers)."""
+        key = (info.microbatch, info.index, view.window, device)
+        found = self._packed.get(key)
+        if found is None:
+            found = Packed.of(view, len(view.pieces) if view.pieces is not None else 1, device)
+            self._packed[key] = found
+        return found
+
+    def document_positions(self, info: SegmentInfo) -> tuple[torch.Tensor, int]:
+        """Each token's position within its document (one sample), and one more than the
+        largest: the rows of a packed segment's rotary table (cached per segment)."""
+        key = (info.microbatch, "positions", info.index)
+        found = self._packed.get(key)
+        if found is None:
+            positions = self.documents_of(info.microbatch).positions(0, info.start, info.end)
+            found = (torch.tensor(positions, dtype=torch.long), max(positions) + 1)
+            self._packed[key] = found
+        return found
+
+    def forget(self, microbatch: int) -> None:
+        """Drop a finished micro-batch's masks and index tensors."""
+        for cache in (self._masks, self._packed):
+            for key in [k for k in cache if k[0] == microbatch]:
+                del cache[key]
+        for key in [k for k in self._views if k[0] == microbatch]:
+            del self._views[key]
 
     def close(self) -> None:
         """End of iteration: caches must be empty (every micro-batch finished)."""
         leftover = self.kv.live_entries()
         self.kv.clear()
         self._masks.clear()
+        self._views.clear()
+        self._packed.clear()
         if leftover:
             raise RuntimeError(
                 f"Seq1F1B: key/value caches of {leftover} layer(s) were still alive at the end "

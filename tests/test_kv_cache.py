@@ -5,35 +5,40 @@ work per segment does not grow with the number of segments."""
 import pytest
 import torch
 
+from megatron_seq1f1b import segments
+from megatron_seq1f1b.attention import segment_kv
 from megatron_seq1f1b.kv_cache import KVAppend, KVStore
-from megatron_seq1f1b.segments import SegmentInfo
+from megatron_seq1f1b.segments import SegmentInfo, SegmentRun
 
 
-def _run(lengths, window):
-    """Each segment's 'attention' is sum(weights * K/V view); returns grads and pending log."""
+def _run(lengths, window, documents=None):
+    """Each segment's 'attention' is sum(weights * K/V it sees); returns grads and pending log.
+
+    Segments go through the model hooks' own path (``attention.segment_kv``) in a SegmentRun.
+    """
     torch.manual_seed(0)
     seq = sum(lengths)
     keys = torch.randn(seq, 2, 3, requires_grad=True)
     values = torch.randn(seq, 2, 3, requires_grad=True)
     weights = torch.randn(seq, 2, 3)
-    store, outputs, start = KVStore(), [], 0
-    entry = None
-    for index, length in enumerate(lengths):
-        info = SegmentInfo(0, index, len(lengths), start, start + length, tuple(lengths))
-        k, v = keys[start:start + length], values[start:start + length]
-        if entry is None:
-            entry = store.create(0, 0, "layer", k, v, seq)
-        first = 0 if window is None else max(0, start - window)
-        view_k, view_v = KVAppend.apply(k, v, store, entry, info, True, first)
-        assert view_k.shape[0] == start + length - first
-        outputs.append((view_k * weights[first:start + length]).sum()
-                       + (view_v * weights[first:start + length] ** 2).sum())
-        start += length
+    run = SegmentRun(lengths, documents=None if documents is None else [documents])
+    outputs = []
+    for index in range(len(lengths)):
+        with run.forward(0, index) as info:
+            k, v = keys[info.start:info.end], values[info.start:info.end]
+            view_k, view_v, view = segment_kv("layer", k, v, segments.active(), window)
+            first = view.key_start if view_k.shape[0] != info.length else info.start
+            assert view_k.shape[0] == info.end - first
+            outputs.append((view_k * weights[first:info.end]).sum()
+                           + (view_v * weights[first:info.end] ** 2).sum())
     pending = []
-    for out in reversed(outputs):
-        out.backward()
-        pending.append(sorted(entry.owed))
-    assert store.live_entries() == 0
+    for index, out in reversed(list(enumerate(outputs))):
+        with run.backward(0, index):
+            entries = list(run.kv._entries.values())
+            out.backward()
+        pending.append(sorted(i for entry in entries for i in entry.owed))
+    assert run.kv.live_entries() == 0
+    run.close()
     return keys.grad, values.grad, pending
 
 
@@ -80,14 +85,17 @@ def test_without_a_window_a_backward_costs_the_same_operations_whatever_k():
 
     def last_backward_ops(k):
         store, seq = KVStore(), 8 * k
+        starts = tuple(range(0, seq, 8))
         keys = torch.randn(seq, 2, 3, requires_grad=True)
         entry, outputs, start = None, [], 0
         for index in range(k):
             info = SegmentInfo(0, index, k, start, start + 8, (8,) * k)
             k_seg = keys[start:start + 8]
             if entry is None:
-                entry = store.create(0, 0, "layer", k_seg, k_seg, seq)
-            view_k, view_v = KVAppend.apply(k_seg, k_seg, store, entry, info, True, 0)
+                entry = store.create(0, 0, "layer", k_seg, k_seg, end=seq, starts=starts,
+                                     lengths=(8,) * k)
+            view_k, view_v = KVAppend.apply(k_seg, k_seg, store, entry, info, True,
+                                            None if index == 0 else 0)
             outputs.append(view_k.sum() + view_v.sum())
             start += 8
         with Count() as count:
@@ -96,3 +104,54 @@ def test_without_a_window_a_backward_costs_the_same_operations_whatever_k():
         return count.ops
 
     assert last_backward_ops(8) == last_backward_ops(2)
+
+
+def _direct(lengths, ranges):
+    """The same 'attention' straight through autograd, each segment over keys ``ranges[j]``."""
+    torch.manual_seed(0)
+    seq = sum(lengths)
+    keys = torch.randn(seq, 2, 3, requires_grad=True)
+    values = torch.randn(seq, 2, 3, requires_grad=True)
+    weights = torch.randn(seq, 2, 3)
+    total = 0
+    for first, end in ranges:
+        total = total + (keys[first:end] * weights[first:end]).sum() \
+            + (values[first:end] * weights[first:end] ** 2).sum()
+    total.backward()
+    return keys.grad, values.grad
+
+
+@pytest.mark.parametrize("starts, window, ranges", [
+    ((0, 5, 20), None, [(0, 8), (5, 16), (5, 24), (20, 32)]),   # one chain from row 5
+    ((0, 8, 20), None, [(0, 8), (8, 16), (8, 24), (20, 32)]),   # segment 0 alone
+    ((0, 8, 16, 24), None, [(0, 8), (8, 16), (16, 24), (24, 32)]),  # every cut at a document end
+    ((0, 3), 4, [(0, 8), (4, 16), (12, 24), (20, 32)]),          # a window inside one document
+])
+def test_documents_carry_only_the_crossing_document(starts, window, ranges):
+    from megatron_seq1f1b.documents import Documents
+
+    lengths = (8, 8, 8, 8)
+    documents = Documents((starts,), 32)
+    grad_k, grad_v, _ = _run(lengths, window, documents)
+    expected_k, expected_v = _direct(lengths, ranges)
+    torch.testing.assert_close(grad_k, expected_k, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad_v, expected_v, rtol=1e-6, atol=0)
+
+
+def test_a_chain_buffer_holds_only_rows_later_segments_read():
+    from megatron_seq1f1b.documents import Documents
+
+    run = SegmentRun((8, 8, 8, 8), documents=[Documents(((0, 5, 20),), 32)])
+    keys = torch.randn(32, 1, 2, 3)
+    for index in range(4):
+        with run.forward(0, index) as info:
+            segment_kv("layer", keys[info.start:info.end], keys[info.start:info.end],
+                       segments.active(), None)
+    (entry,) = run.kv._entries.values()
+    assert (entry.base, entry.end, entry.keys.shape[0]) == (5, 32, 27)  # document 0..5 left out
+    run = SegmentRun((8, 8, 8, 8), documents=[Documents(((0, 8, 16, 24),), 32)])
+    for index in range(4):
+        with run.forward(0, index) as info:
+            segment_kv("layer", keys[info.start:info.end], keys[info.start:info.end],
+                       segments.active(), None)
+    assert run.kv.live_entries() == 0  # every segment starts a document: nothing carried

@@ -1,0 +1,198 @@
+"""Variable-length (THD) attention over documents: packing a segment, and the kernels.
+
+A segment with documents is many small causal attentions: per sample, one
+per document piece (:class:`~megatron_seq1f1b.documents.Piece`), queries
+``[q0, q1)`` over keys ``[k0, q1)``, aligned bottom-right. Transformer
+Engine and PyTorch's flash kernel take such a batch as *THD*: queries and
+keys of all pieces packed along one token dimension, cut by cumulative
+lengths (``cu_seqlens_q``, ``cu_seqlens_kv``). No ``[queries, keys]`` mask
+exists anywhere.
+
+* :class:`Packed`: one segment's packing (made once per segment and window,
+  shared by its layers). With micro-batch size 1 queries and keys are views
+  (the K/V buffer's rows ``[key_start, end)`` are exactly the pieces' keys);
+  with more samples they are gathered (one copy of the segment's Q, K, V).
+* :func:`attention`: the kernel. On CUDA PyTorch's ``varlen_attn`` (its flash
+  kernel, torch >= 2.9) where it exists; elsewhere one SDPA call per piece,
+  causal (``is_causal``) or ``causal_lower_right`` for the piece that crosses
+  into the segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from megatron_seq1f1b.documents import SegmentView
+
+
+class MaskType(NamedTuple):
+    """A Transformer Engine mask type Megatron's ``AttnMaskType`` lacks (TE reads ``.name``)."""
+
+    name: str
+
+
+#: THD needs a padding mask type; the document crossing into a segment from earlier ones has
+#: more keys than queries, aligned bottom-right.
+PADDING_CAUSAL_BOTTOM_RIGHT = MaskType("padding_causal_bottom_right")
+
+
+def _cumulative(lengths) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One segment packed as THD (see the module docstring)."""
+
+    micro_batch_size: int
+    length: int  # queries per sample
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+    max_q: int
+    max_k: int
+    cu_q_tensor: torch.Tensor
+    cu_k_tensor: torch.Tensor
+    key_index: torch.Tensor | None  # rows of the [keys * b] flattened K/V to gather (b > 1)
+
+    @classmethod
+    def of(cls, view: SegmentView, micro_batch_size: int, device) -> "Packed":
+        pieces = view.sample_pieces(micro_batch_size)
+        q_lengths = [p.queries for sample in pieces for p in sample]
+        k_lengths = [p.keys for sample in pieces for p in sample]
+        cu_q, cu_k = _cumulative(q_lengths), _cumulative(k_lengths)
+        key_index = None
+        if micro_batch_size > 1:
+            rows = [(row - view.key_start) * micro_batch_size + sample
+                    for sample, own in enumerate(pieces)
+                    for row in range(own[0].k0, view.end)]
+            key_index = torch.tensor(rows, dtype=torch.long, device=device)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        return cls(micro_batch_size, view.length, tuple(cu_q), tuple(cu_k), max(q_lengths),
+                   max(k_lengths), as_tensor(cu_q), as_tensor(cu_k), key_index)
+
+    def pack(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """``[L, b, h, d]`` queries and ``[keys, b, g, d]`` K/V -> ``[T, h, d]`` THD tensors."""
+        if self.micro_batch_size == 1:
+            return query[:, 0], key[:, 0], value[:, 0]
+        q = query.transpose(0, 1).reshape(-1, *query.shape[2:])
+        k = key.reshape(-1, *key.shape[2:]).index_select(0, self.key_index)
+        v = value.reshape(-1, *value.shape[2:]).index_select(0, self.key_index)
+        return q, k, v
+
+    def unpack(self, output: torch.Tensor) -> torch.Tensor:
+        """``[T, h * d]`` (or ``[T, h, d]``) -> ``[L, b, h * d]``."""
+        output = output.reshape(output.shape[0], -1)
+        if self.micro_batch_size == 1:
+            return output.unsqueeze(1)
+        return output.view(self.micro_batch_size, self.length, -1).transpose(0, 1).contiguous()
+
+
+_VERIFIED: dict = {}
+
+
+def _torch_varlen(device: torch.device, dtype: torch.dtype, window: bool):
+    """PyTorch's ``varlen_attn`` if it exists here and, checked once per device, dtype and
+    window use against per-piece SDPA, aligns causal pieces bottom-right as this module does
+    (a kernel that aligned them top-left would be silently wrong)."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    if window and "window_size" not in inspect.signature(varlen_attn).parameters:
+        return None
+    key = (device, dtype, window)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _agrees(varlen_attn, device, dtype, window)
+    return varlen_attn if _VERIFIED[key] else None
+
+
+def _agrees(varlen_attn, device, dtype, window: bool) -> bool:
+    """Two sequences, one with more keys than queries: varlen_attn against the SDPA path."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    make = lambda n: torch.randn(n, 2, 64, generator=generator).to(device, dtype)  # noqa: E731
+    query, key, value = make(40), make(56), make(56)
+    cu_q, cu_k, w = (0, 24, 40), (0, 40, 56), (7 if window else None)
+    try:
+        fast = _call_varlen(varlen_attn, query, key, value, cu_q, cu_k, 24, 40, 0.125, w, None, None)
+    except Exception:  # noqa: BLE001 - a kernel that does not run here is not used
+        return False
+    slow = _per_piece(query, key, value, cu_q, cu_k, scale=0.125, window=w, dropout=0.0)
+    return bool(torch.allclose(fast.float(), slow.float(), atol=2e-2, rtol=2e-2))
+
+
+def _call_varlen(varlen_attn, query, key, value, cu_q, cu_k, max_q, max_k, scale, window,
+                 cu_q_tensor, cu_k_tensor):
+    device = query.device
+    cu_q_t = cu_q_tensor if cu_q_tensor is not None else torch.tensor(
+        cu_q, dtype=torch.int32, device=device)
+    cu_k_t = cu_k_tensor if cu_k_tensor is not None else torch.tensor(
+        cu_k, dtype=torch.int32, device=device)
+    heads, groups = query.shape[1], key.shape[1]
+    if groups != heads:
+        key = key.repeat_interleave(heads // groups, dim=1)
+        value = value.repeat_interleave(heads // groups, dim=1)
+    extra = {} if window is None else {"window_size": (window, 0)}
+    return varlen_attn(query, key, value, cu_q_t, cu_k_t, max_q, max_k, scale=scale, **extra)
+
+
+def window_mask(sq: int, sk: int, window: int, device) -> torch.Tensor:
+    """Boolean ``[sq, sk]`` mask (True = attend): causal, bottom-right, ``window`` keys back."""
+    rows = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    keys = torch.arange(sk, device=device)
+    return (keys <= rows) & (keys >= rows - window)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              cu_q: tuple[int, ...], cu_k: tuple[int, ...], max_q: int, max_k: int, *,
+              scale: float, window: int | None = None, dropout: float = 0.0,
+              cu_q_tensor: torch.Tensor | None = None,
+              cu_k_tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention per sequence of a THD batch, aligned bottom-right; ``[T, h, dv]`` out.
+
+    ``query`` ``[Tq, heads, d]``, ``key`` / ``value`` ``[Tk, groups, d]`` (GQA
+    when groups < heads). Sequence ``i`` is queries ``cu_q[i]:cu_q[i+1]`` over
+    keys ``cu_k[i]:cu_k[i+1]``.
+    """
+    varlen = None
+    if query.is_cuda and dropout == 0.0 and key.shape[-1] == value.shape[-1] \
+            and query.dtype in (torch.float16, torch.bfloat16):
+        varlen = _torch_varlen(query.device, query.dtype, window is not None)
+    if varlen is not None:
+        return _call_varlen(varlen, query, key, value, cu_q, cu_k, max_q, max_k, scale, window,
+                            cu_q_tensor, cu_k_tensor)
+    return _per_piece(query, key, value, cu_q, cu_k, scale=scale, window=window, dropout=dropout)
+
+
+def _per_piece(query, key, value, cu_q, cu_k, *, scale: float, window: int | None,
+               dropout: float) -> torch.Tensor:
+    """One SDPA call per sequence (no mask tensor unless a window needs one)."""
+    heads, groups = query.shape[1], key.shape[1]
+    outputs = []
+    for i in range(len(cu_q) - 1):
+        q = query[cu_q[i]:cu_q[i + 1]].transpose(0, 1)  # [h, sq, d]
+        k = key[cu_k[i]:cu_k[i + 1]].transpose(0, 1)
+        v = value[cu_k[i]:cu_k[i + 1]].transpose(0, 1)
+        sq, sk = q.shape[1], k.shape[1]
+        if groups != heads:
+            k = k.repeat_interleave(heads // groups, dim=0)
+            v = v.repeat_interleave(heads // groups, dim=0)
+        if window is not None:
+            mask, causal = window_mask(sq, sk, window, q.device), False
+        elif sq == sk:
+            mask, causal = None, True
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask, causal = causal_lower_right(sq, sk), False
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
