@@ -170,3 +170,25 @@ def test_demo_summary_compares_both_attention_backends(tmp_path, capsys, monkeyp
     assert axes == [pytest.approx(theirs.makespan)] * 4  # every run's picture on one axis
     assert all((tmp_path / name / "timeline.png").exists()
                for name in ("1f1b", "seq1f1b", "1f1b-flash", "seq1f1b-flash"))
+
+
+def test_benchmark_pictures_share_one_axis(tmp_path, monkeypatch):
+    """scripts/benchmark.py's measured and simulated pictures: each set on one axis, stacked."""
+    from megatron_seq1f1b.bench import pictures
+
+    timelines = _timelines()
+    schedules = [SimpleNamespace(key=f"s{i}", label=name, megatron=False,
+                                 timeline={"makespan_s": t.makespan, "bubble_fraction": 0.1},
+                                 prediction={"makespan_s": t.makespan, "bubble_fraction": 0.1})
+                 for i, (name, t) in enumerate(timelines.items())]
+    by_key = {s.key: timelines[s.label] for s in schedules}
+    args = SimpleNamespace(pp=4, microbatches=4)
+    original, axes = draw.draw_png, []
+    monkeypatch.setattr(draw, "draw_png", lambda *a, **kw: axes.append(kw["x_max"])
+                        or original(*a, **kw))
+    pictures.draw_measured_timelines(schedules, by_key, args, tmp_path)
+    pictures.draw_simulated_timelines(schedules, by_key, args, "test", tmp_path)
+    assert axes == [draw.shared_time_axis(list(timelines.values()))] * 6
+    for name in ("timelines_measured.png", "timelines_simulated.png", "timeline_s2_measured.png",
+                 "timeline_s0_simulated.png", "timeline_s1_measured.json"):
+        assert (tmp_path / name).stat().st_size > 0, name
