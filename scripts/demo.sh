@@ -4,7 +4,7 @@
 # flash attention, and compare: loss curves, tokens/s, stage-0 peak memory, measured bubbles
 # (the schedule's part of the gain), and the measured timelines on one time axis (out/demo/).
 #
-#   scripts/demo.sh            # about 6 minutes on 2 cores after set-up
+#   scripts/demo.sh            # four training runs: several minutes on 2 cores after set-up
 #   scripts/demo.sh --quick    # a shorter run (CI)
 #
 # One pipeline stage per core (2 to 4 stages): with more ranks than cores, idle ranks lend
