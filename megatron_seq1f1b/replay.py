@@ -40,6 +40,13 @@ class Timeline:
         ends += [iv.end for rank in self.waits for iv in rank]
         return max(ends, default=0.0)
 
+    def scaled(self, factor: float) -> "Timeline":
+        """The same timeline with every time multiplied by `factor` (a change of unit)."""
+        def scale(rank):
+            return [Interval(iv.rank, iv.start * factor, iv.end * factor, iv.action, iv.step)
+                    for iv in rank]
+        return Timeline([scale(r) for r in self.compute], [scale(r) for r in self.waits])
+
 
 CostFn = Callable[[Action, int], float]
 

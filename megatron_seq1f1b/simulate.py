@@ -164,8 +164,9 @@ def _parse_args(argv=None):
     parser.add_argument("--num-layers", type=int, default=32)
     parser.add_argument("--num-attention-heads", type=int, default=32)
     parser.add_argument("--vocab-size", type=int, default=50257)
-    parser.add_argument("--png", help="draw the timeline(s) here (suffix _k<splits>[_<schedule>] "
-                                      "if several)")
+    parser.add_argument("--png", help="draw the timeline(s) here, all on one time axis: with "
+                                      "several, one picture each (suffix _k<splits>"
+                                      "[_<schedule>]) and all of them stacked in this file")
     parser.add_argument("--trace", help="write a Chrome trace (Perfetto) here, same suffix rule")
     return parser.parse_args(argv)
 
@@ -208,6 +209,7 @@ def main(argv=None) -> int:
     header = f"{'schedule':<26}{'bubble':>8}{'formula':>9}{'peak units':>12}{'peak (mb)':>11}"
     print(header)
     print("-" * len(header))
+    drawn = []  # (k, schedule, title, timeline in micro-batch forwards)
     for k in args.splits:
         for kind in args.schedules:
             schedule = build_schedule(p, m, k, v, schedule=kind)
@@ -228,15 +230,27 @@ def main(argv=None) -> int:
                 formula = f"{(zero_bubble_formula if split else bubble_formula)(p, m, k, v):.1%}"
             print(f"{name:<26}{result.bubble_fraction:>8.1%}{formula:>9}"
                   f"{result.peak_inflight[0]:>12}{peak_mb:>11.2f}")
-            title = f"{name}: p={p}, m={m}, bubble {result.bubble_fraction:.1%}"
-            if args.png:
-                out = _output_path(args.png, k, kind, many_splits, many_schedules)
-                draw.draw_png(result.timeline, out, title=title)
-                print(f"  timeline picture: {out}")
-            if args.trace:
-                out = _output_path(args.trace, k, kind, many_splits, many_schedules)
-                draw.write_chrome_trace(result.timeline, out, time_unit_us=1000.0)
-                print(f"  Chrome trace: {out}")
+            # Costs are per unit (a segment of a chunk); in one micro-batch's forward on one
+            # stage they compare across k: uniform units are 1/(k*v) of it, segment_cost's
+            # (mean forward of a segment over v chunks) 1/k.
+            per_forward = k * v if args.cost == "uniform" else k
+            drawn.append((k, kind, f"{name}: p={p}, m={m}, bubble {result.bubble_fraction:.1%}",
+                          result.timeline.scaled(1.0 / per_forward)))
+    time_label = "time (1 = one micro-batch's forward on one stage)"
+    x_max = draw.shared_time_axis([timeline for *_, timeline in drawn])
+    for k, kind, title, timeline in drawn:
+        if args.png:
+            out = _output_path(args.png, k, kind, many_splits, many_schedules)
+            draw.draw_png(timeline, out, title=title, time_label=time_label, x_max=x_max)
+            print(f"  timeline picture: {out}")
+        if args.trace:
+            out = _output_path(args.trace, k, kind, many_splits, many_schedules)
+            draw.write_chrome_trace(timeline, out, time_unit_us=1000.0)
+            print(f"  Chrome trace: {out}")
+    if args.png and len(drawn) > 1:
+        out = draw.draw_timelines([t for *_, t in drawn], args.png, [t for *_, t, _ in drawn],
+                                  time_label=time_label, x_max=x_max)
+        print(f"  all timelines on one time axis: {out}")
     print("peak (mb): rank-0 in-flight activations in micro-batches of a stage "
           "(units / (splits * chunks))")
     return 0

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The README's first command: set up (if needed), then train a small GPT with Megatron-Core's
-# 1F1B and with Seq1F1B on CPU ranks (gloo), and compare: loss curves, tokens/s, stage-0 peak
-# memory, measured bubbles, and the two measured timelines (out/demo/).
+# 1F1B and with Seq1F1B on CPU ranks (gloo), each with Megatron's unfused attention and with
+# flash attention, and compare: loss curves, tokens/s, stage-0 peak memory, measured bubbles
+# (the schedule's part of the gain), and the measured timelines on one time axis (out/demo/).
 #
-#   scripts/demo.sh            # about 3 minutes on 2 cores after set-up
+#   scripts/demo.sh            # four training runs: several minutes on 2 cores after set-up
 #   scripts/demo.sh --quick    # a shorter run (CI)
 #
 # One pipeline stage per core (2 to 4 stages): with more ranks than cores, idle ranks lend
@@ -40,8 +41,13 @@ run() {  # name, extra flags...
         scripts/pretrain_gpt.py "${common[@]}" "$@" --log-json "$out/$name.json" \
         --timeline-dir "$out/$name" 2> >(grep -v -i "warn" >&2)
 }
+seq1f1b=(--seq1f1b --seq1f1b-splits 4 --seq1f1b-partition balanced)
 run 1f1b "$@"
-run seq1f1b --seq1f1b --seq1f1b-splits 4 --seq1f1b-partition balanced "$@"
+run seq1f1b "${seq1f1b[@]}" "$@"
+# The same pair on flash attention (PyTorch SDPA), which skips masked scores in both schedules.
+run 1f1b-flash --attention-backend flash "$@"
+run seq1f1b-flash "${seq1f1b[@]}" --attention-backend flash "$@"
 echo
 echo "== Summary =="
-"$SEQ1F1B_PYTHON" scripts/compare_runs.py "$out/1f1b.json" "$out/seq1f1b.json"
+"$SEQ1F1B_PYTHON" scripts/compare_runs.py --timelines "$out/timelines.png" \
+    "$out/1f1b.json" "$out/seq1f1b.json" "$out/1f1b-flash.json" "$out/seq1f1b-flash.json"

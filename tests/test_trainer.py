@@ -96,12 +96,17 @@ def test_timelines_and_the_side_by_side_summary(tmp_path):
         assert ("weight-gradient" in categories) == (name == "seq"), categories
         if timeline["png"]:
             assert (tmp_path / name / "timeline.png").stat().st_size > 0
+    assert ours["summary"]["attention_backend"] == "local"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"),
-                           str(tmp_path / "1f1b.json"), str(tmp_path / "seq.json")],
+                           str(tmp_path / "1f1b.json"), str(tmp_path / "seq.json"),
+                           "--timelines", str(tmp_path / "timelines.png")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "equal within 1e-5" in done.stdout and "measured bubble" in done.stdout
-    assert "vs Megatron-Core 1F1B: tokens/s" in done.stdout
+    assert "vs Megatron-Core 1F1B:" in done.stdout and "unfused attention" in done.stdout
+    assert "bubble part" in done.stdout
+    if ours["summary"]["timeline"]["png"]:
+        assert (tmp_path / "timelines.png").stat().st_size > 0
 
 
 def test_virtual_pipeline_with_sliding_window(tmp_path):

@@ -49,31 +49,50 @@ def bar_chart(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _waits_note(timeline: Timeline) -> str:
+    # Megatron's schedules are timed by wrapping their steps: their p2p waits are not recorded.
+    return "" if any(timeline.waits) else " (p2p waits not recorded)"
+
+
 def draw_measured_timelines(schedules: list[BenchSchedule], timelines: dict[str, Timeline],
                             args: argparse.Namespace, out: Path) -> None:
-    """timeline_<key>_measured.png (grey bars: p2p waits) and .json (Chrome trace)."""
+    """timeline_<key>_measured.png (grey bars: p2p waits) and .json (Chrome trace), all on one
+    time axis, and timelines_measured.png: all of them stacked on that axis."""
     from megatron_seq1f1b import draw
 
+    x_max = draw.shared_time_axis([timelines[s.key] for s in schedules])
+    titles = []
     for s in schedules:
         title = (f"measured: {s.label}, p={args.pp}, m={args.microbatches}, "
                  f"makespan {s.timeline['makespan_s'] * 1e3:.0f} ms, bubble "
-                 f"{s.timeline['bubble_fraction']:.1%}")
+                 f"{s.timeline['bubble_fraction']:.1%}{_waits_note(timelines[s.key])}")
+        titles.append(title)
         draw.draw_png(timelines[s.key], out / f"timeline_{s.key}_measured.png", title=title,
-                      time_label="seconds (measured)", show_waits=True)
+                      time_label="seconds (measured)", show_waits=True, x_max=x_max)
         draw.write_chrome_trace(timelines[s.key], out / f"timeline_{s.key}_measured.json",
                                 time_unit_us=1e6)
+    if len(schedules) > 1:
+        draw.draw_timelines([timelines[s.key] for s in schedules], out / "timelines_measured.png",
+                            titles, time_label="seconds (measured)", show_waits=True,
+                            x_max=x_max)
 
 
 def draw_simulated_timelines(schedules: list[BenchSchedule], timelines: dict[str, Timeline],
                              args: argparse.Namespace, variant: str, out: Path) -> None:
-    """timeline_<key>_simulated.png: the primary prediction's timeline from calibrated costs."""
+    """timeline_<key>_simulated.png: the primary prediction's timeline from calibrated costs,
+    all on one time axis, and timelines_simulated.png: all of them stacked on that axis."""
     from megatron_seq1f1b import draw
 
+    x_max = draw.shared_time_axis([timelines[s.key] for s in schedules])
+    time_label = "seconds (simulated from calibrated costs)"
+    titles = []
     for s in schedules:
         entry = s.prediction
+        titles.append(f"simulated ({variant}): {s.label}, p={args.pp}, m={args.microbatches}, "
+                      f"makespan {entry['makespan_s'] * 1e3:.0f} ms, bubble "
+                      f"{entry['bubble_fraction']:.1%}")
         draw.draw_png(timelines[s.key], out / f"timeline_{s.key}_simulated.png",
-                      title=(f"simulated ({variant}): {s.label}, "
-                             f"p={args.pp}, m={args.microbatches}, makespan "
-                             f"{entry['makespan_s'] * 1e3:.0f} ms, bubble "
-                             f"{entry['bubble_fraction']:.1%}"),
-                      time_label="seconds (simulated from calibrated costs)")
+                      title=titles[-1], time_label=time_label, x_max=x_max)
+    if len(schedules) > 1:
+        draw.draw_timelines([timelines[s.key] for s in schedules], out / "timelines_simulated.png",
+                            titles, time_label=time_label, x_max=x_max)
