@@ -123,15 +123,22 @@ def _where(info) -> str:
 
 @contextlib.contextmanager
 def _masked_softmax(core_attention):
+    """Megatron's softmax with our mask as given: its fused causal kernel ignores masks and
+    needs as many keys as queries, and on windowed layers it builds its own window mask in
+    place of the given one (which would drop documents); ours holds the window already."""
     from megatron.core.transformer.enums import AttnMaskType
 
     softmax = core_attention.scale_mask_softmax
-    saved = softmax.attn_mask_type
+    saved = softmax.attn_mask_type, getattr(softmax, "window_size", None)
     softmax.attn_mask_type = AttnMaskType.padding
+    if saved[1] is not None:
+        softmax.window_size = None
     try:
         yield
     finally:
-        softmax.attn_mask_type = saved
+        softmax.attn_mask_type = saved[0]
+        if saved[1] is not None:
+            softmax.window_size = saved[1]
 
 
 def _given_mask(attention_mask, info, view):

@@ -235,6 +235,39 @@ class SegmentRun:
             self._packed[key] = found
         return found
 
+    def packed_fields(self, info: SegmentInfo, batch: dict) -> dict:
+        """A packed (THD) batch's ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``
+        for this segment (see :func:`slice_batch`), shaped and placed as given."""
+        documents = self.documents_of(info.microbatch)
+        if documents is None:
+            raise ValueError(
+                "slice_batch: a packed batch (cu_seqlens) in a segment, but the schedule was not "
+                "given its documents; pass documents='cu_seqlens' to get_forward_backward_func")
+        if documents.micro_batch_size != 1:
+            raise ValueError("slice_batch: packed (THD) batches hold one sample per micro-batch")
+        (pieces,) = documents.view(info.start, info.end).sample_pieces(1)
+        lengths = [piece.queries for piece in pieces]
+        out = {}
+        for key in _PACKED_KEYS:
+            value = batch.get(key)
+            if value is None:
+                continue
+            if key == "max_seqlen":
+                out[key] = (torch.full_like(value, max(lengths)) if isinstance(value, torch.Tensor)
+                            else max(lengths))
+                continue
+            cache_key = (info.microbatch, key, info.index, value.device, value.dim())
+            cut = self._packed.get(cache_key)
+            if cut is None:
+                cumulative = [0]
+                for n in lengths:
+                    cumulative.append(cumulative[-1] + n)
+                cut = torch.tensor(cumulative, dtype=value.dtype, device=value.device)
+                cut = cut.view(1, -1) if value.dim() == 2 else cut
+                self._packed[cache_key] = cut
+            out[key] = cut
+        return out
+
     def forget(self, microbatch: int) -> None:
         """Drop a finished micro-batch's masks and index tensors."""
         for cache in (self._masks, self._packed):
@@ -313,6 +346,7 @@ def to_device(batch: Any, device: torch.device | None) -> Any:
 
 
 _SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "input_ids")
+_PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 
 def slice_batch(batch: dict) -> dict:
@@ -321,14 +355,22 @@ def slice_batch(batch: dict) -> dict:
     ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, input_ids) are
     cut to ``[:, start:end]``; a ``[b, 1, s, s]`` attention mask to rows
     ``start:end`` and columns ``0:end``. Slices are contiguous copies (loss
-    functions call ``.view(-1)``; fused kernels want dense masks). Other
-    entries, and None, stay as they are.
+    functions call ``.view(-1)``; fused kernels want dense masks). A packed
+    (THD) batch's ``cu_seqlens`` (and ``cu_seqlens_padded``) become the
+    segment's own document pieces and ``max_seqlen`` the longest of them, in
+    the form they came in (for Megatron's ``PackedSeqParams``: positions
+    restart per document, the part of a document that crossed from earlier
+    segments continues where it was; the attention adds the keys before the
+    segment). Other entries, and None, stay as they are.
     """
-    info = current_segment()
-    if info is None or batch is None:
+    active_now = _active
+    if active_now is None or batch is None:
         return batch
+    info = active_now.info
     seq = sum(info.lengths)
     out = dict(batch)
+    if any(batch.get(key) is not None for key in _PACKED_KEYS):
+        out.update(active_now.run.packed_fields(info, batch))
     for key in _SEQUENCE_KEYS:
         value = batch.get(key)
         if isinstance(value, torch.Tensor):

@@ -62,6 +62,12 @@ class DataSpec:
     micro_batch_size: int = 1
     seed: int = 7
     explicit_mask: bool = False
+    # Packed documents: per micro-batch (cycled), per sample, where documents start. The last
+    # vocabulary id ends a document (as Megatron's NullTokenizer); position ids restart per
+    # document. ``explicit_mask``: a dense [b, 1, s, s] document mask (--reset-attention-mask);
+    # ``thd``: Megatron-LM's packed batch (cu_seqlens, max_seqlen; one sample).
+    documents: tuple = ()
+    thd: bool = False
 
 
 def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, timeout_s=None, **kwargs):
@@ -198,27 +204,78 @@ def unwrap(module):
 # ---------------------------------------------------------------- data
 
 
-def make_batches(model: ModelSpec, data: DataSpec, count: int | None = None) -> list[dict]:
-    """Fixed micro-batches; the loss mask has zeros so token counts differ."""
+def make_batches(model: ModelSpec, data: DataSpec, count: int | None = None,
+                 reference: bool = False) -> list[dict]:
+    """Fixed micro-batches; the loss mask has zeros so token counts differ.
+
+    ``reference``: the form the no-pipelining reference runs (Megatron's local attention):
+    documents as a dense mask, never packed.
+    """
     gen = torch.Generator().manual_seed(data.seed)
     b, s, v = data.micro_batch_size, model.seq_length, model.vocab_size
     batches = []
-    for _ in range(count or data.num_microbatches):
-        tokens = torch.randint(0, v, (b, s), generator=gen)
+    for index in range(count or data.num_microbatches):
+        documents = data.documents[index % len(data.documents)] if data.documents else None
+        tokens = torch.randint(0, v - 1 if documents else v, (b, s), generator=gen)
         labels = torch.randint(0, v, (b, s), generator=gen)
         loss_mask = (torch.rand(b, s, generator=gen) > 0.25).float()
-        batch = dict(
-            tokens=tokens,
-            labels=labels,
-            loss_mask=loss_mask,
-            position_ids=torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
-            attention_mask=None,
-        )
-        if data.explicit_mask:
+        position_ids = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+        batch = dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
+                     position_ids=position_ids, attention_mask=None)
+        if documents is not None:
+            _add_documents(batch, documents, v - 1, data, reference)
+        elif data.explicit_mask:
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
             batch["attention_mask"] = causal.expand(b, 1, s, s).contiguous()
         batches.append(batch)
     return batches
+
+
+def _add_documents(batch: dict, documents, eod: int, data: DataSpec, reference: bool) -> None:
+    """End-of-document tokens, restarting position ids, and the form the run takes them in."""
+    b, s = batch["tokens"].shape
+    assert len(documents) == b, "one tuple of document starts per sample"
+    mask = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    for sample, starts in enumerate(documents):
+        bounds = list(starts) + [s]
+        for doc_start, doc_end in zip(bounds, bounds[1:]):
+            if doc_end < s:
+                batch["tokens"][sample, doc_end - 1] = eod
+            batch["position_ids"][sample, doc_start:doc_end] = torch.arange(doc_end - doc_start)
+        doc = torch.zeros(s, dtype=torch.long)
+        for number, doc_start in enumerate(starts):
+            doc[doc_start:] = number
+        mask[sample, 0] = (doc.unsqueeze(0) != doc.unsqueeze(1)) | torch.ones(
+            s, s, dtype=torch.bool).triu(1)
+    if reference or data.explicit_mask:
+        batch["attention_mask"] = mask
+    elif data.thd:
+        assert b == 1, "packed (THD) batches hold one sample"
+        cu = list(documents[0]) + [s]
+        batch["cu_seqlens"] = torch.tensor([cu], dtype=torch.int32)
+        batch["max_seqlen"] = torch.tensor([max(b - a for a, b in zip(cu, cu[1:]))])
+
+
+def packed_seq_params(batch: dict):
+    """Megatron-LM's PackedSeqParams for a packed batch (core_v0.19 pretrain_gpt.forward_step)."""
+    if batch.get("cu_seqlens") is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch["cu_seqlens"].squeeze(0)
+    longest = int(batch["max_seqlen"].item())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def data_documents(data: DataSpec, count: int, seq_length: int):
+    """The documents of ``count`` micro-batches as the schedule's plan data (or None)."""
+    if not data.documents:
+        return None
+    from megatron_seq1f1b.documents import Documents
+
+    return [Documents(tuple(tuple(s) for s in data.documents[i % len(data.documents)]),
+                      seq_length) for i in range(count)]
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -236,7 +293,8 @@ def forward_step(data_iterator, model, slicer: Callable[[dict], dict] | None = N
     if slicer is not None:
         batch = slicer(batch)
     output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+        packed_seq_params=packed_seq_params(batch),
     )
     return output, partial(loss_func, batch["loss_mask"])
 
@@ -428,7 +486,9 @@ def run_layout(
     world = torch.distributed.get_world_size()
     dp = world // (tp * pp)
     batches = make_batches(model, data, count=data.num_microbatches * dp)
-    ref = reference(model, (data, dp), batches, per_token)
+    ref = reference(model, (data, dp),
+                    make_batches(model, data, count=data.num_microbatches * dp, reference=True),
+                    per_token)
 
     init_parallel(tp, pp, vpp, expert_model_parallel_size=ep)
     config = make_config(
@@ -478,13 +538,20 @@ def run_layout(
 
 
 class TEDotProductAttention(torch.nn.Module):
-    """Stands in for Transformer Engine's attention: records inputs, computes with torch.
+    """Stands in for Megatron's ``TEDotProductAttention`` over Transformer Engine 2.x, computing
+    with torch, strict where they are (so tests fail where real TE would):
 
-    ``causal`` is aligned top-left (as TE does when query and key lengths
-    differ), ``causal_bottom_right`` bottom-right.
+    * Megatron's wrapper: for ``qkv_format='thd'`` it turns ``causal`` into ``padding_causal``
+      (never ``causal_bottom_right``) and passes the mask type's ``.name`` on.
+    * TE: THD needs a padding mask type and ``cu_seqlens_q`` / ``cu_seqlens_kv``; per sequence
+      ``padding_causal`` is aligned top-left and ``padding_causal_bottom_right`` bottom-right;
+      ``causal`` (sbhd) is top-left when query and key lengths differ, ``causal_bottom_right``
+      bottom-right. A given ``attention_mask``: the unfused backend ORs it into its causal
+      mask, the flash and fused backends ignore it (``backend`` picks which).
     """
 
     calls: list = []
+    backend = "flash"
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
@@ -502,19 +569,49 @@ class TEDotProductAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         mask_type = attn_mask_type or self.attn_mask_type
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd and mask_type == AttnMaskType.causal:  # Megatron's wrapper, TE >= 1.7
+            mask_type = AttnMaskType.padding_causal
+        name = mask_type.name
         TEDotProductAttention.calls.append(
             (tuple(query.shape), tuple(key.shape), tuple(value.shape), mask_type,
-             attention_mask is None)
+             attention_mask is None,
+             (packed_seq_params.cu_seqlens_q.tolist(), packed_seq_params.cu_seqlens_kv.tolist())
+             if thd else None)
         )
+        if thd:
+            if "padding" not in name:
+                raise ValueError(f"TE: qkv_format=thd needs a padding mask type, got {name}")
+            if name not in ("padding_causal", "padding_causal_bottom_right"):
+                raise NotImplementedError(name)
+            cu_q = packed_seq_params.cu_seqlens_q.tolist()
+            cu_k = packed_seq_params.cu_seqlens_kv.tolist()
+            outputs = [
+                self._attend(query[cu_q[i]:cu_q[i + 1]].unsqueeze(1),
+                             key[cu_k[i]:cu_k[i + 1]].unsqueeze(1),
+                             value[cu_k[i]:cu_k[i + 1]].unsqueeze(1),
+                             name.endswith("bottom_right"), None)
+                for i in range(len(cu_q) - 1)
+            ]
+            return torch.cat(outputs).squeeze(1)
+        if "padding" in name:
+            raise NotImplementedError(f"{name} without packed sequences")
+        given = attention_mask if self.backend == "unfused" else None
+        return self._attend(query, key, value, mask_type == AttnMaskType.causal_bottom_right, given)
+
+    def _attend(self, query, key, value, bottom_right: bool, given):
         sq, b, heads, d = query.shape
         sk, groups = key.shape[0], key.shape[2]
         key = key.repeat_interleave(heads // groups, dim=2)
         value = value.repeat_interleave(heads // groups, dim=2)
         scores = torch.einsum("qbhd,kbhd->bhqk", query, key) * self.scale
-        shift = 0 if mask_type == AttnMaskType.causal else sk - sq
+        shift = sk - sq if bottom_right else 0
         masked = torch.ones(sq, sk, dtype=torch.bool).triu(diagonal=1 + shift)
         if self.window_size[0] >= 0:
-            masked |= torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=shift - self.window_size[0] - 1)
+            masked = masked | torch.ones(sq, sk, dtype=torch.bool).tril(
+                diagonal=shift - self.window_size[0] - 1)
+        if given is not None:
+            masked = masked | given
         scores = scores.masked_fill(masked, float("-inf"))
         context = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), value)
         return context.reshape(sq, b, heads * value.shape[-1])  # MLA: value dim != query dim

@@ -8,6 +8,7 @@ plain full-sequence forward/backward of the same model.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import torch
@@ -17,8 +18,8 @@ from megatron.core.models.gpt import GPTModel
 import megatron_seq1f1b as s1
 from megatron_seq1f1b.segments import SegmentRun
 from gpt import (
-    DataSpec, ModelSpec, TEDotProductAttention, _close, build_chunks, init_parallel, make_batches,
-    layer_spec, make_config,
+    DataSpec, ModelSpec, TEDotProductAttention, _close, build_chunks, data_documents,
+    init_parallel, layer_spec, make_batches, make_config, packed_seq_params,
 )
 
 RTOL = 1e-5
@@ -271,3 +272,109 @@ def error_messages() -> dict:
 
     capture("attention_bias", attention_bias)
     return messages
+
+
+# --------------------------------------------------------------- packed documents
+
+
+def _documents_model(spec: ModelSpec, backend: str, *, tp=1, sp=False, **overrides):
+    """The model under test with the reference's weights: Megatron's local attention, the
+    flash one, or the Transformer Engine stand-in (``te-flash`` ignores a given mask,
+    ``te-unfused`` ORs it in)."""
+    init_parallel(tp=tp)
+    config = make_config(spec, tp=tp, sp=sp, **overrides)
+    if backend.startswith("te"):
+        TEDotProductAttention.backend = backend.split("-")[1]
+        return GPTModel(config=config, transformer_layer_spec=layer_spec(spec, fake_te=True),
+                        vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
+                        position_embedding_type=spec.position_embedding_type)
+    (gpt,) = build_chunks(dataclasses.replace(spec, attention=backend), config)
+    return gpt
+
+
+def _doc_forward(model, batch, labels=True):
+    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                 labels=batch["labels"] if labels else None,
+                 packed_seq_params=packed_seq_params(batch))
+
+
+def compare_documents_by_hand(
+    model: ModelSpec = ModelSpec(),
+    data: DataSpec = DataSpec(num_microbatches=1),
+    lengths=(8, 8, 8, 8),
+    backend: str = "local",
+    tp: int = 1,
+    sp: bool = False,
+    overrides: dict | None = None,
+) -> dict:
+    """Segments of packed documents against the full sequence with a dense document mask.
+
+    The reference is Megatron's local attention on the full sequence with the
+    documents as a dense mask; the model under test (``backend``) gets the
+    batches as ``data`` says (end-of-document tokens only, a dense mask, or
+    packed THD) and the documents as the schedule's plan data. Logits
+    (forward-only), per-token losses and every gradient are compared.
+    """
+    overrides = overrides or {}
+    init_parallel(tp=tp)
+    # Megatron's local attention replaces a given mask by its own on windowed layers (the
+    # documents would be lost): with windows the reference is the TE stand-in's unfused
+    # backend, which ORs the document mask into its window.
+    windowed = overrides.get("window_size") is not None
+    TEDotProductAttention.backend = "unfused"
+    reference_model = _model(model, tp=tp, sp=sp, fake_te=windowed, **overrides)
+    ref_batches = make_batches(model, data, reference=True)
+    ref_logits, ref_losses, ref_grads = _full_sequence(reference_model, ref_batches)
+    gpt = _documents_model(model, backend, tp=tp, sp=sp, **overrides)
+    gpt.load_state_dict(reference_model.state_dict(), strict=False)
+    s1.enable(gpt)
+    batches = make_batches(model, data)
+    documents = data_documents(data, len(batches), model.seq_length)
+    TEDotProductAttention.calls.clear()
+
+    def run_of(forward_only=False):
+        return SegmentRun(lengths, forward_only=forward_only, documents=documents)
+
+    problems = []
+    k = len(lengths)
+    run = run_of(forward_only=True)
+    outputs = {}
+    with torch.no_grad():
+        for mb, j in _unit_order(len(batches), k, False):
+            with run.forward(mb, j):
+                outputs[mb, j] = _doc_forward(gpt, s1.slice_batch(batches[mb]), labels=False)
+    run.close()
+    for mb, expected in enumerate(ref_logits):
+        got = torch.cat([outputs[mb, j] for j in range(k)], dim=1)
+        ok, rel = _close(got, expected, RTOL)
+        if not ok:
+            problems.append(f"micro-batch {mb}: logits max rel err {rel:.2e}")
+
+    gpt.zero_grad(set_to_none=True)
+    run = run_of()
+    outputs = {}
+    for mb, j in _unit_order(len(batches), k, False):
+        with run.forward(mb, j):
+            batch = s1.slice_batch(batches[mb])
+            outputs[mb, j] = (_doc_forward(gpt, batch), batch["loss_mask"])
+    live_after = []
+    for mb, j in _unit_order(len(batches), k, False, backward=True):
+        per_token, mask = outputs[mb, j]
+        with run.backward(mb, j):
+            ((per_token * mask).sum() / batches[mb]["loss_mask"].sum()).backward()
+        if j == 0:
+            live_after.append(run.kv.live_entries(mb))
+    run.close()
+    for mb, expected in enumerate(ref_losses):
+        got = torch.cat([outputs[mb, j][0].detach() for j in range(k)], dim=1)
+        ok, rel = _close(got, expected, RTOL)
+        if not ok:
+            problems.append(f"micro-batch {mb}: per-token losses max rel err {rel:.2e}")
+    grads = _sp_reduce(gpt)
+    for name, expected in ref_grads.items():
+        ok, rel = _close(grads[name], expected, RTOL)
+        if not ok:
+            problems.append(f"{name}: max rel err {rel:.2e}")
+    if any(live_after):
+        problems.append(f"caches alive after segment 0 backward: {live_after}")
+    return {"problems": problems, "te_calls": list(TEDotProductAttention.calls)}

@@ -1,0 +1,61 @@
+"""Packed documents under Seq1F1B: segments by hand equal the full sequence with a dense
+document mask, on every attention path (Megatron's local attention, the flash one on SDPA,
+Transformer Engine's stand-in), for documents that cross no, one or several cuts."""
+
+import pytest
+
+from gpt import DataSpec, ModelSpec
+from megatron_seq1f1b.documents import Documents, chains, views_of
+from segment_cases import compare_documents_by_hand
+
+ROPE = ModelSpec()
+GQA = ModelSpec(num_attention_heads=4, num_query_groups=2)
+LEARNED = ModelSpec(position_embedding_type="learned_absolute")
+
+CROSSING = ((0, 5, 20),)          # one document over segments 0-2, one over 2-3
+AT_CUTS = ((0, 8, 16, 24),)       # segments made of whole documents
+SPANNING = ((0, 30),)             # a document over every segment
+MIXED = ((0, 3, 11, 12, 27),)     # short and long, several cuts crossed
+TWO_SAMPLES = ((0, 5, 20), (0, 13))
+
+
+def _data(documents, **kw):
+    return DataSpec(num_microbatches=2, documents=(documents,), **kw)
+
+
+CASES = {
+    "local_eod_crossing": dict(model=ROPE, data=_data(CROSSING), backend="local"),
+    "local_dense_mask": dict(model=ROPE, data=_data(MIXED, explicit_mask=True), backend="local"),
+    "local_two_samples_window": dict(model=GQA, data=_data(TWO_SAMPLES, micro_batch_size=2),
+                                     backend="local", overrides=dict(window_size=(6, 0))),
+    "flash_eod_mixed": dict(model=GQA, data=_data(MIXED), backend="flash"),
+    "flash_thd_crossing": dict(model=ROPE, data=_data(CROSSING, thd=True), backend="flash"),
+    "flash_at_cuts": dict(model=LEARNED, data=_data(AT_CUTS), backend="flash"),
+    "flash_two_samples": dict(model=ROPE, data=_data(TWO_SAMPLES, micro_batch_size=2),
+                              backend="flash", lengths=(13, 10, 9)),
+    "flash_window": dict(model=GQA, data=_data(MIXED), backend="flash",
+                         overrides=dict(window_size=(5, 0), window_attn_skip_freq=2)),
+    "te_thd_spanning": dict(model=GQA, data=_data(SPANNING, thd=True), backend="te-flash"),
+    "te_thd_mixed": dict(model=ROPE, data=_data(MIXED, thd=True), backend="te-flash"),
+    "te_eod_two_samples": dict(model=GQA, data=_data(TWO_SAMPLES, micro_batch_size=2),
+                               backend="te-flash"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_documents_by_hand_equal_full_sequence(ranks, name):
+    (result,) = ranks.run(1, compare_documents_by_hand, case=name, **CASES[name])
+    assert not result["problems"], "\n".join(result["problems"])
+
+
+def test_views_and_chains():
+    documents = Documents(((0, 5, 20),), 32)
+    views = views_of((0, 8, 16, 24), (8, 8, 8, 8), documents, None)
+    assert [v.key_start for v in views] == [0, 5, 5, 20]
+    (chain,) = chains(views)
+    assert (chain.head, chain.last, chain.base, chain.end) == (0, 3, 5, 32)
+    whole = views_of((0, 8, 16, 24), (8, 8, 8, 8), Documents(((0, 8, 16, 24),), 32), None)
+    assert chains(whole) == () and all(v.pieces is None for v in whole)
+    assert Documents.from_eod([[1, 9, 2, 2, 9, 3]], eod=9).starts == ((0, 2, 5),)
+    assert Documents.from_cu_seqlens([[0, 2, 6, 6, 6], [0, 6, 6, 6, 6]], 6).starts == (
+        (0, 2), (0,))
