@@ -53,7 +53,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-METHODS = ("uniform", "balanced", "measured")
+METHODS = ("uniform", "balanced", "measured", "documents")
 
 SegmentCost = Callable[[float, float], float]  # cost(length, end), growing with length
 
@@ -224,6 +224,7 @@ def split_sequence(
     multiple_of: int = 1,
     dense_attention: bool = False,
     cost: CostModel | SegmentCost | None = None,
+    documents=None,
 ) -> list[int]:
     """Segment lengths for one micro-batch: sum ``seq_length``, each a multiple of ``multiple_of``.
 
@@ -235,6 +236,10 @@ def split_sequence(
     lengths give equal calibrated cost: ``cost`` is a :class:`CostModel`, an
     object with a ``cost_model()`` method (a fitted calibration), or any
     ``cost(length, end)`` that grows with the length (solved numerically).
+    ``"documents"`` cuts one micro-batch's packed ``documents``
+    (:class:`~megatron_seq1f1b.documents.Documents`) into segments of equal cost
+    counting each document's own causal attention, at document ends where that
+    keeps the costs close (:func:`split_documents`); lengths in sequence order.
     """
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
@@ -257,6 +262,16 @@ def split_sequence(
     if method == "uniform":
         base, extra = divmod(units, num_splits)
         return [(base + (i < extra)) * multiple_of for i in range(num_splits)]
+    if method == "documents":
+        if documents is None:
+            raise ValueError("the documents partition needs the micro-batch's documents "
+                             "(documents=...)")
+        if config is not None:
+            cost = CostModel.from_config(config, vocab_size, dense_attention)
+        if not isinstance(cost, CostModel):
+            raise ValueError("the documents partition needs the model's TransformerConfig "
+                             "(config=...) or a CostModel (cost=...)")
+        return split_documents(documents, num_splits, cost, multiple_of=multiple_of)
     if method == "measured":
         if cost is None:
             raise ValueError("partition 'measured' needs calibrated costs (cost=...)")
@@ -342,3 +357,128 @@ def _round_boundaries(ends: list[float], units: int, multiple_of: int) -> list[i
     rounded.append(units)
     lengths = [b - a for a, b in zip([0] + rounded[:-1], rounded)]
     return [n * multiple_of for n in sorted(lengths, reverse=True)]
+
+
+# A cut moves to a document end when that changes the cost before it by at most this share of
+# one segment's cost; the predicted spread (max / min segment cost) must stay within MAX_SPREAD.
+DOCUMENT_END_TOLERANCE = 0.025
+MAX_SPREAD = 1.10
+
+
+class DocumentCosts:
+    """Cumulative cost ``C(x)`` of tokens ``[0, x)`` of a packed micro-batch (all samples).
+
+    A token costs ``per_token`` plus its attention pairs within its own
+    document: ``t - d + 1`` keys for a token at ``t`` of a document starting at
+    ``d`` (``min(t - d, w) + 1`` on windowed layers). Costs add up over tokens,
+    so a segment ``[a, b)`` costs ``C(b) - C(a)``; ``C`` is evaluated per
+    document in closed form (no loop over tokens).
+    """
+
+    def __init__(self, documents, cost: CostModel):
+        import bisect
+
+        self._bisect = bisect
+        self.cost, self.documents = cost, documents
+        self.seq_length = documents.seq_length
+        self._prefix = []  # per sample: pairs of the documents before each document start
+        for sample in range(documents.micro_batch_size):
+            bounds = documents.bounds(sample)
+            total, sums = 0.0, []
+            for start, end in zip(bounds, bounds[1:]):
+                sums.append(total)
+                total += self._pairs(end - start)
+            self._prefix.append(sums)
+
+    def _pairs(self, n: float) -> float:
+        """Attention cost of the first ``n`` tokens of a document."""
+        cost = self.cost
+        total = cost.per_pair * n * (n + 1) / 2
+        if cost.per_window_pair:
+            w = cost.window if cost.window is not None else n
+            full = min(n, w + 1)
+            total += cost.per_window_pair * (full * (full + 1) / 2 + (n - full) * (w + 1))
+        return total
+
+    def __call__(self, x: int) -> float:
+        total = self.cost.per_token * x * self.documents.micro_batch_size
+        for sample, sums in enumerate(self._prefix):
+            starts = self.documents.starts[sample]
+            index = self._bisect.bisect_right(starts, x - 1) - 1 if x > 0 else 0
+            if x > 0:
+                total += sums[index] + self._pairs(x - starts[index])
+        return total
+
+    def position_of(self, target: float) -> int:
+        """The smallest ``x`` with ``C(x) >= target``."""
+        low, high = 0, self.seq_length
+        while low < high:
+            mid = (low + high) // 2
+            if self(mid) < target:
+                low = mid + 1
+            else:
+                high = mid
+        return low
+
+
+def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of: int = 1,
+                    tolerance: float = DOCUMENT_END_TOLERANCE,
+                    max_spread: float = MAX_SPREAD) -> list[int]:
+    """Segment lengths of one packed micro-batch: equal cost, cut at document ends where close.
+
+    Cuts start where the cumulative cost (:class:`DocumentCosts`) reaches
+    ``j / k`` of the total (rounded to ``multiple_of``); each then moves to the
+    nearest document end (common to all samples, a multiple of
+    ``multiple_of``) whose cumulative cost is within ``tolerance`` of a
+    segment's cost of its target, so a document is split only where no end is
+    close. If moved cuts would leave a spread (max / min segment cost) above
+    ``max_spread``, the tolerance halves until they do not (at 0: the
+    equal-cost positions). Lengths come in sequence order.
+    """
+    import bisect
+
+    seq_length = documents.seq_length
+    units = seq_length // multiple_of
+    if seq_length % multiple_of or units < num_splits:
+        raise ValueError(f"cannot cut {seq_length} tokens into {num_splits} segments of "
+                         f"multiples of {multiple_of}")
+    costs = DocumentCosts(documents, cost)
+    total = costs(seq_length)
+    share = total / num_splits
+    targets = [share * j for j in range(1, num_splits)]
+    positions = []
+    for target in targets:
+        x = costs.position_of(target)
+        below, above = (x // multiple_of) * multiple_of, -(-x // multiple_of) * multiple_of
+        positions.append(below if abs(costs(below) - target) <= abs(costs(above) - target)
+                         else above)
+    ends = [e for e in documents.ends() if e % multiple_of == 0 and 0 < e < seq_length]
+
+    def cuts_for(tol: float) -> list[int]:
+        cuts, previous = [], 0
+        for j, (target, position) in enumerate(zip(targets, positions)):
+            limit = seq_length - (num_splits - 1 - j) * multiple_of
+            best = position
+            if tol > 0:
+                i = bisect.bisect_left(ends, position)
+                for e in ends[max(0, i - 2): i + 2]:
+                    if abs(costs(e) - target) <= tol * share and (
+                            best == position or abs(costs(e) - target) < abs(costs(best) - target)):
+                        best = e
+            best = min(max(best, previous + multiple_of), limit)
+            cuts.append(best)
+            previous = best
+        return cuts
+
+    def spread(cuts: list[int]) -> float:
+        bounds = [0] + cuts + [seq_length]
+        values = [costs(b) - costs(a) for a, b in zip(bounds, bounds[1:])]
+        return max(values) / max(min(values), 1e-30)
+
+    tol = tolerance
+    cuts = cuts_for(tol)
+    while tol > 0 and spread(cuts) > max(max_spread, spread(cuts_for(0.0))):
+        tol = tol / 2 if tol > tolerance / 16 else 0.0
+        cuts = cuts_for(tol)
+    bounds = [0] + cuts + [seq_length]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
