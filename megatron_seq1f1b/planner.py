@@ -30,7 +30,7 @@ Command line::
 
     python -m megatron_seq1f1b.planner --seq-length 32768 --pp 4 --microbatches 8 \\
         (--calibration calib.json | --hidden-size 4096 --num-layers 32 ...) \\
-        [--memory-budget 2.0 | --memory-budget-gib 40 --bytes-per-token 65536] \\
+        [--memory-budget-microbatches 2.0 | --memory-budget-gib 40 --bytes-per-token 65536] \\
         [--vocab-size 50257 --bf16 --data-parallel-size 2 --use-distributed-optimizer \\
          --gpu-memory-gib 80]     # GB per stage: weights, gradients, optimizer, activations
 """
@@ -43,11 +43,18 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+from megatron_seq1f1b.flags import (
+    ArgumentParser, OldSpelling, fraction, integer, non_negative_float, positive_float,
+    positive_int,
+)
 from megatron_seq1f1b.footprint import ModelShape, Training
+from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.partition import METHODS, CostModel
 from megatron_seq1f1b.planner_choice import (
-    MEASURED_TIE_TOLERANCE, BudgetError, Plan, PlanChoice, _rank_key, explain, format_table,
+    MEASURED_TIE_TOLERANCE, TIE_TOLERANCE, BudgetError, Plan, PlanChoice, explain,
+    format_table,
 )
+from megatron_seq1f1b.planner_choice import _rank_key  # noqa: F401 (tests rank plans with it)
 from megatron_seq1f1b.planner_costs import (
     FORMAT, Calibration, Fit, StageCosts, action_cost, load_calibration, placement_costs,
     save_calibration,
@@ -71,8 +78,9 @@ OFFLINE_HOST_SECONDS_PER_LAYER = 4.75e-3
 
 __all__ = [
     "Fit", "StageCosts", "Calibration", "Plan", "PlanChoice", "BudgetError", "choose_plan",
-    "format_table", "explain", "MEASURED_TIE_TOLERANCE", "save_calibration",
+    "format_table", "explain", "TIE_TOLERANCE", "MEASURED_TIE_TOLERANCE", "save_calibration",
     "load_calibration", "activation_peak", "action_cost", "placement_costs", "predict", "main",
+    "build_parser",
     "MemoryModel", "stage_memory", "FORMAT", "GIB", "MAX_SPLITS", "RUNTIME_SEND_SLACK",
     "OFFLINE_FLOP_RATE", "OFFLINE_HOST_SECONDS_PER_LAYER", "bytes_text", "split_counts",
 ]
@@ -81,64 +89,75 @@ __all__ = [
 # ------------------------------------------------------------------ command line
 
 
-def _parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    """The planner's flags; every number is checked as it is read (:mod:`megatron_seq1f1b.flags`)."""
+    parser = ArgumentParser(
         prog="python -m megatron_seq1f1b.planner",
         description="Pick segments per micro-batch, partition and schedule from per-segment "
                     "costs (a calibration file, or FLOPs of the model) and a memory budget.")
-    parser.add_argument("--seq-length", type=int, required=True)
-    parser.add_argument("--pp", type=int, required=True, help="pipeline stages")
-    parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank")
-    parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--seq-length", type=positive_int, required=True)
+    parser.add_argument("--pp", type=positive_int, required=True, help="pipeline stages")
+    parser.add_argument("--vpp", type=positive_int, default=1, help="model chunks per rank")
+    parser.add_argument("--microbatches", type=positive_int, required=True)
+    parser.add_argument("--micro-batch-size", type=positive_int, default=1)
     parser.add_argument("--calibration", help="calibration JSON, or a benchmark's results.json")
     parser.add_argument("--layout", default="plain",
                         help="which fits of a results.json (plain or interleaved)")
     model = parser.add_argument_group("model (FLOP costs; the balanced partition)")
-    model.add_argument("--hidden-size", type=int)
-    model.add_argument("--num-layers", type=int)
-    model.add_argument("--num-attention-heads", type=int)
-    model.add_argument("--num-query-groups", type=int)
-    model.add_argument("--ffn-hidden-size", type=int)
+    model.add_argument("--hidden-size", type=positive_int)
+    model.add_argument("--num-layers", type=positive_int)
+    model.add_argument("--num-attention-heads", type=positive_int)
+    model.add_argument("--num-query-groups", type=positive_int)
+    model.add_argument("--ffn-hidden-size", type=positive_int)
     model.add_argument("--swiglu", action="store_true", help="gated linear unit")
-    model.add_argument("--vocab-size", type=int)
+    model.add_argument("--vocab-size", type=positive_int)
     model.add_argument("--dense-attention", action="store_true",
                        help="attention computes the masked scores too (non-flash kernels)")
-    parser.add_argument("--memory-budget", type=float,
-                        help="peak activations per stage, in micro-batches of a stage")
-    parser.add_argument("--memory-budget-gib", type=float, help="needs --bytes-per-token")
-    parser.add_argument("--bytes-per-token", type=float,
+    parser.add_argument("--memory-budget-microbatches", "--memory-budget", type=positive_float,
+                        dest="memory_budget_microbatches", metavar="N", action=OldSpelling,
+                        old="--memory-budget", why="micro-batches of a stage, not MB",
+                        help="peak activations per stage, in micro-batches of a stage (1F1B's "
+                             "first stage holds --pp); --memory-budget is its old spelling")
+    parser.add_argument("--memory-budget-gib", type=positive_float, metavar="GIB",
+                        help="peak activations per stage in GiB (as the trainer's "
+                             "--seq1f1b-memory-budget); needs --bytes-per-token or a "
+                             "calibration that has them")
+    parser.add_argument("--bytes-per-token", type=positive_float,
                         help="activation bytes one token of one sample leaves on a stage")
-    parser.add_argument("--min-segment-length", type=int, default=128)
-    parser.add_argument("--max-splits", type=int, default=16)
-    parser.add_argument("--multiple-of", type=int, default=1,
+    parser.add_argument("--min-segment-length", type=positive_int, default=128)
+    parser.add_argument("--max-splits", type=positive_int, default=MAX_SPLITS)
+    parser.add_argument("--multiple-of", type=positive_int, default=1,
                         help="every segment length's divisor (tp with sequence parallelism, "
                              "x8 with FP8)")
-    parser.add_argument("--splits", type=int, nargs="+", help="only these k")
+    parser.add_argument("--splits", type=positive_int, nargs="+", help="only these k")
     parser.add_argument("--partitions", nargs="+", choices=METHODS)
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES)
-    parser.add_argument("--message-latency", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--message-latency", type=non_negative_float, default=None,
+                        metavar="SECONDS",
                         help="one-way time of a pipeline message (default: the calibration's "
                              "message fit, else 0)")
-    parser.add_argument("--send-slack", type=int, choices=(0, 1), default=RUNTIME_SEND_SLACK,
+    parser.add_argument("--send-slack", type=integer(0, 1), choices=(0, 1),
+                        default=RUNTIME_SEND_SLACK,
                         help="1 (default): sends finish a step later, as the executor runs on "
                              "gloo and NCCL; 0: a step waits for all its transfers "
                              "(SEQ1F1B_P2P=batch on NCCL, Megatron's own schedules)")
-    parser.add_argument("--flop-rate", type=float, default=OFFLINE_FLOP_RATE / 1e12,
+    parser.add_argument("--flop-rate", type=positive_float, default=OFFLINE_FLOP_RATE / 1e12,
                         metavar="TFLOPS",
                         help="without --calibration: sustained TFLOP/s that turn FLOPs into "
                              f"seconds (default {OFFLINE_FLOP_RATE / 1e12:g})")
-    parser.add_argument("--host-ms-per-layer", type=float,
+    parser.add_argument("--host-ms-per-layer", type=non_negative_float,
                         default=OFFLINE_HOST_SECONDS_PER_LAYER * 1e3,
                         help="without --calibration: host time a unit pays per layer of its "
                              "stage, forward + backward (default "
                              f"{OFFLINE_HOST_SECONDS_PER_LAYER * 1e3:g}, measured on an H200; 0: "
                              "FLOPs alone)")
-    parser.add_argument("--tie-tolerance", type=float, default=None, metavar="FRACTION",
+    parser.add_argument("--tie-tolerance", type=fraction, default=TIE_TOLERANCE,
+                        metavar="FRACTION",
                         help="plans predicted this close to the fastest count as a tie, won by "
-                             "1F1B over zero bubble, then balanced/measured/uniform (default: "
-                             f"{MEASURED_TIE_TOLERANCE} with --calibration, measured costs; 0 "
-                             "with FLOP costs)")
+                             "1F1B over zero bubble, then balanced/measured/uniform, then fewer "
+                             f"segments (default {TIE_TOLERANCE}, measured and FLOP costs "
+                             "alike: neither predicts closer than that; 0: the fastest "
+                             "prediction wins)")
     memory = parser.add_argument_group(
         "memory per stage (with the model: weights, main gradients, Adam states, activations)")
     memory.add_argument("--bf16", action="store_true", help="bf16 weights (default fp32)")
@@ -148,28 +167,68 @@ def _parse_args(argv=None) -> argparse.Namespace:
     memory.add_argument("--optimizer", choices=["adam", "none"], default="adam")
     memory.add_argument("--use-distributed-optimizer", action="store_true",
                         help="shard master weights and Adam moments over data-parallel ranks")
-    memory.add_argument("--data-parallel-size", type=int, default=1)
+    memory.add_argument("--data-parallel-size", type=positive_int, default=1)
     memory.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                         help="(default: tied, as Megatron-LM)")
     memory.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
                         default="rope")
     memory.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     memory.add_argument("--disable-bias-linear", action="store_true")
-    memory.add_argument("--gpu-memory-gib", type=float, default=None,
+    memory.add_argument("--gpu-memory-gib", type=positive_float, default=None,
                         help="budget for the busiest stage's total (weights, gradients, "
                              "optimizer, activations)")
     parser.add_argument("--json", help="write the choice and all candidates here")
     parser.add_argument("--save-calibration", help="write the costs used as a calibration file")
-    return parser.parse_args(argv)
+    return parser
+
+
+def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
+    """What needs several flags: one line and status 2 (``parser.error``) if it fails."""
+    if args.vpp > 1 and args.pp < 2:
+        parser.error(f"--vpp {args.vpp} needs --pp >= 2 (interleaving spreads model chunks over "
+                     "pipeline stages), got --pp 1")
+    if args.bf16 and args.fp16:
+        parser.error("--bf16 and --fp16 are exclusive")
+    if args.seq_length % args.multiple_of:
+        parser.error(f"--seq-length {args.seq_length} must be a multiple of --multiple-of "
+                     f"{args.multiple_of}")
+    most = args.seq_length // args.multiple_of
+    for k in args.splits or ():
+        if k > most:
+            parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) make at most "
+                         f"{most} segments of a multiple of {args.multiple_of} tokens")
+        if k > 1 and args.seq_length // k < args.min_segment_length:
+            parser.error(f"--splits {k}: segments of {args.seq_length} tokens / {k} are shorter "
+                         f"than --min-segment-length {args.min_segment_length}; use at most "
+                         f"{max(args.seq_length // args.min_segment_length, 1)} splits or "
+                         "lower --min-segment-length")
+    if args.hidden_size is not None:
+        missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "num_attention_heads")
+                   if getattr(args, n) is None]
+        if missing:
+            parser.error(f"--hidden-size needs {' and '.join(missing)} too")
+        if args.num_layers % (args.pp * args.vpp):
+            parser.error(f"--num-layers {args.num_layers} must divide by --pp x --vpp "
+                         f"({args.pp * args.vpp}): every virtual stage holds as many layers")
+        if args.num_query_groups and args.num_attention_heads % args.num_query_groups:
+            parser.error(f"--num-query-groups {args.num_query_groups} must divide "
+                         f"--num-attention-heads {args.num_attention_heads}")
+    if args.gpu_memory_gib is not None and (args.hidden_size is None or not args.vocab_size):
+        parser.error("--gpu-memory-gib needs the model (--hidden-size ...) and --vocab-size")
+    if args.calibration is None and args.hidden_size is None:
+        parser.error("give --calibration FILE, or the model (--hidden-size, --num-layers, "
+                     "--num-attention-heads, ...) for FLOP costs")
+    if "balanced" in (args.partitions or ()) and args.hidden_size is None:
+        parser.error("--partitions balanced needs the model (--hidden-size ...): it balances "
+                     "the model's FLOPs")
+    if "zb-h2" in (args.schedules or ()) and args.vpp > 1:
+        parser.error(f"--schedules zb-h2 with --vpp {args.vpp}: {ZB_H2_PROBLEM}")
 
 
 def _model_config(args: argparse.Namespace):
+    """The model's sizes for the FLOP model (checked by :func:`_check`), or None."""
     if args.hidden_size is None:
         return None
-    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "num_attention_heads")
-               if getattr(args, n) is None]
-    if missing:
-        raise SystemExit(f"--hidden-size needs {' and '.join(missing)} too")
     return SimpleNamespace(
         hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_attention_heads=args.num_attention_heads, kv_channels=None,
@@ -182,9 +241,6 @@ def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
     """With the model's sizes and vocabulary: weights, gradients, optimizer and activations
     per stage; the activations' bytes per token scaled to --bytes-per-token if given."""
     if config is None or not args.vocab_size:
-        if args.gpu_memory_gib is not None:
-            raise SystemExit("--gpu-memory-gib needs the model (--hidden-size ...) and "
-                             "--vocab-size")
         return None
     shape = ModelShape(
         num_layers=config.num_layers, hidden_size=config.hidden_size,
@@ -205,19 +261,28 @@ def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
 
 
 def main(argv=None) -> int:
-    args = _parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
     config = _model_config(args)
     memory_model = _memory_model(args, config)
-    calibration = load_calibration(args.calibration, args.layout) if args.calibration else None
-    if calibration is None and config is None:
-        raise SystemExit("give --calibration FILE, or the model (--hidden-size, --num-layers, "
-                         "--num-attention-heads, ...) for FLOP costs")
+    calibration = None
+    if args.calibration:
+        try:
+            calibration = load_calibration(args.calibration, args.layout)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--calibration {args.calibration}: cannot read it as a calibration "
+                         f"(--layout {args.layout}): {type(exc).__name__}: {exc}")
     if calibration is None:
         stages = args.pp * args.vpp
         calibration = Calibration.from_cost_model(
             CostModel.from_config(config, args.vocab_size, args.dense_attention), stages,
             flop_rate=args.flop_rate * 1e12,
             host_seconds=args.host_ms_per_layer * 1e-3 * args.num_layers / stages)
+    if args.memory_budget_gib is not None and not (args.bytes_per_token
+                                                   or calibration.bytes_per_token):
+        parser.error("--memory-budget-gib needs --bytes-per-token (or a calibration that has "
+                     "bytes_per_token) to turn micro-batches of activations into bytes")
     if args.message_latency is not None:
         calibration = replace(calibration, message=Fit(0.0, 0.0, args.message_latency))
     try:
@@ -225,17 +290,17 @@ def main(argv=None) -> int:
             args.seq_length, args.pp, args.microbatches, num_model_chunks=args.vpp,
             micro_batch_size=args.micro_batch_size, calibration=calibration, config=config,
             vocab_size=args.vocab_size, dense_attention=args.dense_attention,
-            memory_budget=args.memory_budget,
+            memory_budget=args.memory_budget_microbatches,
             memory_budget_bytes=args.memory_budget_gib * GIB if args.memory_budget_gib else None,
             bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,
             max_splits=args.max_splits, multiple_of=args.multiple_of, splits=args.splits,
             partitions=args.partitions, schedules=args.schedules, send_slack=args.send_slack,
-            tie_tolerance=(args.tie_tolerance if args.tie_tolerance is not None else
-                           MEASURED_TIE_TOLERANCE if args.calibration else 0.0),
-            memory_model=memory_model,
+            tie_tolerance=args.tie_tolerance, memory_model=memory_model,
             memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None)
+    except BudgetError as exc:  # the flags are fine; no plan fits them
+        raise SystemExit(f"{parser.prog}: error: {exc}") from None
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        parser.error(str(exc))
     print(f"seq_length {args.seq_length}, p={args.pp}, v={args.vpp}, m={args.microbatches}, "
           f"micro-batch size {args.micro_batch_size}; costs: {calibration.source or 'calibration'}"
           f" ({calibration.unit})")

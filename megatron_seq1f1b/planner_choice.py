@@ -10,8 +10,8 @@ from megatron_seq1f1b.partition import METHODS
 from megatron_seq1f1b.planner_memory import GIB, bytes_text
 from megatron_seq1f1b.schedule import SCHEDULES
 
-__all__ = ["Plan", "PlanChoice", "BudgetError", "MEASURED_TIE_TOLERANCE", "explain",
-           "format_table"]
+__all__ = ["Plan", "PlanChoice", "BudgetError", "TIE_TOLERANCE", "MEASURED_TIE_TOLERANCE",
+           "explain", "format_table"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Plan:
         return f"k={self.num_splits}{part} {self.schedule}"
 
     def memory_text(self) -> str:
-        text = f"{self.memory:.2f} mb"
+        text = f"{self.memory:.2f} micro-batches"
         return text + (f" ({bytes_text(self.memory_bytes)})" if self.memory_bytes else "")
 
 
@@ -100,7 +100,11 @@ def _memory_key(plan: Plan) -> tuple:
 # partition (machine-independent), then the fitted one; then the fewest segments (fewer
 # steps, messages and small kernels: what per-segment fits capture worst).
 PREFERRED_PARTITIONS = ("balanced", "measured", "uniform")
-MEASURED_TIE_TOLERANCE = 0.02  # measured costs: predictions this close are a tie
+#: Predictions this close to the fastest are a tie, for measured and FLOP costs alike: a
+#: calibration's noise and the FLOP model's assumed rate and host time are both larger, so a
+#: smaller lead is no evidence (FLOP costs once chose k=16 by 0.1 % over k=15).
+TIE_TOLERANCE = 0.02
+MEASURED_TIE_TOLERANCE = TIE_TOLERANCE  # its earlier name, from when only measured costs tied
 
 
 def _robust_key(plan: Plan) -> tuple:
@@ -183,7 +187,8 @@ def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = 
     with_bytes = any(c.memory_bytes for c in ranked)
     with_stages = any(c.stages for c in ranked)
     header = (f"  {'k':>3} {'partition':<9} {'schedule':<8} {'time':>14} {'vs best':>8} "
-              f"{'bubble':>7} {'memory (mb)':>12}" + (f" {'bytes':>10}" if with_bytes else "")
+              f"{'bubble':>7} {'act. (micro-batches)':>20}"
+              + (f" {'act. bytes':>10}" if with_bytes else "")
               + (f" {'max stage':>10}" if with_stages else "") + f" {'budget':>6}  lengths")
     lines = [header, "-" * len(header)]
     for c in ranked:
@@ -194,7 +199,7 @@ def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = 
         lines.append(
             f"{'*' if c == chosen else ' '} {c.num_splits:>3} {c.partition:<9} {c.schedule:<8} "
             f"{_time_text(c.time, c.unit):>14} {c.time / best - 1:>+8.1%} {c.bubble:>7.1%} "
-            f"{c.memory:>12.2f}{gib} {budget:>6}  {_lengths_text(c.lengths)}")
+            f"{c.memory:>20.2f}{gib} {budget:>6}  {_lengths_text(c.lengths)}")
     lines.append(reason or explain(ranked, chosen))
     return "\n".join(lines)
 

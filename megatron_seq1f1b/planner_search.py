@@ -102,7 +102,9 @@ def choose_plan(
     ``max_splits``), or over ``splits``. ``send_slack``: 1, the executor's
     transports (0: steps that wait for their sends; see the module docstring). Deterministic: ties go to less
     memory, fewer splits, then METHODS and SCHEDULES order. ``tie_tolerance``
-    (relative; :data:`MEASURED_TIE_TOLERANCE` for measured costs): plans
+    (relative; default 0, the exact fastest; the command line, the start-up measurement and
+    the benchmark pass :data:`~megatron_seq1f1b.planner_choice.TIE_TOLERANCE`, 2 %, for
+    measured and FLOP costs alike): plans
     predicted within it of the fastest count as equally fast, and the one
     that leans least on the cost model wins (1F1B over zero bubble, then the
     balanced, measured, uniform partition, then the fewest splits). Raises
