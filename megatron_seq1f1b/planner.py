@@ -198,8 +198,9 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) make at most "
                          f"{most} segments of a multiple of {args.multiple_of} tokens")
         if k > 1 and args.seq_length // k < args.min_segment_length:
-            parser.error(f"--splits {k}: segments of {args.seq_length} tokens / {k} are shorter "
-                         f"than --min-segment-length {args.min_segment_length}; use at most "
+            parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) in {k} segments "
+                         f"are shorter than --min-segment-length {args.min_segment_length}; "
+                         "use at most "
                          f"{max(args.seq_length // args.min_segment_length, 1)} splits or "
                          "lower --min-segment-length")
     if args.hidden_size is not None:
