@@ -46,7 +46,8 @@ from megatron_seq1f1b.model import dense_attention
 from megatron_seq1f1b.trainer import arguments, data, setup
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> ArgumentParser:
+    """The benchmark's flags; every number is checked as it is read."""
     p = ArgumentParser(
         prog="scripts/benchmark.py",
         description="Megatron-Core 1F1B vs Seq1F1B, side by side (launch with torchrun).",
@@ -126,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-rank", type=non_negative_int, default=0)
     p.add_argument("--loss-rtol", type=non_negative_float, default=1e-4,
                    help="first-iteration losses of all schedules must agree this closely")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked together: a problem is one line on stderr and exit status 2."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.schedules is None:
         args.schedules = [s for s in ALL_SCHEDULES
