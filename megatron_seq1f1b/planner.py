@@ -90,7 +90,7 @@ __all__ = [
 
 
 def build_parser() -> ArgumentParser:
-    """The planner's flags; every number is checked as it is read (:mod:`megatron_seq1f1b.flags`)."""
+    """The planner's flags; every number is checked as it is read (:mod:`~.flags`)."""
     parser = ArgumentParser(
         prog="python -m megatron_seq1f1b.planner",
         description="Pick segments per micro-batch, partition and schedule from per-segment "

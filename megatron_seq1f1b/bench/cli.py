@@ -59,7 +59,8 @@ def build_parser() -> ArgumentParser:
                         "schedules")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per iteration (m)")
+    p.add_argument("--microbatches", type=positive_int, default=4,
+                   help="micro-batches per iteration (m)")
     p.add_argument("--micro-batch-size", type=positive_int, default=1)
     p.add_argument("--splits", type=splits_value, default=4,
                    help="Seq1F1B segments per micro-batch (k), or auto: calibrate first, let "
@@ -80,7 +81,8 @@ def build_parser() -> ArgumentParser:
                    help="the N fastest sweep rows run in the confirmation rounds")
     p.add_argument("--memory-budget-microbatches", "--memory-budget", type=positive_float,
                    dest="memory_budget_microbatches", default=None, metavar="N",
-                   action=OldSpelling, old="--memory-budget", why="micro-batches of a stage, not MB",
+                   action=OldSpelling, old="--memory-budget",
+                   why="micro-batches of a stage, not MB",
                    help="--splits auto: most activations per stage the plan may hold, in "
                         "micro-batches of a stage (--memory-budget is its old spelling)")
     p.add_argument("--schedules", nargs="+", choices=ALL_SCHEDULES, default=None,
@@ -106,7 +108,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--moe-aux-loss-coeff", type=non_negative_float, default=0.01)
     p.add_argument("--bf16", action="store_true", help="GPU only")
     p.add_argument("--iters", type=positive_int, default=6, help="measured runs per schedule")
-    p.add_argument("--warmup", type=non_negative_int, default=2, help="unmeasured runs per schedule first")
+    p.add_argument("--warmup", type=non_negative_int, default=2,
+                   help="unmeasured runs per schedule first")
     p.add_argument("--seed", type=non_negative_int, default=1234)
     p.add_argument("--out", default="out/benchmark", help="output directory")
     p.add_argument("--no-timelines", action="store_true", help="skip the recorded iterations")

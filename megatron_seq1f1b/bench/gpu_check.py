@@ -778,7 +778,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--seq-length", type=positive_int, default=1024)
     p.add_argument("--vocab-size", type=positive_int, default=1024)
     p.add_argument("--microbatches", type=positive_int, default=2)
-    p.add_argument("--splits", type=positive_int, default=4, help="Seq1F1B segments per micro-batch (k)")
+    p.add_argument("--splits", type=positive_int, default=4,
+                   help="Seq1F1B segments per micro-batch (k)")
     p.add_argument("--partition", choices=["uniform", "balanced"], default="balanced")
     p.add_argument("--train-iters", type=positive_int, default=20)
     p.add_argument("--seed", type=non_negative_int, default=1234)

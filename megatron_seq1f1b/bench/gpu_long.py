@@ -317,14 +317,16 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--vocab-size", type=positive_int, default=50257)
     p.add_argument("--iters", type=positive_int, default=3)
     p.add_argument("--warmup", type=non_negative_int, default=2)
-    p.add_argument("--unit-reps", type=positive_int, default=1, help="timed repetitions per unit case")
+    p.add_argument("--unit-reps", type=positive_int, default=1,
+                   help="timed repetitions per unit case")
     p.add_argument("--longest", nargs="*", type=positive_int, default=[65536, 131072, 262144],
                    help="lengths to try for the 1.3B stage, in order (none: skip)")
     p.add_argument("--time-budget-s", type=positive_float, default=390.0)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--attention-backend", choices=["flash", "local"], default="flash")
     p.add_argument("--_device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
-    p.add_argument("--_shrink", type=positive_int, default=1, help=argparse.SUPPRESS)  # tests: /hidden
+    p.add_argument("--_shrink", type=positive_int, default=1,
+                   help=argparse.SUPPRESS)  # tests: /hidden
     return p
 
 

@@ -34,13 +34,15 @@ def _int_pair(text: str) -> tuple[int, int]:
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="pretrain_gpt.py",
-        description="Train a GPT with Megatron-Core and (optionally) Seq1F1B. Launch with torchrun.",
+        description="Train a GPT with Megatron-Core and (optionally) Seq1F1B. Launch with "
+                    "torchrun.",
         allow_abbrev=False,
     )
     model = p.add_argument_group("model")
     model.add_argument("--num-layers", type=positive_int, default=4)
     model.add_argument("--hidden-size", type=positive_int, default=128)
-    model.add_argument("--ffn-hidden-size", type=positive_int, default=None, help="default 4 * hidden")
+    model.add_argument("--ffn-hidden-size", type=positive_int, default=None,
+                       help="default 4 * hidden")
     model.add_argument("--num-attention-heads", type=positive_int, default=4)
     model.add_argument("--num-query-groups", type=positive_int, default=None, help="GQA groups")
     model.add_argument("--seq-length", type=positive_int, default=256)
