@@ -129,7 +129,8 @@ def build_parser() -> ArgumentParser:
     run = p.add_argument_group("training loop")
     run.add_argument("--train-iters", type=positive_int, default=20)
     run.add_argument("--eval-interval", type=positive_int, default=None, help="default: never")
-    run.add_argument("--eval-iters", type=positive_int, default=2)
+    run.add_argument("--eval-iters", type=non_negative_int, default=2,
+                     help="validation batches per evaluation (0: no evaluation, as Megatron-LM)")
     run.add_argument("--log-interval", type=positive_int, default=1)
     run.add_argument("--seed", type=non_negative_int, default=1234)
     run.add_argument("--save", default=None, help="checkpoint directory to write")
@@ -216,6 +217,8 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         problems.append("--recompute-granularity full needs --recompute-method uniform|block")
     if args.recompute_method and args.recompute_num_layers is None:
         args.recompute_num_layers = 1
+    if args.eval_iters == 0:
+        args.eval_interval = None  # as Megatron-LM: no validation batches, no evaluation
     if args.save_interval is not None and not args.save:
         problems.append("--save-interval needs --save")
     if args.use_distributed_optimizer and (args.save or args.load) \
