@@ -72,7 +72,7 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
     from megatron_seq1f1b.measure import measure_calibration
     from megatron_seq1f1b.p2p import send_slack_of_runtime
     from megatron_seq1f1b.model import dense_attention
-    from megatron_seq1f1b.planner import GIB, MEASURED_TIE_TOLERANCE, BudgetError, choose_plan
+    from megatron_seq1f1b.planner import GIB, TIE_TOLERANCE, BudgetError, choose_plan
 
     config = get_model_config(chunks[0])
     raise_if(segment_multiple_problems(segment_multiple))
@@ -96,7 +96,7 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
             dense_attention=dense_attention(chunks), min_segment_length=min_segment_length,
             multiple_of=multiple,
             send_slack=send_slack_of_runtime(),  # sends finish a step later, on NCCL too
-            tie_tolerance=MEASURED_TIE_TOLERANCE,  # closer predictions are within its noise
+            tie_tolerance=TIE_TOLERANCE,  # closer predictions are within its noise
         )
     except BudgetError as exc:  # the same on every rank: all stop, none waits
         raise ConfigError([f"--seq1f1b-splits auto: {exc}"]) from None

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 from megatron_seq1f1b.checks import (
     SUPPORTED_POSITIONS, raise_if, rounding_multiple, segment_multiple, segment_multiple_problems,
 )
+from megatron_seq1f1b.flags import positive_float, positive_int
 from megatron_seq1f1b.partition import METHODS, split_sequence
 from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedule import SCHEDULES
@@ -81,23 +82,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              f"estimated FLOPs, longer early segments). Default {DEFAULT_PARTITION}.",
     )
     group.add_argument(
-        "--seq1f1b-memory-budget", type=float, default=None, metavar="GIB",
+        "--seq1f1b-memory-budget", type=positive_float, default=None, metavar="GIB",
         help="With --seq1f1b-splits auto: most activation memory per pipeline stage the plan "
              "may hold, in GiB (bytes per token measured at start-up).",
     )
     group.add_argument(
-        "--seq1f1b-memory-budget-microbatches", type=float, default=None, metavar="N",
+        "--seq1f1b-memory-budget-microbatches", type=positive_float, default=None, metavar="N",
         help="With --seq1f1b-splits auto: the same budget in micro-batches of a stage "
              "(Megatron's 1F1B holds p on the first stage).",
     )
     group.add_argument(
-        "--seq1f1b-segment-multiple", type=int, default=None, metavar="N",
+        "--seq1f1b-segment-multiple", type=positive_int, default=None, metavar="N",
         help="Round segment lengths to multiples of N tokens (default: 64 on CUDA where the "
              "sequence allows it, for tensor cores; 1 on CPU). The layout's own multiple (the "
              "tensor-parallel size with --sequence-parallel, x8 with FP8) always applies.",
     )
     group.add_argument(
-        "--seq1f1b-min-segment-length", type=int, default=DEFAULT_MIN_SEGMENT,
+        "--seq1f1b-min-segment-length", type=positive_int, default=DEFAULT_MIN_SEGMENT,
         help=f"With --seq1f1b-splits auto: shortest segment a plan may use (tokens; default "
              f"{DEFAULT_MIN_SEGMENT}).",
     )
@@ -122,14 +123,16 @@ def extra_args_provider(other: Optional[ArgsProvider] = None) -> ArgsProvider:
 
 
 def splits_value(text: str) -> int | str:
-    """``--seq1f1b-splits``: a number, or ``auto`` (the planner decides)."""
+    """``--seq1f1b-splits``: a positive integer, or ``auto`` (the planner decides)."""
     if text == AUTO:
         return AUTO
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give a number or "
-                                         f"{AUTO!r}") from None
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or {AUTO!r}, got {text!r}")
+    return value
 
 
 def _flag(args: Any, name: str, default: Any = None) -> Any:

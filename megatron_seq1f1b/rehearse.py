@@ -43,7 +43,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from megatron_seq1f1b.flags import ArgumentParser, non_negative_int, positive_int
 from megatron_seq1f1b.footprint import layers_per_virtual_stage
+from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
+from megatron_seq1f1b.partition import split_sequence
 
 GIB = 2.0 ** 30
 
@@ -310,19 +313,21 @@ def rehearse_stage(
 # ------------------------------------------------------------------ command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    """The rehearsal's flags; every number is checked as it is read."""
+    p = ArgumentParser(
         prog="python -m megatron_seq1f1b.rehearse",
         description="Run one stage of a pipeline alone on this device (stand-in messages): "
                     "its peak memory and compute time, and the planner's prediction for it.")
     model = p.add_argument_group("model (the trainer's flags)")
-    model.add_argument("--num-layers", type=int, required=True, help="of the whole model")
-    model.add_argument("--hidden-size", type=int, required=True)
-    model.add_argument("--num-attention-heads", type=int, required=True)
-    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
-    model.add_argument("--num-query-groups", type=int, default=None)
-    model.add_argument("--seq-length", type=int, required=True)
-    model.add_argument("--vocab-size", type=int, required=True)
+    model.add_argument("--num-layers", type=positive_int, required=True, help="of the whole model")
+    model.add_argument("--hidden-size", type=positive_int, required=True)
+    model.add_argument("--num-attention-heads", type=positive_int, required=True)
+    model.add_argument("--ffn-hidden-size", type=positive_int, default=None,
+                       help="default 4 * hidden")
+    model.add_argument("--num-query-groups", type=positive_int, default=None)
+    model.add_argument("--seq-length", type=positive_int, required=True)
+    model.add_argument("--vocab-size", type=positive_int, required=True)
     model.add_argument("--swiglu", action="store_true")
     model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
@@ -332,23 +337,23 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--bf16", action="store_true")
     model.add_argument("--attention-backend", choices=["local", "flash"], default="local")
     par = p.add_argument_group("pipeline")
-    par.add_argument("--pipeline-model-parallel-size", type=int, required=True)
-    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    par.add_argument("--rehearse-stage", type=int, required=True)
-    par.add_argument("--micro-batch-size", type=int, default=1)
-    par.add_argument("--num-microbatches", type=int, required=True)
-    par.add_argument("--seq1f1b-splits", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=positive_int, required=True)
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None)
+    par.add_argument("--rehearse-stage", type=non_negative_int, required=True)
+    par.add_argument("--micro-batch-size", type=positive_int, default=1)
+    par.add_argument("--num-microbatches", type=positive_int, required=True)
+    par.add_argument("--seq1f1b-splits", type=positive_int, default=1)
     par.add_argument("--seq1f1b-partition", choices=["uniform", "balanced"], default="uniform")
     par.add_argument("--seq1f1b-schedule", choices=["1f1b", "zb-h1", "zb-h2"], default="1f1b")
-    par.add_argument("--seq1f1b-segment-multiple", type=int, default=None)
+    par.add_argument("--seq1f1b-segment-multiple", type=positive_int, default=None)
     train = p.add_argument_group("training state")
     train.add_argument("--optimizer", choices=["adam", "none"], default="adam",
                        help="adam: Megatron's (its states count in the peak); none: weights "
                             "and gradients only")
     train.add_argument("--use-distributed-optimizer", action="store_true",
                        help="(one rank: shards over a data-parallel size of 1)")
-    p.add_argument("--iters", type=int, default=2, help="measured iterations")
-    p.add_argument("--warmup", type=int, default=1,
+    p.add_argument("--iters", type=positive_int, default=2, help="measured iterations")
+    p.add_argument("--warmup", type=non_negative_int, default=1,
                    help="iterations before measuring (the optimizer's states appear in the "
                         "first step)")
     p.add_argument("--count-saved", choices=["auto", "yes", "no"], default="auto",
@@ -356,12 +361,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-calibration", metavar="FILE",
                    help="also time this stage's segments (the start-up measurement's cases) "
                         "and write them as a one-stage planner calibration")
-    p.add_argument("--calibration-reps", type=int, default=3)
-    p.add_argument("--min-segment-length", type=int, default=128,
+    p.add_argument("--calibration-reps", type=positive_int, default=3)
+    p.add_argument("--min-segment-length", type=positive_int, default=128,
                    help="shortest segment the calibration times (the planner's)")
     p.add_argument("--json", help="write the result here")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=non_negative_int, default=1234)
     return p
+
+def check_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """What needs several flags, before anything is built: one line and status 2 if it fails."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    if args.rehearse_stage >= pp:
+        parser.error(f"--rehearse-stage {args.rehearse_stage}: a {pp}-stage pipeline "
+                     f"(--pipeline-model-parallel-size) has stages 0 to {pp - 1}")
+    if layers % pp:
+        parser.error(f"--num-layers {layers} must divide by --pipeline-model-parallel-size {pp}")
+    vpp_layers = args.num_layers_per_virtual_pipeline_stage
+    if vpp_layers is not None:
+        if pp < 2:
+            parser.error("--num-layers-per-virtual-pipeline-stage needs "
+                         "--pipeline-model-parallel-size >= 2")
+        if (layers // pp) % vpp_layers:
+            parser.error(f"--num-layers-per-virtual-pipeline-stage {vpp_layers} does not divide "
+                         f"the {layers // pp} layers of a pipeline rank")
+        if args.seq1f1b_schedule == "zb-h2":
+            parser.error(f"--seq1f1b-schedule zb-h2 with virtual pipelining: {ZB_H2_PROBLEM}")
+    if args.hidden_size % args.num_attention_heads:
+        parser.error(f"--hidden-size {args.hidden_size} must divide by --num-attention-heads "
+                     f"{args.num_attention_heads}")
+    if args.num_query_groups and args.num_attention_heads % args.num_query_groups:
+        parser.error(f"--num-query-groups {args.num_query_groups} must divide "
+                     f"--num-attention-heads {args.num_attention_heads}")
+    try:
+        split_sequence(args.seq_length, args.seq1f1b_splits,
+                       multiple_of=args.seq1f1b_segment_multiple or 1)
+    except ValueError as exc:
+        parser.error(f"--seq-length / --seq1f1b-splits / --seq1f1b-segment-multiple: {exc}")
+    return args
 
 
 def _init(seed: int) -> torch.device:
@@ -589,9 +625,8 @@ def calibrate_stage(model, config, data, args):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.iters < 1 or args.warmup < 0:
-        raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    parser = build_parser()
+    args = check_args(parser, parser.parse_args(argv))
     device = _init(args.seed)
     model, config, optimizer = prepare(args)
     batch = _batch(args, device)

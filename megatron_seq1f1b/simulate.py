@@ -14,11 +14,12 @@ Command line::
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from megatron_seq1f1b.flags import ArgumentParser, positive_int
+from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.partition import CostModel, split_sequence
 from megatron_seq1f1b.plan import plan_steps
 from megatron_seq1f1b.replay import Timeline, replay
@@ -143,32 +144,51 @@ def zero_bubble_formula(num_stages: int, num_microbatches: int, num_splits: int,
 # ------------------------------------------------------------------ command line
 
 
-def _parse_args(argv=None):
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    """The simulator's flags; every number is checked as it is read."""
+    parser = ArgumentParser(
         prog="python -m megatron_seq1f1b.simulate",
         description="Compare 1F1B and Seq1F1B schedules: bubble and peak activations.",
     )
-    parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--splits", type=int, nargs="+", default=[1, 4],
+    parser.add_argument("--pp", type=positive_int, default=4, help="pipeline stages")
+    parser.add_argument("--microbatches", type=positive_int, default=4)
+    parser.add_argument("--splits", type=positive_int, nargs="+", default=[1, 4],
                         help="segments per micro-batch; 1 is Megatron's 1F1B")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (vpp)")
+    parser.add_argument("--chunks", type=positive_int, default=1,
+                        help="model chunks per rank (vpp)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["1f1b"],
                         help="1f1b (Seq1F1B) and/or the zero-bubble variants zb-h1, zb-h2 "
                              "(weight gradients W split off: F = B = W = 1)")
     parser.add_argument("--cost", choices=["uniform", "attention"], default="uniform",
                         help="uniform unit costs, or FLOPs of causal segments")
     parser.add_argument("--partition", choices=["uniform", "balanced"], default="balanced")
-    parser.add_argument("--seq-length", type=int, default=32768)
-    parser.add_argument("--hidden-size", type=int, default=4096)
-    parser.add_argument("--num-layers", type=int, default=32)
-    parser.add_argument("--num-attention-heads", type=int, default=32)
-    parser.add_argument("--vocab-size", type=int, default=50257)
+    parser.add_argument("--seq-length", type=positive_int, default=32768)
+    parser.add_argument("--hidden-size", type=positive_int, default=4096)
+    parser.add_argument("--num-layers", type=positive_int, default=32)
+    parser.add_argument("--num-attention-heads", type=positive_int, default=32)
+    parser.add_argument("--vocab-size", type=positive_int, default=50257)
     parser.add_argument("--png", help="draw the timeline(s) here, all on one time axis: with "
                                       "several, one picture each (suffix _k<splits>"
                                       "[_<schedule>]) and all of them stacked in this file")
     parser.add_argument("--trace", help="write a Chrome trace (Perfetto) here, same suffix rule")
-    return parser.parse_args(argv)
+    return parser
+
+
+def _parse_args(argv=None):
+    """Parsed and checked flags: a problem is one line on stderr and exit status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.chunks > 1 and args.pp < 2:
+        parser.error(f"--chunks {args.chunks} needs --pp >= 2 (interleaving spreads model "
+                     "chunks over pipeline stages), got --pp 1")
+    if args.chunks > 1 and "zb-h2" in args.schedules:
+        parser.error(f"--schedules zb-h2 with --chunks {args.chunks}: {ZB_H2_PROBLEM}")
+    if args.cost == "attention":
+        for k in args.splits:
+            if k > args.seq_length:
+                parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) make at "
+                             f"most {args.seq_length} segments")
+    return args
 
 
 def _config_from_args(args):
@@ -206,7 +226,8 @@ def main(argv=None) -> int:
     p, m, v = args.pp, args.microbatches, args.chunks
     many_splits, many_schedules = len(args.splits) > 1, len(args.schedules) > 1
     print(f"pipeline stages p={p}, micro-batches m={m}, model chunks v={v}, cost={args.cost}")
-    header = f"{'schedule':<26}{'bubble':>8}{'formula':>9}{'peak units':>12}{'peak (mb)':>11}"
+    header = (f"{'schedule':<26}{'bubble':>8}{'formula':>9}{'peak units':>12}"
+              f"{'peak (micro-batches)':>21}")
     print(header)
     print("-" * len(header))
     drawn = []  # (k, schedule, title, timeline in micro-batch forwards)
@@ -229,7 +250,7 @@ def main(argv=None) -> int:
             if args.cost == "uniform":
                 formula = f"{(zero_bubble_formula if split else bubble_formula)(p, m, k, v):.1%}"
             print(f"{name:<26}{result.bubble_fraction:>8.1%}{formula:>9}"
-                  f"{result.peak_inflight[0]:>12}{peak_mb:>11.2f}")
+                  f"{result.peak_inflight[0]:>12}{peak_mb:>21.2f}")
             # Costs are per unit (a segment of a chunk); in one micro-batch's forward on one
             # stage they compare across k: uniform units are 1/(k*v) of it, segment_cost's
             # (mean forward of a segment over v chunks) 1/k.
@@ -251,7 +272,7 @@ def main(argv=None) -> int:
         out = draw.draw_timelines([t for *_, t in drawn], args.png, [t for *_, t, _ in drawn],
                                   time_label=time_label, x_max=x_max)
         print(f"  all timelines on one time axis: {out}")
-    print("peak (mb): rank-0 in-flight activations in micro-batches of a stage "
+    print("peak (micro-batches): rank-0 in-flight activations in micro-batches of a stage "
           "(units / (splits * chunks))")
     return 0
 

@@ -42,6 +42,7 @@ def test_auto_budget_nothing_fits_is_one_clear_error_on_every_rank(ranks):
                         data=DataSpec(num_microbatches=2), memory_budget_gib=1e-9)
     errors = [r.get("error") for r in results]
     assert all(e and "no plan fits the activation-memory budget of 0.00 MiB" in e
-               and re.search(r"the smallest reachable is [\d.]+ mb \([\d.]+ MiB\), by k=", e)
+               and re.search(r"the smallest reachable is [\d.]+ micro-batches \([\d.]+ MiB\), "
+                             r"by k=", e)
                for e in errors), errors
     assert len(set(errors)) == 1, errors

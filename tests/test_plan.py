@@ -214,7 +214,7 @@ def test_budget_too_small_names_smallest_plan():
         plan(t, memory_budget=smallest * 0.99)
     assert isinstance(err.value, ValueError)
     assert err.value.smallest.memory == pytest.approx(smallest)
-    assert f"{smallest:.2f} mb" in str(err.value)
+    assert f"{smallest:.2f} micro-batches" in str(err.value)
     assert err.value.smallest.describe() in str(err.value)
     plan(t, memory_budget=smallest)  # exactly enough: fits
 
@@ -415,7 +415,7 @@ def test_cli_prints_table(tmp_path, capsys):
     save_calibration(table(**TABLES["attention"]), path)
     out_json = tmp_path / "plan.json"
     assert main(["--seq-length", str(SEQ), "--pp", "4", "--microbatches", "4", "--calibration",
-                 str(path), "--max-splits", "4", "--memory-budget", "2", "--json",
+                 str(path), "--max-splits", "4", "--memory-budget-microbatches", "2", "--json",
                  str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "partition" in out and "wins:" in out and "chosen: --seq1f1b-splits" in out
@@ -423,7 +423,7 @@ def test_cli_prints_table(tmp_path, capsys):
     assert written["plan"]["num_splits"] <= 4 and len(written["candidates"]) > 3
     with pytest.raises(SystemExit, match="no plan fits"):
         main(["--seq-length", str(SEQ), "--pp", "4", "--microbatches", "4", "--calibration",
-              str(path), "--memory-budget", "0.1", "--splits", "1", "2"])
+              str(path), "--memory-budget-microbatches", "0.1", "--splits", "1", "2"])
 
 
 def test_cli_module_runs_from_flops():

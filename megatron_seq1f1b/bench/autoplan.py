@@ -18,7 +18,7 @@ from megatron_seq1f1b.checks import segment_multiple
 from megatron_seq1f1b.measure import message_fit
 from megatron_seq1f1b.p2p import send_slack_of_runtime
 from megatron_seq1f1b.planner import (
-    MEASURED_TIE_TOLERANCE, BudgetError, Calibration, Plan, choose_plan,
+    TIE_TOLERANCE, BudgetError, Calibration, Plan, choose_plan,
 )
 
 
@@ -38,15 +38,16 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
     try:
         choice = choose_plan(
             args.seq_length, args.pp, args.microbatches, micro_batch_size=args.micro_batch_size,
-            calibration=calibration, memory_budget=args.memory_budget,
+            calibration=calibration, memory_budget=args.memory_budget_microbatches,
             config=config, vocab_size=args.vocab_size,  # adds the FLOP-balanced partition
             dense_attention=dense_attention,
             min_segment_length=args.min_segment_length, multiple_of=segment_multiple(config),
             send_slack=send_slack_of_runtime(),  # sends finish a step later (NCCL links, gloo)
-            tie_tolerance=MEASURED_TIE_TOLERANCE,  # as the start-up measurement's plan
+            tie_tolerance=TIE_TOLERANCE,  # as the start-up measurement's plan
         )
     except BudgetError as exc:  # the same on every rank: all stop
-        raise SystemExit(f"--memory-budget {args.memory_budget}: {exc}") from None
+        raise SystemExit(f"--memory-budget-microbatches {args.memory_budget_microbatches}: "
+                         f"{exc}") from None
     say(f"> auto plan from the {mode} calibration ({calibration.quadratic}):\n{choice.table()}")
     plan = choice.plan
     return plan, {"k": plan.num_splits, "partition": plan.partition, "schedule": plan.schedule,

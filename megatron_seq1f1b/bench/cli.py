@@ -24,6 +24,10 @@ from megatron_seq1f1b.bench.calibration import calibrate
 from megatron_seq1f1b.bench.confirm import Race, closest_rivals, confirmation, sweep_twin
 from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
 from megatron_seq1f1b.compat import megatron_core_version
+from megatron_seq1f1b.flags import (
+    ArgumentParser, OldSpelling, integer, non_negative_float, non_negative_int,
+    positive_float, positive_int,
+)
 from megatron_seq1f1b.bench.lineup import (
     ALL_SCHEDULES, AUTO_KEY, INTERLEAVED, OPT_IN, make_schedules, sweep_key,
 )
@@ -42,83 +46,96 @@ from megatron_seq1f1b.model import dense_attention
 from megatron_seq1f1b.trainer import arguments, data, setup
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    """The benchmark's flags; every number is checked as it is read."""
+    p = ArgumentParser(
+        prog="scripts/benchmark.py",
         description="Megatron-Core 1F1B vs Seq1F1B, side by side (launch with torchrun).",
         allow_abbrev=False,
     )
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages")
-    p.add_argument("--vpp", type=int, default=None,
+    p.add_argument("--pp", type=positive_int, default=2, help="pipeline stages")
+    p.add_argument("--vpp", type=integer(2), default=None,
                    help="model chunks per rank (virtual pipeline size); adds the interleaved "
                         "schedules")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per iteration (m)")
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--microbatches", type=positive_int, default=4,
+                   help="micro-batches per iteration (m)")
+    p.add_argument("--micro-batch-size", type=positive_int, default=1)
     p.add_argument("--splits", type=splits_value, default=4,
                    help="Seq1F1B segments per micro-batch (k), or auto: calibrate first, let "
                         "the planner choose k, partition and schedule (row seq1f1b-auto); the "
                         "fixed-k rows then use the chosen k")
-    p.add_argument("--sweep-splits", type=int, nargs="+", default=None, metavar="K",
+    p.add_argument("--sweep-splits", type=positive_int, nargs="+", default=None, metavar="K",
                    help="add rows seq1f1b-k<K> (balanced, 1F1B schedule) for each K")
-    p.add_argument("--min-segment-length", type=int, default=128,
+    p.add_argument("--min-segment-length", type=positive_int, default=128,
                    help="--splits auto: shortest segment the plan may use (tokens)")
-    p.add_argument("--confirm-rounds", type=int, default=None, metavar="N",
+    p.add_argument("--confirm-rounds", type=non_negative_int, default=None, metavar="N",
                    help="--splits auto with --sweep-splits: after the measured rounds, at most "
                         "N more rounds of the auto row and its closest sweep rivals alone "
                         "decide the verdict; a rival leaves once auto is surely within or "
                         "surely short of the target against it (looks after round 8 and every "
                         "4th; default 40; 0: the sweep's own runs decide); a sweep row that "
                         "runs the auto plan itself joins them as a control")
-    p.add_argument("--confirm-rivals", type=int, default=3, metavar="N",
+    p.add_argument("--confirm-rivals", type=positive_int, default=3, metavar="N",
                    help="the N fastest sweep rows run in the confirmation rounds")
-    p.add_argument("--memory-budget", type=float, default=None, metavar="MB",
+    p.add_argument("--memory-budget-microbatches", "--memory-budget", type=positive_float,
+                   dest="memory_budget_microbatches", default=None, metavar="N",
+                   action=OldSpelling, old="--memory-budget",
+                   why="micro-batches of a stage, not MB",
                    help="--splits auto: most activations per stage the plan may hold, in "
-                        "micro-batches of a stage")
+                        "micro-batches of a stage (--memory-budget is its old spelling)")
     p.add_argument("--schedules", nargs="+", choices=ALL_SCHEDULES, default=None,
                    help="default: all (the interleaved ones only with --vpp)")
     p.add_argument("--interleaved-partition", choices=("uniform", "balanced"), default="balanced",
                    help="partition of interleaved Seq1F1B")
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--seq-length", type=positive_int, default=1024)
+    p.add_argument("--hidden-size", type=positive_int, default=256)
+    p.add_argument("--num-layers", type=positive_int, default=4)
+    p.add_argument("--num-attention-heads", type=positive_int, default=4)
+    p.add_argument("--vocab-size", type=positive_int, default=1024)
     p.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"),
                    default="rope")
-    p.add_argument("--window-size", type=int, default=None, metavar="W",
+    p.add_argument("--window-size", type=non_negative_int, default=None, metavar="W",
                    help="sliding-window attention: every token sees the W tokens before it "
                         "(all schedules)")
-    p.add_argument("--window-attn-skip-freq", type=int, default=None, metavar="N",
+    p.add_argument("--window-attn-skip-freq", type=positive_int, default=None, metavar="N",
                    help="with --window-size: every N-th layer attends to the whole prefix")
-    p.add_argument("--num-experts", type=int, default=None, metavar="E",
+    p.add_argument("--num-experts", type=positive_int, default=None, metavar="E",
                    help="mixture of experts: E experts per layer (all schedules; no biases in "
                         "linear layers, all-to-all dispatcher)")
-    p.add_argument("--moe-router-topk", type=int, default=2)
-    p.add_argument("--moe-aux-loss-coeff", type=float, default=0.01)
+    p.add_argument("--moe-router-topk", type=positive_int, default=2)
+    p.add_argument("--moe-aux-loss-coeff", type=non_negative_float, default=0.01)
     p.add_argument("--bf16", action="store_true", help="GPU only")
-    p.add_argument("--iters", type=int, default=6, help="measured runs per schedule")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured runs per schedule first")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--iters", type=positive_int, default=6, help="measured runs per schedule")
+    p.add_argument("--warmup", type=non_negative_int, default=2,
+                   help="unmeasured runs per schedule first")
+    p.add_argument("--seed", type=non_negative_int, default=1234)
     p.add_argument("--out", default="out/benchmark", help="output directory")
     p.add_argument("--no-timelines", action="store_true", help="skip the recorded iterations")
-    p.add_argument("--timeline-runs", type=int, default=1,
+    p.add_argument("--timeline-runs", type=positive_int, default=1,
                    help="recorded iterations per schedule; the median-makespan one is drawn")
     p.add_argument("--no-calibration", action="store_true",
                    help="skip per-segment cost calibration and calibrated predictions")
-    p.add_argument("--calib-reps", type=int, default=3,
+    p.add_argument("--calib-reps", type=positive_int, default=3,
                    help="timed repetitions per calibration case (after one warm-up); per "
                         "segment the median counts")
     p.add_argument("--calib-mode", choices=("isolated", "concurrent", "both"), default="both",
                    help="isolated: one pipeline stage at a time (no CPU contention); "
                         "concurrent: all stages at once")
-    p.add_argument("--predict-pp", type=int, nargs="+", default=[2, 4, 8, 16])
-    p.add_argument("--predict-microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--predict-pp", type=positive_int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--predict-microbatches", type=positive_int, nargs="+", default=[4, 8, 16, 32])
     p.add_argument("--profile", action="store_true",
                    help="cProfile one extra run of every schedule on --profile-rank")
-    p.add_argument("--profile-rank", type=int, default=0)
-    p.add_argument("--loss-rtol", type=float, default=1e-4,
+    p.add_argument("--profile-rank", type=non_negative_int, default=0)
+    p.add_argument("--loss-rtol", type=non_negative_float, default=1e-4,
                    help="first-iteration losses of all schedules must agree this closely")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked together: a problem is one line on stderr and exit status 2."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.schedules is None:
         args.schedules = [s for s in ALL_SCHEDULES
@@ -128,35 +145,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               if s not in ("seq1f1b-uniform", "seq1f1b-balanced")]
     if any(s in INTERLEAVED for s in args.schedules) and not args.vpp:
         p.error("the interleaved schedules need --vpp")
-    if args.vpp is not None and args.vpp < 2:
-        p.error("--vpp must be >= 2 (omit it for the non-interleaved schedules)")
     if args.vpp and args.num_layers % (args.pp * args.vpp):
         p.error(f"--num-layers {args.num_layers} must divide by --pp x --vpp")
     if any(s.startswith("1f1b-interleaved") for s in args.schedules) and \
             args.microbatches % args.pp:
         p.error("Megatron's interleaved schedule needs --microbatches divisible by --pp")
-    if args.window_size is not None and args.window_size < 0:
-        p.error("--window-size must be >= 0")
     if args.window_attn_skip_freq is not None and args.window_size is None:
         p.error("--window-attn-skip-freq needs --window-size")
-    if args.iters < 1 or args.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
-    if args.splits != AUTO and args.splits < 1:
-        p.error("--splits must be >= 1 or auto")
+    if args.splits != AUTO and args.splits > args.seq_length:
+        p.error(f"--splits {args.splits}: --seq-length {args.seq_length} has too few tokens for "
+                "that many segments")
+    if args.num_layers % args.pp:
+        p.error(f"--num-layers {args.num_layers} must divide by --pp {args.pp}")
+    if args.hidden_size % args.num_attention_heads:
+        p.error(f"--hidden-size {args.hidden_size} must divide by --num-attention-heads "
+                f"{args.num_attention_heads}")
     if args.splits == AUTO and args.no_calibration:
         p.error("--splits auto plans from the calibration: drop --no-calibration")
-    if args.splits != AUTO and (args.memory_budget is not None or args.min_segment_length != 128):
-        p.error("--memory-budget / --min-segment-length steer --splits auto")
-    if args.min_segment_length < 1 or (args.memory_budget is not None and args.memory_budget <= 0):
-        p.error("--min-segment-length must be >= 1 and --memory-budget > 0")
+    if args.splits != AUTO and (args.memory_budget_microbatches is not None
+                                or args.min_segment_length != 128):
+        p.error("--memory-budget-microbatches / --min-segment-length steer --splits auto")
     if args.confirm_rounds is not None and not (args.splits == AUTO and args.sweep_splits):
         p.error("--confirm-rounds checks --splits auto against --sweep-splits: give both")
-    if (args.confirm_rounds or 0) < 0 or args.confirm_rivals < 1:
-        p.error("--confirm-rounds must be >= 0 and --confirm-rivals >= 1")
     if args.confirm_rounds is None:
         args.confirm_rounds = 40 if args.splits == AUTO and args.sweep_splits else 0
-    if any(k < 1 or k > args.seq_length for k in args.sweep_splits or ()):
-        p.error(f"--sweep-splits: every K must be in 1..{args.seq_length} (--seq-length)")
+    for k in args.sweep_splits or ():
+        if k > args.seq_length:
+            p.error(f"--sweep-splits {k}: every K must be in 1..{args.seq_length} (--seq-length)")
     added = [sweep_key(k) for k in sorted(set(args.sweep_splits or ()))]
     added += [AUTO_KEY] if args.splits == AUTO else []
     args.schedules = args.schedules + [key for key in added if key not in args.schedules]

@@ -51,6 +51,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from megatron_seq1f1b.flags import ArgumentParser, non_negative_int, positive_float, positive_int
+
 DEFAULT_SIZES = ("256:1024:4", "1024:4096:16", "2048:8192:16")
 DEFAULT_SPLITS = (1, 2, 4, 8)
 RESULTS, TABLE, PROFILE = "results.json", "results.md", "profile_seq1f1b.txt"
@@ -712,34 +714,34 @@ def write_report(out_dir: Path, report: dict, table: str, verdicts: dict, say=No
 # ------------------------------------------------------------------ the run
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_seq1f1b.bench.gpu",
-                                description=__doc__.split("\n\n")[0], allow_abbrev=False)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m megatron_seq1f1b.bench.gpu",
+                       description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", required=True)
     p.add_argument("--sizes", nargs="+", type=Size.parse,
                    default=[Size.parse(s) for s in DEFAULT_SIZES],
                    help="HIDDEN:SEQ[:HEADS] per rung (default: " + " ".join(DEFAULT_SIZES) + ")")
-    p.add_argument("--splits", nargs="+", type=int, default=list(DEFAULT_SPLITS))
+    p.add_argument("--splits", nargs="+", type=positive_int, default=list(DEFAULT_SPLITS))
     p.add_argument("--partition", choices=["uniform", "balanced"], default="balanced")
     p.add_argument("--no-auto", dest="auto", action="store_false",
                    help="leave out the --seq1f1b-splits auto row")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--num-layers", type=positive_int, default=4)
+    p.add_argument("--microbatches", type=positive_int, default=4)
+    p.add_argument("--vocab-size", type=positive_int, default=32000)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--attention-backend", choices=["local", "flash"], default="local")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--profile-k", type=int, default=4,
+    p.add_argument("--iters", type=positive_int, default=5)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--profile-k", type=positive_int, default=4,
                    help="the Seq1F1B k whose iteration is profiled (smallest size)")
     p.add_argument("--megatron-lm", default=None,
                    help="a Megatron-LM checkout patched by scripts/apply_patches.sh: also run "
                         "its pretrain_gpt.py with and without --seq1f1b")
     p.add_argument("--lm-size", type=Size.parse, default=Size.parse("1024:4096:16"))
-    p.add_argument("--lm-splits", type=int, default=4)
-    p.add_argument("--lm-iters", type=int, default=8)
-    p.add_argument("--lm-timeout-s", type=float, default=150.0)
-    p.add_argument("--time-budget-s", type=float, default=400.0,
+    p.add_argument("--lm-splits", type=positive_int, default=4)
+    p.add_argument("--lm-iters", type=positive_int, default=8)
+    p.add_argument("--lm-timeout-s", type=positive_float, default=150.0)
+    p.add_argument("--time-budget-s", type=positive_float, default=400.0,
                    help="rows not started by then are left out, Megatron-LM's runs too unless "
                         "a minute is left (the install comes on top; results are saved after "
                         "every row)")
@@ -750,7 +752,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from megatron_seq1f1b.bench import gpu_check
 
-    opts = build_parser().parse_args(argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    shortest = min(size.seq for size in opts.sizes)
+    for flag, k in [("--splits", k) for k in opts.splits] + [("--profile-k", opts.profile_k)]:
+        if k > shortest:
+            parser.error(f"{flag} {k}: the shortest sequence of --sizes has {shortest} tokens, "
+                         "too few for that many segments")
+    if opts.lm_splits > opts.lm_size.seq:
+        parser.error(f"--lm-splits {opts.lm_splits}: --lm-size has {opts.lm_size.seq} tokens, "
+                     "too few for that many segments")
     out_dir = Path(opts.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if opts._device == "cuda" and gpu_check.cuda_problem():

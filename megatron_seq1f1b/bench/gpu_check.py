@@ -56,6 +56,8 @@ from typing import Callable, Iterable, NamedTuple
 
 import torch
 
+from megatron_seq1f1b.flags import ArgumentParser, non_negative_int, positive_float, positive_int
+
 FP32_RTOL = 1e-5
 BF16_LOSS_RTOL = 1e-2
 BF16_MIN_COSINE = 0.999
@@ -756,8 +758,8 @@ def _comma_list(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="python -m megatron_seq1f1b.bench.gpu_check",
         description="Check Seq1F1B on one NVIDIA GPU (NCCL, bf16, CUDA memory, Transformer "
                     "Engine) and write gpu_check.json.",
@@ -770,17 +772,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention backends to compare (te is skipped if it does not import)")
     p.add_argument("--dtypes", type=_comma_list(DTYPES), default=list(DTYPES))
     p.add_argument("--no-trainer", action="store_true", help="skip the torchrun trainer runs")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--splits", type=int, default=4, help="Seq1F1B segments per micro-batch (k)")
+    p.add_argument("--num-layers", type=positive_int, default=4)
+    p.add_argument("--hidden-size", type=positive_int, default=256)
+    p.add_argument("--num-attention-heads", type=positive_int, default=4)
+    p.add_argument("--seq-length", type=positive_int, default=1024)
+    p.add_argument("--vocab-size", type=positive_int, default=1024)
+    p.add_argument("--microbatches", type=positive_int, default=2)
+    p.add_argument("--splits", type=positive_int, default=4,
+                   help="Seq1F1B segments per micro-batch (k)")
     p.add_argument("--partition", choices=["uniform", "balanced"], default="balanced")
-    p.add_argument("--train-iters", type=int, default=20)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--time-budget-s", type=float, default=420.0,
+    p.add_argument("--train-iters", type=positive_int, default=20)
+    p.add_argument("--seed", type=non_negative_int, default=1234)
+    p.add_argument("--time-budget-s", type=positive_float, default=420.0,
                    help="checks not started by then are skipped (default 420: with the "
                         "offline install the script stays under 8 minutes)")
     # Private, for tests/test_gpu_check.py only: the same comparison on CPU (gloo), and
@@ -886,7 +889,14 @@ def run_trainer_checks(opts: argparse.Namespace, runner: _Runner, on_gpu: bool) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = build_parser().parse_args(argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    if opts.splits > opts.seq_length:
+        parser.error(f"--splits {opts.splits}: --seq-length {opts.seq_length} has too few tokens "
+                     "for that many segments")
+    if opts.hidden_size % opts.num_attention_heads:
+        parser.error(f"--hidden-size {opts.hidden_size} must divide by --num-attention-heads "
+                     f"{opts.num_attention_heads}")
     out_dir = Path(opts.out)
     if opts._device == "cuda":
         problem = cuda_problem()

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_seq1f1b.flags import ArgumentParser, non_negative_int, positive_float, positive_int
 from megatron_seq1f1b.bench import gpu
 from megatron_seq1f1b.bench.gpu import Row, Shape, Size
 
@@ -301,36 +302,44 @@ def markdown(runs: list[dict], longest_rows: list[dict], environment: dict, comm
     return "\n".join(lines) + "\n"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_seq1f1b.bench.gpu_long",
-                                description=__doc__.split("\n\n")[0], allow_abbrev=False)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m megatron_seq1f1b.bench.gpu_long",
+                       description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", required=True)
     p.add_argument("--runs", nargs="+", type=parse_run,
                    default=[parse_run(r) for r in DEFAULT_RUNS],
                    help="CONFIG:SEQ (default: " + " ".join(DEFAULT_RUNS) + ")")
-    p.add_argument("--layers-7b", type=int, default=2)
-    p.add_argument("--splits", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--layers-7b", type=positive_int, default=2)
+    p.add_argument("--splits", nargs="+", type=positive_int, default=[1, 2, 4, 8])
     p.add_argument("--partitions", nargs="+", choices=["balanced", "uniform"],
                    default=["balanced", "uniform"])
-    p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--unit-reps", type=int, default=1, help="timed repetitions per unit case")
-    p.add_argument("--longest", nargs="*", type=int, default=[65536, 131072, 262144],
+    p.add_argument("--microbatches", type=positive_int, default=2)
+    p.add_argument("--vocab-size", type=positive_int, default=50257)
+    p.add_argument("--iters", type=positive_int, default=3)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--unit-reps", type=positive_int, default=1,
+                   help="timed repetitions per unit case")
+    p.add_argument("--longest", nargs="*", type=positive_int, default=[65536, 131072, 262144],
                    help="lengths to try for the 1.3B stage, in order (none: skip)")
-    p.add_argument("--time-budget-s", type=float, default=390.0)
+    p.add_argument("--time-budget-s", type=positive_float, default=390.0)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--attention-backend", choices=["flash", "local"], default="flash")
     p.add_argument("--_device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
-    p.add_argument("--_shrink", type=int, default=1, help=argparse.SUPPRESS)  # tests: /hidden
+    p.add_argument("--_shrink", type=positive_int, default=1,
+                   help=argparse.SUPPRESS)  # tests: /hidden
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_seq1f1b.bench import gpu_check
 
-    opts = build_parser().parse_args(argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    shortest = min(seq for _, seq in opts.runs)
+    for k in opts.splits:
+        if k > shortest:
+            parser.error(f"--splits {k}: the shortest sequence of --runs has {shortest} tokens, "
+                         "too few for that many segments")
     if opts._shrink > 1:  # the tests' CPU path: the same code on tiny models
         for name, (shape, hidden, heads) in list(CONFIGS.items()):
             CONFIGS[name] = (Shape(2, (shape.ffn_hidden_size or 0) // opts._shrink or None,

@@ -34,7 +34,6 @@ markdown table with the assumptions and the command::
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
 
+from megatron_seq1f1b.flags import ArgumentParser, non_negative_float, positive_float
 from megatron_seq1f1b.footprint import ModelShape, Training
 from megatron_seq1f1b.planner import (
     GIB, Calibration, Fit, MemoryModel, StageCosts, choose_plan, load_calibration,
@@ -242,18 +242,18 @@ def assumptions(link_gb_per_s: float, link_latency_us: float, activation_scale: 
     ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_seq1f1b.bench.predictions",
-                                description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m megatron_seq1f1b.bench.predictions",
+                       description=__doc__.split("\n\n")[0])
     p.add_argument("--calibration", action="append", default=[], metavar="CONFIG=FILE[,..]",
                    help=f"per configuration ({', '.join(CONFIGS)}): a calibration file, or "
                         "first,middle,last one-stage files")
-    p.add_argument("--link-gb-per-s", type=float, default=DEFAULT_LINK_GB_PER_S)
-    p.add_argument("--link-latency-us", type=float, default=DEFAULT_LINK_LATENCY_US)
-    p.add_argument("--activation-scale", type=float, default=1.0,
+    p.add_argument("--link-gb-per-s", type=positive_float, default=DEFAULT_LINK_GB_PER_S)
+    p.add_argument("--link-latency-us", type=non_negative_float, default=DEFAULT_LINK_LATENCY_US)
+    p.add_argument("--activation-scale", type=positive_float, default=1.0,
                    help="multiply the estimated activations (e.g. a rehearsal's measured / "
                         "predicted)")
-    p.add_argument("--gpu-gib", type=float, default=80.0)
+    p.add_argument("--gpu-gib", type=positive_float, default=80.0)
     p.add_argument("--out", required=True, help="predictions.json")
     p.add_argument("--markdown", help="also write the table here")
     return p
@@ -261,16 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     given = {}
     for item in args.calibration:
         name, _, spec = item.partition("=")
         if name not in CONFIGS or not spec:
-            raise SystemExit(f"--calibration {item!r}: use CONFIG=FILE with CONFIG one of "
-                             f"{', '.join(CONFIGS)}")
+            parser.error(f"--calibration {item!r}: use CONFIG=FILE with CONFIG one of "
+                         f"{', '.join(CONFIGS)}")
         given[name] = spec
     if not given:
-        raise SystemExit("give at least one --calibration CONFIG=FILE")
+        parser.error("give at least one --calibration CONFIG=FILE")
     rows, sources = [], {}
     for name, spec in given.items():
         calibration = load_shape_calibration(spec)

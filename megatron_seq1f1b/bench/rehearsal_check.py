@@ -25,7 +25,6 @@ rehearsals in this process (CPU tests; on a GPU separate processes keep peaks ap
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from megatron_seq1f1b.flags import ArgumentParser, positive_float
 from megatron_seq1f1b.bench.predictions import CONFIGS
 
 TOLERANCE = 0.10
@@ -256,16 +256,16 @@ def _calibrate_and_predict(out: Path, tiny: bool, runner: Runner, start: float,
                         if code == 0 else f"exited with status {code}"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_seq1f1b.bench.rehearsal_check",
-                                description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m megatron_seq1f1b.bench.rehearsal_check",
+                       description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--calibrate", action="store_true",
                    help="also calibrate first/middle/last stages of both configurations and "
                         "predict them")
-    p.add_argument("--budget-s", type=float, default=300,
+    p.add_argument("--budget-s", type=positive_float, default=300,
                    help="no calibration starts after this many seconds")
-    p.add_argument("--limit-s", type=float, default=420,
+    p.add_argument("--limit-s", type=positive_float, default=420,
                    help="a rehearsal, calibration or planner run still going this many "
                         "seconds after the start is killed (keeps the script inside 8 minutes "
                         "with the install)")

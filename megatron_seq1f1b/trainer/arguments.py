@@ -9,7 +9,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import sys
 
+from megatron_seq1f1b.flags import (
+    ArgumentParser, fraction, non_negative_float, non_negative_int, positive_float,
+    positive_int,
+)
 from megatron_seq1f1b.megatron_lm import AUTO, add_arguments, auto_flag_problems, moe_flag_problems
 from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.partition import split_sequence
@@ -26,30 +31,33 @@ def _int_pair(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected two integers like '(1024, 0)', got {text!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Train a GPT with Megatron-Core and (optionally) Seq1F1B. Launch with torchrun.",
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Train a GPT with Megatron-Core and (optionally) Seq1F1B. Launch with "
+                    "torchrun.",
         allow_abbrev=False,
     )
     model = p.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=4)
-    model.add_argument("--hidden-size", type=int, default=128)
-    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
-    model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--num-query-groups", type=int, default=None, help="GQA groups")
-    model.add_argument("--seq-length", type=int, default=256)
-    model.add_argument("--max-position-embeddings", type=int, default=None)
+    model.add_argument("--num-layers", type=positive_int, default=4)
+    model.add_argument("--hidden-size", type=positive_int, default=128)
+    model.add_argument("--ffn-hidden-size", type=positive_int, default=None,
+                       help="default 4 * hidden")
+    model.add_argument("--num-attention-heads", type=positive_int, default=4)
+    model.add_argument("--num-query-groups", type=positive_int, default=None, help="GQA groups")
+    model.add_argument("--seq-length", type=positive_int, default=256)
+    model.add_argument("--max-position-embeddings", type=positive_int, default=None)
     model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
                        default="learned_absolute")
     model.add_argument("--swiglu", action="store_true")
     model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    model.add_argument("--hidden-dropout", type=float, default=0.0)
-    model.add_argument("--attention-dropout", type=float, default=0.0)
+    model.add_argument("--hidden-dropout", type=fraction, default=0.0)
+    model.add_argument("--attention-dropout", type=fraction, default=0.0)
     model.add_argument("--window-size", type=_int_pair, default=None,
                        help="sliding-window attention, e.g. '(1024, 0)': each token sees the "
                             "1024 tokens before it")
-    model.add_argument("--window-attn-skip-freq", type=int, default=None,
+    model.add_argument("--window-attn-skip-freq", type=positive_int, default=None,
                        help="every N-th layer attends to the whole prefix (no window)")
 
     model.add_argument("--disable-bias-linear", action="store_true",
@@ -63,71 +71,72 @@ def build_parser() -> argparse.ArgumentParser:
     mla.add_argument("--multi-latent-attention", action="store_true",
                      help="MLA; its core attention is megatron_seq1f1b.flash_attention with "
                           "either --attention-backend (separate K/V widths, PyTorch SDPA)")
-    mla.add_argument("--q-lora-rank", type=int, default=None)
-    mla.add_argument("--kv-lora-rank", type=int, default=32)
-    mla.add_argument("--qk-head-dim", type=int, default=128)
-    mla.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
-    mla.add_argument("--v-head-dim", type=int, default=128)
+    mla.add_argument("--q-lora-rank", type=positive_int, default=None)
+    mla.add_argument("--kv-lora-rank", type=positive_int, default=32)
+    mla.add_argument("--qk-head-dim", type=positive_int, default=128)
+    mla.add_argument("--qk-pos-emb-head-dim", type=positive_int, default=64)
+    mla.add_argument("--v-head-dim", type=positive_int, default=128)
     mla.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
                      help="MLA's rotary embedding (Megatron's default for MLA: yarn)")
-    mla.add_argument("--rotary-scaling-factor", type=float, default=1.0)
+    mla.add_argument("--rotary-scaling-factor", type=positive_float, default=1.0)
     moe = p.add_argument_group("mixture of experts (Megatron-LM's flags)")
-    moe.add_argument("--num-experts", type=int, default=None)
-    moe.add_argument("--moe-router-topk", type=int, default=2)
-    moe.add_argument("--moe-ffn-hidden-size", type=int, default=None)
-    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
-    moe.add_argument("--moe-layer-freq", type=int, default=1,
+    moe.add_argument("--num-experts", type=positive_int, default=None)
+    moe.add_argument("--moe-router-topk", type=positive_int, default=2)
+    moe.add_argument("--moe-ffn-hidden-size", type=positive_int, default=None)
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=positive_int, default=None)
+    moe.add_argument("--moe-layer-freq", type=positive_int, default=1,
                      help="every N-th layer is MoE (the others dense)")
     moe.add_argument("--moe-router-load-balancing-type", default="aux_loss",
                      choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"])
-    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
-    moe.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    moe.add_argument("--moe-aux-loss-coeff", type=non_negative_float, default=0.0)
+    moe.add_argument("--moe-z-loss-coeff", type=non_negative_float, default=None)
     moe.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
                      default="softmax")
     moe.add_argument("--moe-router-enable-expert-bias", action="store_true")
-    moe.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    moe.add_argument("--moe-router-bias-update-rate", type=non_negative_float, default=1e-3)
     moe.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
                      default="allgather")
-    moe.add_argument("--moe-expert-capacity-factor", type=float, default=None)
-    moe.add_argument("--expert-model-parallel-size", type=int, default=1)
+    moe.add_argument("--moe-expert-capacity-factor", type=positive_float, default=None)
+    moe.add_argument("--expert-model-parallel-size", type=positive_int, default=1)
 
     par = p.add_argument_group("parallelism")
-    par.add_argument("--micro-batch-size", type=int, default=1)
-    par.add_argument("--global-batch-size", type=int, default=None,
+    par.add_argument("--micro-batch-size", type=positive_int, default=1)
+    par.add_argument("--global-batch-size", type=positive_int, default=None,
                      help="default micro-batch size * data-parallel size")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    par.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None)
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
 
     opt = p.add_argument_group("optimization")
-    opt.add_argument("--lr", type=float, default=3e-4)
-    opt.add_argument("--min-lr", type=float, default=0.0)
+    opt.add_argument("--lr", type=non_negative_float, default=3e-4)
+    opt.add_argument("--min-lr", type=non_negative_float, default=0.0)
     opt.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
-    opt.add_argument("--lr-warmup-iters", type=int, default=0)
-    opt.add_argument("--weight-decay", type=float, default=0.01)
-    opt.add_argument("--clip-grad", type=float, default=1.0)
-    opt.add_argument("--adam-beta1", type=float, default=0.9)
-    opt.add_argument("--adam-beta2", type=float, default=0.95)
+    opt.add_argument("--lr-warmup-iters", type=non_negative_int, default=0)
+    opt.add_argument("--weight-decay", type=non_negative_float, default=0.01)
+    opt.add_argument("--clip-grad", type=non_negative_float, default=1.0)
+    opt.add_argument("--adam-beta1", type=fraction, default=0.9)
+    opt.add_argument("--adam-beta2", type=fraction, default=0.95)
     opt.add_argument("--calculate-per-token-loss", action="store_true")
     opt.add_argument("--bf16", action="store_true", help="GPU only")
     opt.add_argument("--fp16", action="store_true", help="GPU only")
     opt.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     opt.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    opt.add_argument("--recompute-num-layers", type=int, default=None)
+    opt.add_argument("--recompute-num-layers", type=positive_int, default=None)
 
     run = p.add_argument_group("training loop")
-    run.add_argument("--train-iters", type=int, default=20)
-    run.add_argument("--eval-interval", type=int, default=None, help="default: never")
-    run.add_argument("--eval-iters", type=int, default=2)
-    run.add_argument("--log-interval", type=int, default=1)
-    run.add_argument("--seed", type=int, default=1234)
+    run.add_argument("--train-iters", type=positive_int, default=20)
+    run.add_argument("--eval-interval", type=positive_int, default=None, help="default: never")
+    run.add_argument("--eval-iters", type=non_negative_int, default=2,
+                     help="validation batches per evaluation (0: no evaluation, as Megatron-LM)")
+    run.add_argument("--log-interval", type=positive_int, default=1)
+    run.add_argument("--seed", type=non_negative_int, default=1234)
     run.add_argument("--save", default=None, help="checkpoint directory to write")
     run.add_argument("--load", default=None, help="checkpoint directory to resume from")
-    run.add_argument("--save-interval", type=int, default=None)
-    run.add_argument("--exit-interval", type=int, default=None,
+    run.add_argument("--save-interval", type=positive_int, default=None)
+    run.add_argument("--exit-interval", type=positive_int, default=None,
                      help="stop (and save, with --save) after an iteration divisible by this; "
                           "the LR schedule still spans --train-iters, so a resumed run continues "
                           "exactly")
@@ -143,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--split", default="98,2,0", help="train,valid,test weights")
     data.add_argument("--tokenizer-type", choices=["NullTokenizer", "ByteTokenizer"],
                       default="NullTokenizer")
-    data.add_argument("--vocab-size", type=int, default=None)
+    data.add_argument("--vocab-size", type=positive_int, default=None)
     data.add_argument("--data-cache-path", default=None)
 
     add_arguments(p)  # --seq1f1b... flags, as in Megatron-LM (auto's budget flags too)
@@ -208,6 +217,8 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         problems.append("--recompute-granularity full needs --recompute-method uniform|block")
     if args.recompute_method and args.recompute_num_layers is None:
         args.recompute_num_layers = 1
+    if args.eval_iters == 0:
+        args.eval_interval = None  # as Megatron-LM: no validation batches, no evaluation
     if args.save_interval is not None and not args.save:
         problems.append("--save-interval needs --save")
     if args.use_distributed_optimizer and (args.save or args.load) \
@@ -215,11 +226,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         problems.append("--save/--load with --use-distributed-optimizer write Megatron-Core "
                         "distributed checkpoints, whose writer needs psutil: pip install psutil "
                         "(or this package's [train] extra)")
-    if args.exit_interval is not None and args.exit_interval < 1:
-        problems.append("--exit-interval must be >= 1")
     auto = args.seq1f1b_splits == AUTO
-    if args.seq1f1b and not auto and args.seq1f1b_splits < 1:
-        problems.append("--seq1f1b-splits must be >= 1")
     problems += auto_flag_problems(args)
     if args.seq1f1b and args.seq1f1b_schedule == "zb-h2" \
             and args.virtual_pipeline_model_parallel_size is not None:
@@ -227,8 +234,6 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     requested = args.seq1f1b_segment_multiple
     if requested is not None and not args.seq1f1b:
         problems.append("--seq1f1b-segment-multiple needs --seq1f1b")
-    elif requested is not None and requested < 1:
-        problems.append(f"--seq1f1b-segment-multiple must be >= 1, got {requested}")
     elif args.seq1f1b and not auto and args.seq1f1b_splits >= 1:
         multiple = tp if args.sequence_parallel else 1
         if requested is not None:
@@ -239,9 +244,9 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
             problems.append(f"--seq-length / --seq1f1b-splits: {exc}")
     if args.seq1f1b and args.num_experts:
         problems += moe_flag_problems(args)
-    if problems:
-        raise SystemExit("pretrain_gpt.py: invalid arguments:\n" +
-                         "\n".join(f"  - {p}" for p in problems))
+    if problems:  # all at once, one line each, as argparse's own errors: status 2
+        sys.stderr.write("".join(f"pretrain_gpt.py: error: {p}\n" for p in problems))
+        raise SystemExit(2)
     return args
 
 

@@ -1,0 +1,129 @@
+"""The planner's memory model: activations held per stage, and each stage's total bytes.
+
+Memory is the peak of activations held on a stage, in micro-batches of that
+stage (a unit of segment ``j`` on one of ``v`` chunks holds
+``len_j / (seq_length * v)``; from its forward until its backward, or until
+its ``W`` in zero-bubble schedules; :func:`activation_peak`). With a
+:class:`MemoryModel` (the model's shape and how it is trained) every
+candidate also gets each stage's total: weights, main gradients, optimizer
+states (:mod:`megatron_seq1f1b.footprint`) and its activations replayed unit
+by unit with that stage's own bytes per token (:func:`stage_memory`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from megatron_seq1f1b.footprint import (
+    ModelShape, Training, activation_bytes_per_token, layers_per_virtual_stage,
+    stage_activation_bytes, stage_parameters,
+)
+from megatron_seq1f1b.schedule import Schedule, build_schedule
+
+GIB = 2.0 ** 30
+
+__all__ = ["GIB", "bytes_text", "activation_peak", "MemoryModel", "stage_memory"]
+
+
+def bytes_text(count: float) -> str:
+    """GiB, or MiB below a tenth of one (small models, tests)."""
+    return f"{count / GIB:.2f} GiB" if count >= 0.1 * GIB else f"{count / 2**20:.2f} MiB"
+
+
+def activation_peak(schedule: Schedule, lengths: Sequence[int], num_model_chunks: int = 1
+                    ) -> float:
+    """Most activations any rank holds, in micro-batches of a stage.
+
+    A unit holds ``len / (seq_length * v)`` from its forward until its
+    backward, or until its W where W is split off (as
+    :func:`simulate.peak_inflight` counts units).
+    """
+    total = float(sum(lengths)) * num_model_chunks
+    peak = 0.0
+    for actions in schedule:
+        release = "W" if any(a.is_weight for a in actions) else "B"
+        live = 0.0
+        for action in actions:
+            if action.is_forward:
+                live += lengths[action.segment] / total
+                peak = max(peak, live)
+            elif action.kind == release:
+                live -= lengths[action.segment] / total
+    return peak
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What the planner needs to predict a stage's total memory: the model's shape, how it
+    is trained (:class:`~megatron_seq1f1b.footprint.Training`) and its attention kernel.
+
+    Activation bytes per token come from
+    :func:`~megatron_seq1f1b.footprint.activation_bytes_per_token` for every chunk; with
+    ``bytes_per_token`` (measured: what one token of one sample leaves on the most loaded
+    stage, all its chunks) every chunk's estimate is scaled so that stage matches it.
+    """
+
+    shape: ModelShape
+    training: Training = Training()
+    flash: bool = True
+    bytes_per_token: float | None = None
+    activation_scale: float = 1.0  # e.g. measured / estimated activations of a rehearsal
+
+    def chunk_bytes_per_token(self, num_stages: int, num_model_chunks: int = 1,
+                              whole_qkv: bool = False) -> list[list[tuple[float, float]]]:
+        """[rank][chunk] -> (bytes per token, of which keys and values); ``whole_qkv`` for
+        unsegmented micro-batches (see :func:`activation_bytes_per_token`)."""
+        p, v = num_stages, num_model_chunks
+        layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
+
+        def estimate(whole: bool) -> list[list[tuple[float, float]]]:
+            return [[activation_bytes_per_token(
+                self.shape, layers, first=c * p + r == 0, last=c * p + r == p * v - 1,
+                dtype=self.training.dtype, flash=self.flash, whole_qkv=whole)
+                for c in range(v)] for r in range(p)]
+
+        table = estimate(whole_qkv)
+        scale = self.activation_scale
+        if self.bytes_per_token:  # measured on a whole micro-batch (the calibration's k=1)
+            measured_kind = table if whole_qkv else estimate(True)
+            scale = self.bytes_per_token / max(sum(b for b, _ in rank) for rank in measured_kind)
+        if scale != 1.0:
+            table = [[(b * scale, kv * scale) for b, kv in rank] for rank in table]
+        return table
+
+    def static_bytes(self, num_stages: int, num_model_chunks: int = 1) -> list[dict]:
+        """Per rank: weights, main gradients and optimizer states, in bytes."""
+        return [self.training.state_bytes(n)
+                for n in stage_parameters(self.shape, num_stages, num_model_chunks)]
+
+    def stage_bytes(self, schedule: Schedule, lengths: Sequence[int], num_model_chunks: int = 1,
+                    micro_batch_size: int = 1) -> list[dict]:
+        """Per rank: ``weights``, ``gradients``, ``optimizer``, ``activations`` and ``total``
+        bytes, activations replayed over the rank's actions."""
+        p = len(schedule)
+        activations = stage_activation_bytes(
+            schedule, lengths, self.chunk_bytes_per_token(p, num_model_chunks, len(lengths) == 1),
+            micro_batch_size)
+        stages = []
+        for static, act in zip(self.static_bytes(p, num_model_chunks), activations):
+            entry = dict(static, activations=act)
+            entry["total"] = sum(entry.values())
+            stages.append(entry)
+        return stages
+
+
+def stage_memory(shape: ModelShape, training: Training, num_stages: int,
+                 num_microbatches: int, lengths: Sequence[int], *, num_model_chunks: int = 1,
+                 schedule: str | Schedule = "1f1b", micro_batch_size: int = 1,
+                 flash: bool = True, bytes_per_token: float | None = None,
+                 costs: Sequence[tuple[float, float, float]] | None = None) -> list[dict]:
+    """Each pipeline rank's predicted bytes (weights, gradients, optimizer, activations,
+    total) for one plan: ``schedule`` a name (built here; zero bubble placed with
+    ``costs``, else unit costs) or every rank's action lists."""
+    if isinstance(schedule, str):
+        schedule = build_schedule(num_stages, num_microbatches, len(lengths), num_model_chunks,
+                                  schedule=schedule, costs=costs)
+    model = MemoryModel(shape, training, flash, bytes_per_token)
+    return model.stage_bytes(schedule, lengths, num_model_chunks, micro_batch_size)
+

@@ -1,0 +1,201 @@
+"""Every command line answers a bad number in one line: the flag, the value, what is allowed.
+
+Issue 34: ``--pp 0`` ended in ``ZeroDivisionError``, ``--splits 0`` blamed the segment
+length, and the simulator printed a traceback naming an internal argument. Here every
+entry point's parser is walked: each flag that reads a number must read it through
+:mod:`megatron_seq1f1b.flags` (or ``--seq1f1b-splits``' own reader), and zero, negative
+and non-numeric values must give exit status 2, one line on stderr naming the flag and
+the value, and no traceback. Checks across flags get the same treatment through each
+entry point's ``main``. Everything runs in this process except two end-to-end runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_seq1f1b import megatron_lm, planner, rehearse, simulate
+from megatron_seq1f1b.bench import cli as bench_cli
+from megatron_seq1f1b.bench import gpu, gpu_check, gpu_long, predictions, rehearsal_check
+from megatron_seq1f1b.trainer import arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ["--out", "unused-out"]  # parsing stops before anything is written
+
+# entry point -> (its parser, the flags it requires)
+ENTRY_POINTS = {
+    "planner": (planner.build_parser, ["--seq-length", "4096", "--pp", "2",
+                                       "--microbatches", "4"]),
+    "simulate": (simulate.build_parser, []),
+    "rehearse": (rehearse.build_parser, [
+        "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "256", "--vocab-size", "128", "--pipeline-model-parallel-size", "4",
+        "--rehearse-stage", "0", "--num-microbatches", "4"]),
+    "benchmark": (bench_cli.build_parser, []),
+    "bench.gpu": (gpu.build_parser, OUT),
+    "bench.gpu_long": (gpu_long.build_parser, OUT),
+    "bench.gpu_check": (gpu_check.build_parser, OUT),
+    "bench.predictions": (predictions.build_parser, OUT),
+    "bench.rehearsal_check": (rehearsal_check.build_parser, OUT),
+    "trainer": (arguments.build_parser, []),
+}
+
+
+def _numeric_flags():
+    """(entry point, option, its type) for every flag that reads a number."""
+    found = []
+    for name, (build, _) in ENTRY_POINTS.items():
+        for action in build()._actions:
+            if not action.option_strings or action.type is None:
+                continue
+            assert action.type not in (int, float), (
+                f"{name} {action.option_strings[0]}: read it with megatron_seq1f1b.flags")
+            if hasattr(action.type, "allowed") or action.type is megatron_lm.splits_value:
+                found.append((name, action.option_strings[0], action.type))
+    return found
+
+
+NUMERIC = _numeric_flags()
+
+
+def _refused(call, capsys) -> str:
+    """The single stderr line of a call that must exit with status 2."""
+    with pytest.raises(SystemExit) as exited:
+        call()
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, (exited.value.code, err)
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_every_entry_point_reads_numbers_through_the_checkers():
+    per_entry = {name: [flag for entry, flag, _ in NUMERIC if entry == name]
+                 for name in ENTRY_POINTS}
+    assert all(per_entry.values()), per_entry
+    assert {"--pp", "--splits", "--microbatches", "--tie-tolerance"} <= set(per_entry["planner"])
+    assert {"--pipeline-model-parallel-size", "--seq1f1b-splits", "--lr",
+            "--seq1f1b-memory-budget"} <= set(per_entry["trainer"])
+    assert len(NUMERIC) > 100
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_zero_negative_and_non_numeric_values(value, capsys):
+    """All flags, all entry points: refused in one line, or (zero where zero is allowed)
+    accepted."""
+    for name, flag, kind in NUMERIC:
+        build, required = ENTRY_POINTS[name]
+        argv = required + [flag, value]
+        allowed = getattr(kind, "allowed", "an integer >= 1")
+        if value == "0" and (">= 0" in allowed or "from 0" in allowed or "[0," in allowed):
+            build().parse_args(argv)  # zero is allowed here
+            continue
+        line = _refused(lambda: build().parse_args(argv), capsys)
+        assert f"error: argument {flag}" in line or f"/{flag}:" in line, (name, line)
+        assert f"got '{value}'" in line and "must be" in line, (name, line)
+
+
+def test_the_issues_examples(capsys):
+    line = _refused(lambda: planner.main(
+        ["--seq-length", "4096", "--pp", "0", "--microbatches", "4", "--hidden-size", "512",
+         "--num-layers", "4", "--num-attention-heads", "8"]), capsys)
+    assert line == ("python -m megatron_seq1f1b.planner: error: argument --pp: must be an "
+                    "integer >= 1, got '0'")
+    line = _refused(lambda: planner.main(
+        ["--seq-length", "4096", "--pp", "2", "--microbatches", "4", "--splits", "0"]), capsys)
+    assert "argument --splits: must be an integer >= 1, got '0'" in line
+    line = _refused(lambda: simulate.main(["--splits", "0"]), capsys)
+    assert "argument --splits: must be an integer >= 1, got '0'" in line
+
+
+PLANNER = ["--seq-length", "4096", "--pp", "2", "--microbatches", "4", "--hidden-size", "512",
+           "--num-layers", "4", "--num-attention-heads", "8"]
+REHEARSE = ENTRY_POINTS["rehearse"][1]
+
+
+@pytest.mark.parametrize("call, flag", [
+    (lambda: planner.main(PLANNER + ["--splits", "5000"]), "--splits 5000"),
+    (lambda: planner.main(PLANNER + ["--splits", "64"]), "--min-segment-length 128"),
+    (lambda: planner.main(PLANNER + ["--vpp", "2", "--pp", "1"]), "--vpp 2"),
+    (lambda: planner.main(PLANNER + ["--num-layers", "3"]), "--num-layers 3"),
+    (lambda: planner.main(PLANNER + ["--memory-budget-gib", "4"]), "--memory-budget-gib"),
+    (lambda: planner.main(PLANNER + ["--multiple-of", "3"]), "--multiple-of 3"),
+    (lambda: planner.main(PLANNER + ["--calibration", "/no/such/file.json"]), "--calibration"),
+    (lambda: planner.main(["--seq-length", "4096", "--pp", "2", "--microbatches", "4"]),
+     "--calibration"),
+    (lambda: simulate.main(["--chunks", "2", "--pp", "1"]), "--chunks 2"),
+    (lambda: simulate.main(["--cost", "attention", "--seq-length", "8", "--splits", "16"]),
+     "--splits 16"),
+    (lambda: rehearse.main(REHEARSE + ["--rehearse-stage", "4"]), "--rehearse-stage 4"),
+    (lambda: rehearse.main(REHEARSE + ["--seq1f1b-splits", "300"]), "--seq1f1b-splits"),
+    (lambda: rehearse.main(REHEARSE + ["--num-layers", "6"]), "--num-layers 6"),
+    (lambda: bench_cli.parse_args(["--splits", "5000"]), "--splits 5000"),
+    (lambda: bench_cli.parse_args(["--sweep-splits", "5000"]), "--sweep-splits 5000"),
+    (lambda: gpu.main(OUT + ["--splits", "5000"]), "--splits 5000"),
+    (lambda: gpu_long.main(OUT + ["--splits", "100000"]), "--splits 100000"),
+    (lambda: gpu_check.main(OUT + ["--splits", "5000"]), "--splits 5000"),
+    (lambda: predictions.main(OUT), "--calibration"),
+    (lambda: arguments.parse(["--mock-data", "--tokenizer-type", "ByteTokenizer",
+                              "--pipeline-model-parallel-size", "3"], 3),
+     "--pipeline-model-parallel-size 3"),
+], ids=["planner-splits-sequence", "planner-splits-min-length", "planner-vpp", "planner-layers",
+        "planner-gib-needs-bytes", "planner-multiple", "planner-calibration-file",
+        "planner-no-costs", "simulate-chunks", "simulate-splits-sequence", "rehearse-stage",
+        "rehearse-splits", "rehearse-layers", "benchmark-splits", "benchmark-sweep", "gpu",
+        "gpu-long", "gpu-check", "predictions", "trainer"])
+def test_checks_across_flags_are_one_line_too(call, flag, capsys):
+    assert flag in _refused(call, capsys)
+
+
+def test_old_planner_budget_spelling_still_works_with_a_note(capsys):
+    for build in (planner.build_parser, bench_cli.build_parser):
+        required = ENTRY_POINTS["planner"][1] if build is planner.build_parser else []
+        new = build().parse_args(required + ["--memory-budget-microbatches", "2.5"])
+        assert capsys.readouterr().err == ""
+        old = build().parse_args(required + ["--memory-budget", "2.5"])
+        note = capsys.readouterr().err
+        assert old.memory_budget_microbatches == new.memory_budget_microbatches == 2.5
+        assert "--memory-budget is now --memory-budget-microbatches" in note
+        assert len(note.strip().splitlines()) == 1
+    assert "old spelling" in planner.build_parser().format_help()
+
+
+def test_planner_table_says_micro_batches_and_ties_flop_costs_within_two_percent(
+        tmp_path, capsys):
+    """Issue 34 (2, 3): the column's unit, and FLOP costs tie as measured ones do: the
+    fewest segments predicted within 2 % of the fastest win."""
+    argv = ["--seq-length", "8192", "--pp", "4", "--microbatches", "4", "--hidden-size",
+            "1024", "--num-layers", "8", "--num-attention-heads", "8", "--vocab-size", "32000",
+            "--host-ms-per-layer", "0", "--partitions", "balanced", "--schedules", "1f1b",
+            "--splits", "2", "3", "4", "5", "6", "7", "8"]
+    exact, tied = tmp_path / "exact.json", tmp_path / "tied.json"
+    assert planner.main(argv + ["--tie-tolerance", "0", "--json", str(exact)]) == 0
+    capsys.readouterr()
+    assert planner.main(argv + ["--json", str(tied)]) == 0  # the default: 2 %
+    out = capsys.readouterr().out
+    assert "act. (micro-batches)" in out and "memory (mb)" not in out
+    exact, tied = (json.loads(path.read_text()) for path in (exact, tied))
+    times = {c["num_splits"]: c["time"] for c in exact["candidates"]}
+    fastest = min(times, key=times.get)
+    within = [k for k, t in times.items() if t <= times[fastest] * 1.02]
+    assert exact["plan"]["num_splits"] == fastest
+    assert tied["plan"]["num_splits"] == min(within) < fastest, times
+    assert "within the tie tolerance of 2%" in tied["reason"]
+
+
+@pytest.mark.parametrize("module, argv, flag", [
+    ("megatron_seq1f1b.simulate", ["--splits", "0"], "--splits"),
+    ("megatron_seq1f1b.planner", ["--seq-length", "4096", "--pp", "0", "--microbatches", "4"],
+     "--pp"),
+])
+def test_end_to_end_no_traceback(module, argv, flag):
+    done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"python -m {module}: error: argument {flag}: must be an integer >= 1, got '0'"]
