@@ -361,7 +361,7 @@ def _round_boundaries(ends: list[float], units: int, multiple_of: int) -> list[i
 
 # A cut moves to a document end when that changes the cost before it by at most this share of
 # one segment's cost; the predicted spread (max / min segment cost) must stay within MAX_SPREAD.
-DOCUMENT_END_TOLERANCE = 0.025
+DOCUMENT_END_TOLERANCE = 0.05
 MAX_SPREAD = 1.10
 
 
