@@ -14,6 +14,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["megatron_seq1f1b", "megatron_seq1f1b.*"]),
+    # The Megatron-LM patches ship with the package: `python -m megatron_seq1f1b.patch`
+    # (the `seq1f1b-patch` command) applies them to a checkout without this repository.
+    package_data={"megatron_seq1f1b": ["patches/megatron-lm/*/*.patch"]},
+    entry_points={"console_scripts": ["seq1f1b-patch = megatron_seq1f1b.patch:main"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",

@@ -1,6 +1,7 @@
 """Megatron-LM integration: everything the patch hunks in a Megatron-LM checkout call.
 
-The patches (``patches/megatron-lm/<tag>/``) only add calls into this module,
+The patches (``megatron_seq1f1b/patches/megatron-lm/<tag>/``, applied by
+:mod:`megatron_seq1f1b.patch`) only add calls into this module,
 so that the logic lives, and is tested, here:
 
 * ``pretrain_gpt.py``: :func:`extra_args_provider` adds the ``--seq1f1b``
@@ -26,11 +27,14 @@ core_v0.19         :func:`add_post_wrap_hook`   :func:`slice_gpt_batch_fields`
 
 Without ``--seq1f1b`` every function here is a no-op (or the identity).
 Importing this module does not import torch or Megatron.
+``python -m megatron_seq1f1b.megatron_lm`` prints the flags' help (Megatron-LM's
+own ``pretrain_gpt.py --help`` fails in core_v0.18.2 and core_v0.19.0).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Callable, Optional
 
 from megatron_seq1f1b.checks import (
@@ -98,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "tensor-parallel size with --sequence-parallel, x8 with FP8) always applies.",
     )
     group.add_argument(
-        "--seq1f1b-min-segment-length", type=positive_int, default=DEFAULT_MIN_SEGMENT,
+        "--seq1f1b-min-segment-length", type=positive_int, default=DEFAULT_MIN_SEGMENT, metavar="T",
         help=f"With --seq1f1b-splits auto: shortest segment a plan may use (tokens; default "
              f"{DEFAULT_MIN_SEGMENT}).",
     )
@@ -596,3 +600,35 @@ def slice_gpt_batch_fields(*values: Any) -> tuple:
                         f"{', '.join(GPT_BATCH_KEYS)}; got {len(values)}")
     batch = _slice_fields(dict(zip(GPT_BATCH_KEYS, values)))
     return tuple(batch[n] for n in GPT_BATCH_KEYS)
+
+
+FLAGS_PROG = "python -m megatron_seq1f1b.megatron_lm"
+
+
+def flags_parser() -> argparse.ArgumentParser:
+    """A parser holding only the flags a patched ``pretrain_gpt.py`` adds (for their help)."""
+    parser = argparse.ArgumentParser(
+        prog=FLAGS_PROG, allow_abbrev=False,
+        description="The flags that the Seq1F1B patches add to Megatron-LM's pretrain_gpt.py "
+                    "(the same function adds them there). Megatron-LM's own "
+                    "'pretrain_gpt.py --help' stops in core_v0.18.2 and core_v0.19.0 on an "
+                    "upstream help string (a '%' in --moe-paged-stash-buffer-size-factor-cuda's "
+                    "help), patched or not; this lists ours. Given flags are parsed as "
+                    "pretrain_gpt.py would parse them.")
+    return add_arguments(parser)
+
+
+def main(argv: Optional[list] = None) -> int:
+    """``python -m megatron_seq1f1b.megatron_lm [FLAGS]``: the ``--seq1f1b`` flags' help, and
+    the values FLAGS give them. Needs neither torch nor Megatron."""
+    parser = flags_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)  # -h/--help prints the help and exits
+    parser.print_help()
+    if argv:
+        print("\nvalues: " + " ".join(f"{k}={v!r}" for k, v in sorted(vars(args).items())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

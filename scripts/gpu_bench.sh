@@ -12,7 +12,7 @@
 # CUDA it stops with a message and exit status 2. About 3-5 minutes on an H200 with the
 # default sizes; rows not started within --time-budget-s (400 s) are listed as not run. Add
 # `-- --megatron-lm DIR` for Megatron-LM's own loop (a checkout patched by
-# scripts/apply_patches.sh, ~1-2 minutes more, within the same budget: raise it to ~480).
+# scripts/apply_patches.sh or python -m megatron_seq1f1b.patch, ~1-2 minutes more, within the same budget: raise it to ~480).
 set -euo pipefail
 exec bash "$(dirname "${BASH_SOURCE[0]}")/gpu_check.sh" --usage-from "${BASH_SOURCE[0]}" \
     --run megatron_seq1f1b.bench.gpu "$@"

@@ -1,15 +1,29 @@
-"""Megatron-LM integration: the patches, scripts/apply_patches.sh, megatron_seq1f1b.megatron_lm.
+"""Megatron-LM integration: the patches, the applier, megatron_seq1f1b.megatron_lm.
 
-* With MEGATRON_LM_DIR pointing at a checkout of a supported tag (or
-  MEGATRON_LM_DIRS at several, separated by os.pathsep), the patches are
-  applied to a copy of each (as an unpacked archive with GNU patch, and as a
-  git checkout tagged with the detected tag, with `git apply`), compiled and
-  reverted byte for byte; the anchors the hunks rely on are checked too.
-* Always: the script on synthetic checkouts of every supported tag (version
+The applier is ``python -m megatron_seq1f1b.patch`` (``megatron_seq1f1b/patch.py``;
+also the ``seq1f1b-patch`` command and ``scripts/apply_patches.sh``); its
+patches are ``megatron_seq1f1b/patches/megatron-lm/<tag>/``.
+
+* Real Megatron-LM sources, in both states: from a Megatron-LM git repository
+  (MEGATRON_LM_REPO, a clone or mirror with the release tags; on this
+  project's machines the bare mirror below is found by itself), each
+  supported tag is made into an unpatched and an already-patched checkout;
+  MEGATRON_LM_DIR / MEGATRON_LM_DIRS (os.pathsep-separated) add checkouts of
+  your own, patched or not. On copies of each, the patches are applied (as an
+  unpacked archive with GNU patch, and as a git checkout tagged with the
+  detected tag, with `git apply`), compiled and reverted byte for byte; an
+  already-patched checkout says "already applied", is reverted to the tag's
+  sources and patched again. The anchors the hunks rely on are checked, and
+  the patched ``forward_step`` cuts each segment's batch where the Python
+  version the tag needs and Megatron-LM's own dependencies are installed
+  (skipped otherwise, with the reason: run pytest with -rs).
+* Always: the applier on synthetic checkouts of every supported tag (version
   refusal with the nearest tag, the 0.19.1 alias, --force-version, usage
   errors, apply/re-apply/revert, nothing changed when one patch conflicts),
-  the patches' form, and the shim's argument handling, validation, model
-  preparation and batch slicing.
+  scripts/apply_patches.sh as a wrapper of it, the patches' form, and the
+  shim's argument handling, validation, model preparation and batch slicing.
+  tests/test_wheel.py installs a wheel into a fresh environment and patches
+  with it.
 """
 
 from __future__ import annotations
@@ -26,23 +40,28 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 
 from megatron_seq1f1b import megatron_lm
+from megatron_seq1f1b import patch as applier
 from megatron_seq1f1b.checks import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
-PATCH_ROOT = ROOT / "patches" / "megatron-lm"
+PATCH_ROOT = ROOT / "megatron_seq1f1b" / "patches" / "megatron-lm"
 TAGS = ["core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0"]
 PATCHES_OF = {tag: sorted((PATCH_ROOT / tag).glob("*.patch")) for tag in TAGS}
 VERSION = "core_v0.16.1"  # the tag the single-tag synthetic tests use
 PATCHES = PATCHES_OF[VERSION]
 # What megatron/core/package_info.py says in each tag's sources (core_v0.19.0 says 0.19.1:
-# the script's alias table maps it back).
+# the applier's alias table maps it back).
 REPORTED = {"core_v0.16.1": (0, 16, 1), "core_v0.17.1": (0, 17, 1),
             "core_v0.18.2": (0, 18, 2), "core_v0.19.0": (0, 19, 1)}
+# Each tag's pyproject.toml requires-python (read from the sources where they have one).
+REQUIRES_PYTHON = {"core_v0.16.1": (3, 10), "core_v0.17.1": (3, 12),
+                   "core_v0.18.2": (3, 12), "core_v0.19.0": (3, 12)}
 # The shim functions each tag's hunks call (the adapters differ per tag).
 SHIM_CALLS = {
     "core_v0.16.1": {"extra_args_provider", "validate_args", "wrap_model_provider",
@@ -60,13 +79,27 @@ TOOLS = [pytest.param("patch", marks=pytest.mark.skipif(not HAVE_PATCH, reason="
          pytest.param("git", marks=pytest.mark.skipif(not HAVE_GIT, reason="no git"))]
 
 
-def run_script(*args, tool: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _env(tool: str | None, **extra) -> dict:
+    env = dict(os.environ, **extra)
     env.pop("SEQ1F1B_PATCH_TOOL", None)
+    env.pop(applier.PROG_ENV, None)
     if tool:
         env["SEQ1F1B_PATCH_TOOL"] = tool
+    return env
+
+
+def run_script(*args, tool: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m megatron_seq1f1b.patch ARGS`` with this checkout's package."""
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "megatron_seq1f1b.patch", *map(str, args)],
+                          capture_output=True, text=True, env=_env(tool, PYTHONPATH=pythonpath),
+                          timeout=300)
+
+
+def run_wrapper(*args, tool: str | None = None, **extra) -> subprocess.CompletedProcess:
+    """``scripts/apply_patches.sh ARGS`` (the wrapper)."""
     return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=_env(tool, **extra), timeout=300)
 
 
 def touched_files(patches=PATCHES) -> list[str]:
@@ -194,6 +227,29 @@ def make_git_checkout(tree: Path, tag: str = VERSION) -> None:
 
 
 # --------------------------------------------------------------------------- (a)
+# Real Megatron-LM sources: from a git repository of Megatron-LM (both states of every tag)
+# and from the checkouts MEGATRON_LM_DIR(S) name (in whatever state they are).
+
+REPO_ENV = "MEGATRON_LM_REPO"
+# Where this project's machines keep a bare mirror of github.com/NVIDIA/Megatron-LM.
+DEFAULT_REPOS = ("/work/.mirror/NVIDIA+Megatron-LM/repo",)
+STATES = ("unpatched", "patched")
+
+
+def _megatron_lm_repo() -> Path | None:
+    """MEGATRON_LM_REPO (set but empty: none), else a default mirror that exists."""
+    if REPO_ENV in os.environ:
+        return Path(os.environ[REPO_ENV]) if os.environ[REPO_ENV] else None
+    return next((Path(d) for d in DEFAULT_REPOS if Path(d).exists()), None)
+
+
+def _repo_tags(repo: Path | None) -> set[str]:
+    if repo is None or not HAVE_GIT:
+        return set()
+    out = subprocess.run(["git", "-C", str(repo), "tag", "--list", "core_v*"],
+                         capture_output=True, text=True)
+    return set(out.stdout.split()) if out.returncode == 0 else set()
+
 
 def _checkout_dirs() -> list[str]:
     """MEGATRON_LM_DIRS (os.pathsep-separated), then MEGATRON_LM_DIR; duplicates once."""
@@ -203,37 +259,110 @@ def _checkout_dirs() -> list[str]:
     return list(dict.fromkeys(dirs))
 
 
+REPO = _megatron_lm_repo()
+REPO_TAGS = _repo_tags(REPO)
 CHECKOUTS = _checkout_dirs()
 
 
-def detect_tag(path: Path) -> str:
-    """The tag whose patches the script picks for `path` (git tag at HEAD or package_info.py)."""
+def _source_params() -> list:
+    params = []
+    for tag in TAGS:
+        for state in STATES:
+            if tag in REPO_TAGS:
+                params.append(pytest.param(("repo", tag, state), id=f"{tag}-{state}"))
+    if not params:
+        if REPO is None:
+            why = (f"no Megatron-LM git repository: set {REPO_ENV} to a clone of "
+                   "https://github.com/NVIDIA/Megatron-LM with its tags "
+                   f"({', '.join(TAGS)}) to test the patches on the real sources")
+        else:
+            why = f"{REPO_ENV}={REPO} has none of the tags {', '.join(TAGS)}"
+        params.append(pytest.param(("skip", why, None), id="no-megatron-lm-repo"))
+    else:
+        for tag in sorted(set(TAGS) - REPO_TAGS):
+            params.append(pytest.param(("skip", f"{REPO} has no tag {tag}", None),
+                                       id=f"{tag}-missing"))
+    for d in CHECKOUTS:
+        params.append(pytest.param(("dir", d, None), id=Path(d).name))
+    return params
+
+
+class Source(NamedTuple):
+    path: Path        # the checkout (tests work on copies)
+    tag: str          # the tag whose patches apply
+    state: str        # "unpatched" or "patched"
+    original: dict    # touched file -> the tag's bytes (sources from the repository), or {}
+
+
+def detect(path: Path) -> tuple[str, str]:
+    """(tag, state) as the applier sees `path` (git tag at HEAD or package_info.py)."""
     result = run_script(path, "--check")
     found = re.search(r"^Megatron-LM (\S+) \(", result.stdout, re.MULTILINE)
-    if not found:
-        pytest.fail(f"{path}: apply_patches.sh found no supported version:\n{result.stderr}")
+    if not found or result.returncode != 0:
+        pytest.fail(f"{path}: the applier found no supported version, or the patches "
+                    f"neither apply nor are applied:\n{result.stdout}{result.stderr}")
     assert found.group(1) in TAGS, found.group(1)
-    return found.group(1)
+    state = "patched" if "check: already applied" in result.stdout else "unpatched"
+    return found.group(1), state
 
 
-@pytest.fixture(scope="module", params=CHECKOUTS or [None],
-                ids=[Path(d).name for d in CHECKOUTS] or ["no-checkout"])
-def lm_checkout(request) -> tuple[Path, str]:
-    """(checkout, its tag) for each directory in MEGATRON_LM_DIRS / MEGATRON_LM_DIR."""
-    if request.param is None:
-        reason = ("MEGATRON_LM_DIR(S) is not set; point it at Megatron-LM checkouts of "
-                  f"{', '.join(TAGS)} to test the patches on the real sources")
-        print(f"SKIP: {reason}")
-        pytest.skip(reason)
-    path = Path(request.param)
-    if not (path / "pretrain_gpt.py").is_file():
-        pytest.fail(f"{path} is not a Megatron-LM checkout (no pretrain_gpt.py)")
-    return path, detect_tag(path)
+def git_archive(tag: str, dest: Path) -> None:
+    """The parts of Megatron-LM `tag` that pretrain_gpt.py runs from: megatron/ and the
+    top-level Python files (and pyproject.toml)."""
+    names = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", tag],
+                           check=True, capture_output=True, text=True).stdout.split()
+    paths = [n for n in names if n == "megatron" or n.endswith(".py") or n == "pyproject.toml"]
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", tag, *paths],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+@pytest.fixture(scope="module", params=_source_params())
+def lm_checkout(request, tmp_path_factory) -> Source:
+    """A Megatron-LM checkout of a supported tag: from the repository in both states, or
+    one of MEGATRON_LM_DIR(S)."""
+    kind, value, state = request.param
+    if kind == "skip":
+        print(f"SKIP: {value}")
+        pytest.skip(value)
+    if kind == "dir":
+        path = Path(value)
+        if not (path / "pretrain_gpt.py").is_file():
+            pytest.fail(f"{path} is not a Megatron-LM checkout (no pretrain_gpt.py)")
+        return Source(path, *detect(path), {})
+    tag = value
+    path = tmp_path_factory.mktemp(f"{tag}-{state}") / "Megatron-LM"
+    git_archive(tag, path)
+    original = {rel: (path / rel).read_bytes() for rel in touched_files(PATCHES_OF[tag])}
+    if state == "patched":
+        result = run_script(path)
+        assert result.returncode == 0 and "patched:" in result.stdout, result.stderr
+    assert detect(path) == (tag, state)
+    return Source(path, tag, state, original)
 
 
 def copy_checkout(source: Path, tree: Path) -> None:
     shutil.copytree(source, tree, symlinks=True,
                     ignore=shutil.ignore_patterns(".git", "__pycache__"))
+
+
+def unpatched_copy(lm: Source, tree: Path, files=None) -> Path:
+    """A copy of the checkout (only `files` and package_info.py, if given), reverted to the
+    tag's sources if it was patched."""
+    if files is None:
+        copy_checkout(lm.path, tree)
+    else:
+        for rel in [*files, "megatron/core/package_info.py"]:
+            if (lm.path / rel).is_file():
+                (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(lm.path / rel, tree / rel)
+    if lm.state == "patched":
+        revert = run_script(tree, "--revert", "--force-version", lm.tag)
+        assert revert.returncode == 0 and "restored:" in revert.stdout, revert.stderr
+    for rel, data in lm.original.items():
+        assert (tree / rel).read_bytes() == data, f"{rel} differs from {lm.tag}'s"
+    return tree
 
 
 @pytest.mark.parametrize("layout,tool", [
@@ -242,15 +371,30 @@ def copy_checkout(source: Path, tree: Path) -> None:
     pytest.param("git", "git", marks=pytest.mark.skipif(not HAVE_GIT, reason="no git")),
 ])
 def test_real_checkout(lm_checkout, tmp_path, layout, tool):
-    source, tag = lm_checkout
+    lm = lm_checkout
     tree = tmp_path / "Megatron-LM"
-    copy_checkout(source, tree)
+    copy_checkout(lm.path, tree)
+    if lm.state == "patched":
+        patched = snapshot(tree)
+        check = run_script(tree, "--check", tool=tool)
+        assert check.returncode == 0 and "check: already applied" in check.stdout, check.stderr
+        again = run_script(tree, tool=tool)
+        assert again.returncode == 0, again.stderr
+        assert "already applied; nothing to do" in again.stdout
+        assert snapshot(tree) == patched
+        revert = run_script(tree, "--revert", tool=tool)
+        assert revert.returncode == 0 and "restored:" in revert.stdout, revert.stderr
+        for rel, data in lm.original.items():
+            assert (tree / rel).read_bytes() == data, f"{rel}: not the tag's sources"
     if layout == "git":
-        make_git_checkout(tree, tag)
+        make_git_checkout(tree, lm.tag)
         assert "from git tag" in run_script(tree, "--check", tool=tool).stdout
     else:
         assert "package_info" in run_script(tree, "--check", tool=tool).stdout
-    apply_cycle(tree, tmp_path, tool, is_git=layout == "git", tag=tag)
+    apply_cycle(tree, tmp_path, tool, is_git=layout == "git", tag=lm.tag)
+    if lm.state == "patched":  # and patched again: the checkout's files, byte for byte
+        assert run_script(tree, tool=tool).returncode == 0
+        assert snapshot(tree) == patched
 
 
 FORWARD_STEP_PROBE = r"""
@@ -307,19 +451,43 @@ print(json.dumps({"seen": seen, "tokens": tokens_per_segment,
 """
 
 
+def requires_python(tree: Path, tag: str) -> tuple[int, int]:
+    """The Python the tag needs: its pyproject.toml's requires-python, else REQUIRES_PYTHON."""
+    pyproject = tree / "pyproject.toml"
+    if pyproject.is_file():
+        found = re.search(r'requires-python\s*=\s*">=\s*(\d+)\.(\d+)', pyproject.read_text())
+        if found:
+            return int(found.group(1)), int(found.group(2))
+    return REQUIRES_PYTHON[tag]
+
+
 def test_patched_forward_step(lm_checkout, tmp_path):
-    """The patched pretrain_gpt.forward_step cuts each segment's batch (needs LM's deps)."""
-    source, _ = lm_checkout
+    """The patched pretrain_gpt.forward_step cuts each segment's batch.
+
+    Needs the Python version the tag requires (3.12 from core_v0.17) and Megatron-LM's own
+    dependencies (its training package imports more than Megatron-Core: pydantic, ...).
+    """
+    lm = lm_checkout
+    needed = requires_python(lm.path, lm.tag)
+    if sys.version_info[:2] < needed:
+        pytest.skip(f"Megatron-LM {lm.tag} needs Python >= {needed[0]}.{needed[1]} "
+                    f"(this is {sys.version.split()[0]})")
     tree = tmp_path / "Megatron-LM"
-    copy_checkout(source, tree)
-    assert run_script(tree).returncode == 0
-    env = dict(os.environ, PYTHONPATH=str(tree), WORLD_SIZE="1", RANK="0")
+    copy_checkout(lm.path, tree)
+    applied = run_script(tree)
+    assert applied.returncode == 0, applied.stderr
+    assert ("already applied" if lm.state == "patched" else "patched:") in applied.stdout
+    # The checkout, then this package, then what PYTHONPATH adds (e.g. Megatron-LM's deps).
+    pythonpath = os.pathsep.join(filter(None, [str(tree), str(ROOT),
+                                               os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath, WORLD_SIZE="1", RANK="0")
     out = subprocess.run([sys.executable, "-c", FORWARD_STEP_PROBE], cwd=tree, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if "missing" in result:
-        pytest.skip(f"Megatron-LM's dependencies are not installed here: {result['missing']}")
+        pytest.skip(f"Megatron-LM {lm.tag}'s own dependencies are not installed here: "
+                    f"{result['missing']}")
     assert result["flags"] == [True, 2, "uniform"]
     assert result["seen"] == [[[2, 8], [2, 1, 8, 8], 0, [2, 8]],
                               [[2, 8], [2, 1, 8, 16], 8, [2, 8]],
@@ -335,9 +503,12 @@ def call_keywords(source: str, func_name: str) -> list[set[str]]:
             and node.func.id == func_name]
 
 
-def test_real_checkout_calls_exist(lm_checkout):
+def test_real_checkout_calls_exist(lm_checkout, tmp_path):
     """The unpatched sources still hold what the hunks and the shim rely on."""
-    source, tag = lm_checkout
+    tag = lm_checkout.tag
+    source = unpatched_copy(lm_checkout, tmp_path / "Megatron-LM", files=[
+        *touched_files(PATCHES_OF[tag]), "megatron/training/training.py",
+        "megatron/training/models/gpt.py"])
     text = (source / "pretrain_gpt.py").read_text()
     patch_text = "".join(p.read_text() for p in PATCHES_OF[tag])
     assert "= get_batch(data_iterator, vp_stage)" in text
@@ -505,6 +676,54 @@ def test_help_and_not_a_checkout(tmp_path):
     assert empty.returncode == 1 and "not a Megatron-LM checkout" in empty.stderr
 
 
+def test_wrapper_is_the_module(tmp_path):
+    """scripts/apply_patches.sh runs the module: the same output, under the script's name."""
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree, "core_v0.18.2", version=(0, 18, 9))
+    python = {"SEQ1F1B_PYTHON": sys.executable}
+    for args in [("--help",), (tree,), (tree, "--check", "--revert"),
+                 (tree, "--check", "--force-version", "core_v0.18.2")]:
+        module, wrapper = run_script(*args), run_wrapper(*args, **python)
+        assert wrapper.returncode == module.returncode, (args, wrapper.stderr)
+        for ours, theirs in ((wrapper.stdout, module.stdout), (wrapper.stderr, module.stderr)):
+            assert ours == theirs.replace(applier.MODULE_PROG, "apply_patches.sh"), args
+    refused = run_wrapper(tree, **python)
+    assert f"apply_patches.sh '{tree}' --force-version core_v0.18.2" in refused.stderr
+    apply_cycle(tree, tmp_path, None, is_git=False, compile_=False, tag="core_v0.18.2",
+                extra=("--force-version", "core_v0.18.2"))
+    # Without SEQ1F1B_PYTHON the wrapper finds a Python itself (this clone's .venv, python3).
+    found = run_wrapper("--help")
+    assert found.returncode == 0 and "--force-version" in found.stdout, found.stderr
+
+
+def test_applier_in_process(tmp_path, capsys, monkeypatch):
+    """main() returns the exit status; the command's name is what messages call it."""
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree, "core_v0.16.1")
+    assert applier.main([str(tree), "--check"], prog="seq1f1b-patch") == 0
+    assert "apply cleanly" in capsys.readouterr().out
+    assert applier.main([str(tree), "--bogus"], prog="seq1f1b-patch") == 2
+    assert capsys.readouterr().err.startswith("seq1f1b-patch: unknown option: --bogus\n")
+    monkeypatch.delenv(applier.PROG_ENV, raising=False)
+    for argv0, prog in [("/venv/bin/seq1f1b-patch", "seq1f1b-patch"),
+                        ("/site-packages/megatron_seq1f1b/patch.py", applier.MODULE_PROG),
+                        ("-c", applier.MODULE_PROG)]:
+        monkeypatch.setattr(sys, "argv", [argv0])
+        assert applier.default_prog() == prog
+    monkeypatch.setenv(applier.PROG_ENV, "apply_patches.sh")
+    assert applier.default_prog() == "apply_patches.sh"
+
+
+def test_applier_needs_only_the_standard_library():
+    code = ("import sys; import megatron_seq1f1b.patch as p; "
+            "print(sorted(m for m in ('torch', 'megatron', 'megatron_seq1f1b.api', 'numpy') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.stdout.strip() == "[]"
+    assert applier.PATCH_ROOT == PATCH_ROOT
+
+
 def test_every_patch_folder_is_tested():
     assert sorted(p.name for p in PATCH_ROOT.iterdir() if p.is_dir()) == sorted(TAGS)
 
@@ -638,6 +857,25 @@ def test_extra_args_provider_chains():
     assert parser.parse_args(["--foo", "2", "--seq1f1b-splits", "3"]).seq1f1b_splits == 3
     assert megatron_lm.extra_args_provider(None)(argparse.ArgumentParser()).parse_args(
         []).seq1f1b is False
+
+
+def test_flags_listing(capsys):
+    """python -m megatron_seq1f1b.megatron_lm: the flags' help where pretrain_gpt.py --help
+    fails (core_v0.18.2, core_v0.19.0), and the values given flags take."""
+    assert megatron_lm.main([]) == 0
+    out = capsys.readouterr().out
+    flags = [o for a in parser_with_seq1f1b()._actions for o in a.option_strings
+             if o.startswith("--seq1f1b")]
+    assert len(flags) >= 8 and all(flag in out for flag in flags)
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in out and "values:" not in out
+    assert megatron_lm.main(["--seq1f1b", "--seq1f1b-splits", "auto"]) == 0
+    assert "seq1f1b=True" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        megatron_lm.main(["--seq1f1b-splits", "x"])
+    out = subprocess.run([sys.executable, "-m", "megatron_seq1f1b.megatron_lm", "--help"],
+                         capture_output=True, text=True, env=dict(os.environ,
+                                                                   PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0 and "--seq1f1b-partition" in out.stdout
 
 
 def megatron_args(**overrides) -> SimpleNamespace:

@@ -23,7 +23,7 @@ the same for every row, is left out so the schedules' differences show):
 
 Also one ``torch.profiler`` summary of a Seq1F1B iteration (top host
 operations), and with ``--megatron-lm DIR`` (a checkout patched by
-``scripts/apply_patches.sh``) Megatron-LM's ``pretrain_gpt.py`` with and
+``python -m megatron_seq1f1b.patch`` or ``scripts/apply_patches.sh``) Megatron-LM's ``pretrain_gpt.py`` with and
 without ``--seq1f1b`` for one size. Writes ``results.json``, ``results.md``
 and ``profile_seq1f1b.txt`` to ``--out``; exit status 0, or 2 if it cannot
 start (no CUDA).
@@ -735,7 +735,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--profile-k", type=positive_int, default=4,
                    help="the Seq1F1B k whose iteration is profiled (smallest size)")
     p.add_argument("--megatron-lm", default=None,
-                   help="a Megatron-LM checkout patched by scripts/apply_patches.sh: also run "
+                   help="a Megatron-LM checkout patched by python -m megatron_seq1f1b.patch "
+                        "(scripts/apply_patches.sh): also run "
                         "its pretrain_gpt.py with and without --seq1f1b")
     p.add_argument("--lm-size", type=Size.parse, default=Size.parse("1024:4096:16"))
     p.add_argument("--lm-splits", type=positive_int, default=4)
