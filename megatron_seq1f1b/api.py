@@ -7,6 +7,7 @@ import sys
 from typing import Callable, Sequence
 
 from megatron_seq1f1b.checks import raise_if, segment_multiple_problems
+from megatron_seq1f1b.document_plan import source_problems
 from megatron_seq1f1b.partition import METHODS
 from megatron_seq1f1b.schedule import SCHEDULES
 from megatron_seq1f1b.zero_bubble import segment_cost_problems
@@ -31,6 +32,7 @@ def get_forward_backward_func(
     schedule: str = "1f1b",
     segment_costs: Sequence[Sequence[float]] | None = None,
     segment_multiple: int | None = None,
+    documents=None,
 ) -> Callable:
     """A function with Megatron-Core's forward-backward signature that runs Seq1F1B.
 
@@ -46,7 +48,12 @@ def get_forward_backward_func(
     CUDA where the sequence allows it, for tensor cores; the layout's own
     multiple, :func:`~megatron_seq1f1b.checks.segment_multiple`, always applies).
     ``recorder`` (a :class:`~megatron_seq1f1b.trace.TimelineRecorder`) collects
-    per-action timings.
+    per-action timings. ``documents``: where each micro-batch's packed
+    documents are, ``"cu_seqlens"`` (packed THD batches), the end-of-document
+    token id, or a callable (:data:`~megatron_seq1f1b.document_plan.DocumentSource`):
+    attention then keeps documents apart (a segment reads earlier segments' keys
+    only for the document crossing into it), and ``partition="documents"`` cuts
+    every micro-batch by its own documents into segments of equal cost.
     """
     problems = []
     if not isinstance(num_splits, int) or num_splits < 1:
@@ -64,6 +71,10 @@ def get_forward_backward_func(
     if segment_costs is not None and isinstance(num_splits, int):
         problems += segment_cost_problems(segment_costs, num_splits)
     problems += segment_multiple_problems(segment_multiple)
+    problems += source_problems(documents)
+    if partition == "documents" and split_lengths is None and documents is None:
+        problems.append("partition 'documents' cuts each micro-batch by its documents: pass "
+                        "documents='cu_seqlens' or the end-of-document token id")
     raise_if(problems)
     lengths = tuple(split_lengths) if split_lengths is not None else None
     costs = (tuple(tuple(float(x) for x in row) for row in segment_costs)
@@ -97,7 +108,7 @@ def get_forward_backward_func(
             p2p_communicator=p2p_communicator, pg_collection=pg_collection,
             force_all_reduce=force_all_reduce, num_splits=num_splits, partition=partition,
             split_lengths=lengths, recorder=recorder, schedule=schedule, segment_costs=costs,
-            segment_multiple=segment_multiple,
+            segment_multiple=segment_multiple, documents=documents,
         )
 
     forward_backward_func.num_splits = num_splits

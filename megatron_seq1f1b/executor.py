@@ -39,6 +39,7 @@ import enum
 import functools
 import hashlib
 import itertools
+import math
 import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -49,10 +50,12 @@ from megatron_seq1f1b import plan as plan_mod
 from megatron_seq1f1b.checks import (
     ConfigError, executor_problems, raise_if, rounding_multiple, segment_multiple_problems,
 )
+from megatron_seq1f1b.checks import segment_multiple as segment_multiple_of
+from megatron_seq1f1b.document_plan import gather_documents, source_problems
 from megatron_seq1f1b.loss import SegmentLosses
 from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled
 from megatron_seq1f1b.p2p import InFlight, Peers, PipelineCommError, exchange
-from megatron_seq1f1b.partition import METHODS, CostModel, split_sequence
+from megatron_seq1f1b.partition import METHODS, CostModel, split_documents, split_sequence
 from megatron_seq1f1b.replay import replay
 from megatron_seq1f1b.validate import check_link_order
 from megatron_seq1f1b.zero_bubble import segment_cost_fn, segment_cost_problems
@@ -182,6 +185,11 @@ def _agree_across_stages(pp_group, mine: tuple, lengths, num_microbatches, sched
         ])
 
 
+def _device() -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
 class _Unit(NamedTuple):
     """One action of a step with what it receives and sends (computed once per configuration)."""
 
@@ -211,6 +219,14 @@ class _Setup:
     splits_backward: bool
     te_layers: tuple  # per chunk, weak references to TE layers with delayed weight gradients
     agreement: tuple
+    # Packed documents (plan data read every iteration), and with the ``documents`` partition
+    # what cuts each micro-batch: the FLOP cost model and the layout's multiple.
+    documents: Any = None
+    document_costs: CostModel | None = None
+    document_multiple: int = 1
+    divisor: int = 1  # a segment's tokens over this rank's share of them (CP x SP)
+    micro_batch_size: int = 1
+    hidden_size: int = 0
 
     def delayed_te_layers(self) -> list:
         return [[(name, ref()) for name, ref in chunk] for chunk in self.te_layers]
@@ -274,7 +290,7 @@ def _setup_for(chunks, config, iterators, pg_collection, peers: Peers, **argumen
 def _build_setup(chunks, config, iterators, pg_collection, peers, *,
                  num_microbatches, seq_length, micro_batch_size, forward_only, num_splits,
                  partition, split_lengths, schedule, segment_costs, adjust_tensor_shapes_fn,
-                 segment_multiple=None) -> _Setup:
+                 segment_multiple=None, documents=None) -> _Setup:
     """Check the configuration (all problems at once) and derive this rank's steps."""
     from megatron.core.utils import get_attr_wrapped_model
 
@@ -288,13 +304,18 @@ def _build_setup(chunks, config, iterators, pg_collection, peers, *,
     if segment_costs is not None:
         raise_if(segment_cost_problems(segment_costs, num_splits))
     raise_if(segment_multiple_problems(segment_multiple))
+    raise_if(document_problems(documents, partition, split_lengths, micro_batch_size))
     try:
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
         vocab_size = None
+    by_documents = partition == "documents" and split_lengths is None
     try:
-        lengths = resolve_lengths(num_splits, partition, split_lengths, seq_length, chunks,
-                                  config, vocab_size, segment_multiple)
+        # The documents partition cuts each micro-batch by its own documents; its nominal
+        # lengths (uniform) stand for it where one set is needed (checks, zero-bubble costs).
+        lengths = resolve_lengths(num_splits, "uniform" if by_documents else partition,
+                                  split_lengths, seq_length, chunks, config, vocab_size,
+                                  segment_multiple)
     except ValueError as exc:
         raise_if([f"num_splits={num_splits} with seq_length={seq_length}: {exc}"])
     if len(lengths) != num_splits:
@@ -340,7 +361,15 @@ def _build_setup(chunks, config, iterators, pg_collection, peers, *,
     split = splits_backward([actions])
     te_layers = tuple(tuple((name, weakref.ref(layer)) for name, layer in chunk)
                       for chunk in te_wgrad.delayed_layers(chunks)) if split else ()
+    document_costs = (CostModel.from_config(config, vocab_size,
+                                            dense_attention=dense_attention(chunks))
+                      if by_documents else None)
+    document_multiple = (segment_multiple_of(config) if segment_multiple is None
+                         else math.lcm(int(segment_multiple), segment_multiple_of(config)))
     return _Setup(
+        documents=documents, document_costs=document_costs,
+        document_multiple=document_multiple * cp, divisor=cp * tp,
+        micro_batch_size=micro_batch_size, hidden_size=config.hidden_size,
         lengths=tuple(lengths), num_microbatches=num_microbatches, forward_only=forward_only,
         steps=tuple(steps), units=units,
         shapes=tuple((n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths),
@@ -350,6 +379,21 @@ def _build_setup(chunks, config, iterators, pg_collection, peers, *,
         agreement=_agreement(num_microbatches, lengths, len(chunks), forward_only, schedule,
                              costs),
     )
+
+
+def document_problems(documents, partition: str, split_lengths, micro_batch_size: int) -> list:
+    """A documents source that can be read, and the partition that needs one."""
+    problems = source_problems(documents)
+    if partition == "documents" and split_lengths is None and documents is None:
+        problems.append("partition 'documents' cuts each micro-batch by its documents: pass "
+                        "documents='cu_seqlens' or the end-of-document token id")
+    if documents == "cu_seqlens" and micro_batch_size != 1:
+        problems.append(
+            f"packed (THD) batches (documents='cu_seqlens') with micro_batch_size="
+            f"{micro_batch_size}: Megatron-LM flattens them into one sequence of "
+            f"{micro_batch_size} x seq_length tokens; run micro-batch size 1 (or flatten and "
+            "pass seq_length accordingly), or give documents by end-of-document tokens")
+    return problems
 
 
 def _final_grad_actions(actions) -> tuple[set, dict]:
@@ -402,13 +446,13 @@ class _Pipeline:
     """State of one forward-backward call on this rank (the configuration's part: ``setup``)."""
 
     def __init__(self, setup: _Setup, *, config, pg_collection, peers: Peers, forward_step_func,
-                 chunks, iterators, collect_non_loss_data, first_val_step, recorder):
+                 chunks, data, collect_non_loss_data, first_val_step, recorder, documents=None,
+                 microbatch_lengths=None):
         self.setup = setup
         self.forward_step_func = forward_step_func
         self.chunks = chunks
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")
-        self.data = [SegmentData(it, self.device) if it is not None else None for it in iterators]
+        self.device = _device()
+        self.data = data
         self.config = config
         self.m = setup.num_microbatches
         self.k = len(setup.lengths)
@@ -419,7 +463,11 @@ class _Pipeline:
         self.pg_collection = pg_collection
         self.steps = setup.steps
         self.recorder = recorder
-        self.run = SegmentRun(setup.lengths, forward_only=setup.forward_only)
+        self.run = SegmentRun(setup.lengths, forward_only=setup.forward_only,
+                              documents=documents, microbatch_lengths=microbatch_lengths)
+        self.microbatch_shapes = None if microbatch_lengths is None else [
+            [(n // setup.divisor, setup.micro_batch_size, setup.hidden_size) for n in row]
+            for row in microbatch_lengths]
         self.forward_data_store: list = []
         cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
         self.losses = SegmentLosses(self.m, self.k, cp, config.calculate_per_token_loss,
@@ -449,7 +497,9 @@ class _Pipeline:
     # ---------------------------------------------------------------- helpers
 
     def make_buffer(self, message: plan_mod.Message) -> torch.Tensor:
-        return torch.empty(self.setup.shapes[message.segment], requires_grad=True,
+        shapes = (self.setup.shapes if self.microbatch_shapes is None
+                  else self.microbatch_shapes[message.microbatch])
+        return torch.empty(shapes[message.segment], requires_grad=True,
                            device=self.device, dtype=self.config.pipeline_dtype)
 
     def disable_grad_sync(self) -> None:
@@ -655,12 +705,16 @@ def forward_backward(
     segment_costs=None,
     segment_multiple: int | None = None,
     rehearse: tuple[int, int] | None = None,
+    documents=None,
 ) -> list:
     """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options).
 
     ``rehearse=(num_stages, stage)``: run that stage's steps of a ``num_stages`` pipeline
     on this rank alone, with made-up receives and dropped sends
     (:mod:`megatron_seq1f1b.rehearse`); the model must be that stage's chunk(s).
+    ``documents``: where each micro-batch's packed documents are
+    (:data:`~megatron_seq1f1b.document_plan.DocumentSource`); read on the first
+    stage and sent to every rank before the iteration (:mod:`megatron_seq1f1b.document_plan`).
     """
     from megatron.core.pipeline_parallel.schedules import (
         clear_embedding_activation_buffer,
@@ -685,15 +739,28 @@ def forward_backward(
         micro_batch_size=micro_batch_size, forward_only=forward_only, num_splits=num_splits,
         partition=partition, split_lengths=None if split_lengths is None else tuple(split_lengths),
         schedule=schedule, segment_costs=segment_costs,
-        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, segment_multiple=segment_multiple)
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, segment_multiple=segment_multiple,
+        documents=documents)
     if peers.pp_size > 1 and rehearse is None:
         _agree_across_stages(pg_collection.pp, setup.agreement, setup.lengths,
                              num_microbatches, schedule)
+    device = _device()
+    data = [SegmentData(it, device) if it is not None else None for it in iterators]
+    found, microbatch_lengths = None, None
+    if setup.documents is not None:
+        found = gather_documents(
+            setup.documents, data[0], num_microbatches,
+            decoder_seq_length if decoder_seq_length is not None else seq_length,
+            micro_batch_size, pg_collection, peers.pp_rank, rehearsal=rehearse is not None)
+        if setup.document_costs is not None:
+            microbatch_lengths = [
+                split_documents(docs, len(setup.lengths), setup.document_costs,
+                                multiple_of=setup.document_multiple) for docs in found]
     pipeline = _Pipeline(
         setup, config=config, pg_collection=pg_collection, peers=peers,
-        forward_step_func=forward_step_func, chunks=chunks, iterators=iterators,
+        forward_step_func=forward_step_func, chunks=chunks, data=data,
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-        recorder=recorder,
+        recorder=recorder, documents=found, microbatch_lengths=microbatch_lengths,
     )
 
     embedding_module = None

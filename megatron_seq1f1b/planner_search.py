@@ -189,7 +189,8 @@ def choose_plan(
 def _options(partitions, schedules, have_flops: bool, chunks: int) -> tuple[list, list]:
     """The partitions and schedules to try, in METHODS / SCHEDULES order; asking for one
     that cannot be built is an error (leaving it out silently would hide it)."""
-    available = [x for x in METHODS if x != "balanced" or have_flops]
+    # (the documents partition cuts each micro-batch by its own documents: not a plan's lengths)
+    available = [x for x in METHODS if (x != "balanced" or have_flops) and x != "documents"]
     allowed = [s for s in SCHEDULES if not (s == "zb-h2" and chunks > 1)]  # ZB_H2_PROBLEM
     for name in partitions or ():
         if name not in available:

@@ -330,6 +330,19 @@ class SegmentData:
     def release(self, microbatch: int) -> None:
         self._batches.pop(microbatch, None)
 
+    def prefetch(self, count: int) -> list:
+        """Read the next ``count`` micro-batches now (their documents are plan data); the
+        segments get them later, as from :meth:`__next__`. Returns them as read (host)."""
+        if self._fetched or self._batches:
+            raise RuntimeError("Seq1F1B: micro-batches prefetched after the iteration began")
+        read = []
+        for microbatch in range(count):
+            batch = next(self._iterator)
+            read.append(batch)
+            self._batches[microbatch] = to_device(batch, self._device)
+        self._fetched = count
+        return read
+
 
 def to_device(batch: Any, device: torch.device | None) -> Any:
     """A dict's host tensors on ``device`` (pinned, non-blocking copies); anything else as is."""

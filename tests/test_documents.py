@@ -2,6 +2,8 @@
 document mask, on every attention path (Megatron's local attention, the flash one on SDPA,
 Transformer Engine's stand-in), for documents that cross no, one or several cuts."""
 
+import dataclasses
+
 import pytest
 
 from gpt import DataSpec, ModelSpec
@@ -59,3 +61,43 @@ def test_views_and_chains():
     assert Documents.from_eod([[1, 9, 2, 2, 9, 3]], eod=9).starts == ((0, 2, 5),)
     assert Documents.from_cu_seqlens([[0, 2, 6, 6, 6], [0, 6, 6, 6, 6]], 6).starts == (
         (0, 2), (0,))
+
+
+# ----------------------------------------------------------- the schedule with documents
+
+from gpt import run_layout  # noqa: E402
+
+EOD = ROPE.vocab_size - 1  # tests/gpt.py ends documents with the last vocabulary id
+PER_MICROBATCH = (CROSSING, MIXED, AT_CUTS)
+
+
+def _check(results):
+    problems = [f"rank {r['rank']}: {p}" for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert any(r["entries"] for r in results), "no rank reported losses"
+
+
+PIPELINES = {
+    "pp2_k3_local_eod_uniform": dict(
+        model=ROPE, data=DataSpec(num_microbatches=3, documents=PER_MICROBATCH), pp=2,
+        seq1f1b=dict(num_splits=3, partition="uniform", documents=EOD)),
+    "pp2_k3_flash_thd_documents": dict(
+        model=dataclasses.replace(GQA, attention="flash"),
+        data=DataSpec(num_microbatches=3, documents=PER_MICROBATCH, thd=True), pp=2,
+        seq1f1b=dict(num_splits=3, partition="documents", documents="cu_seqlens")),
+    "pp2_vpp2_k2_flash_eod_documents": dict(
+        model=dataclasses.replace(ROPE, attention="flash"),
+        data=DataSpec(num_microbatches=4, documents=PER_MICROBATCH), pp=2, vpp=2,
+        config_overrides=dict(overlap_p2p_comm=True, batch_p2p_comm=False),
+        seq1f1b=dict(num_splits=2, partition="documents", documents=EOD)),
+    "pp2_zb_k3_local_two_samples": dict(
+        model=ROPE, data=DataSpec(num_microbatches=2, micro_batch_size=2,
+                                  documents=(TWO_SAMPLES, ((0, 9, 22), (0, 16)))), pp=2,
+        seq1f1b=dict(num_splits=3, partition="documents", documents=EOD, schedule="zb-h1")),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_pipeline_with_documents_equals_no_pipelining(ranks, name):
+    layout = PIPELINES[name]
+    _check(ranks.run(layout["pp"] * layout.get("tp", 1), run_layout, case=name, **layout))
