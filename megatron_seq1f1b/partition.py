@@ -421,19 +421,49 @@ class DocumentCosts:
         return low
 
 
+def document_segment_cost(documents, cost: CostModel) -> Callable[[int, int], float]:
+    """``cost(a, b)``: forward FLOPs of tokens ``[a, b)`` of a packed micro-batch, as the
+    attention backend computes them.
+
+    Flash-style kernels compute each document's own causal pairs
+    (:class:`DocumentCosts`); Megatron's local attention (``dense_attention``)
+    computes every query against all keys the segment holds, from the start of
+    the document crossing into it (``[b - a] x [b - doc(a)]`` per sample).
+    """
+    costs = DocumentCosts(documents, cost)
+    if not cost.dense_attention:
+        return lambda a, b: costs(b) - costs(a)
+    samples = range(documents.micro_batch_size)
+
+    def dense(a: int, b: int) -> float:
+        if b <= a:
+            return 0.0
+        keys = sum(b - documents.document_start(s, a) for s in samples)
+        pairs = (b - a) * keys
+        total = cost.per_token * (b - a) * documents.micro_batch_size + cost.per_pair * pairs
+        if cost.per_window_pair:
+            window = cost.window if cost.window is not None else b
+            total += cost.per_window_pair * (b - a) * min(keys, (b - a + window) * len(samples))
+        return total
+
+    return dense
+
+
 def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of: int = 1,
                     tolerance: float = DOCUMENT_END_TOLERANCE,
                     max_spread: float = MAX_SPREAD) -> list[int]:
     """Segment lengths of one packed micro-batch: equal cost, cut at document ends where close.
 
-    Cuts start where the cumulative cost (:class:`DocumentCosts`) reaches
-    ``j / k`` of the total (rounded to ``multiple_of``); each then moves to the
-    nearest document end (common to all samples, a multiple of
-    ``multiple_of``) whose cumulative cost is within ``tolerance`` of a
-    segment's cost of its target, so a document is split only where no end is
-    close. If moved cuts would leave a spread (max / min segment cost) above
-    ``max_spread``, the tolerance halves until they do not (at 0: the
-    equal-cost positions). Lengths come in sequence order.
+    Costs are :func:`document_segment_cost`'s: each document's own attention,
+    not the whole sequence's causal triangle ``balanced`` assumes. Cuts start at
+    equal-cost positions (rounded to ``multiple_of``); each then moves to the
+    nearest document end (common to all samples, a multiple of ``multiple_of``)
+    that changes the segment before it by at most ``tolerance`` of a segment's
+    cost, so a document is split only where no end is close (a segment then
+    starts with a new document and needs no earlier keys). If moved cuts would
+    leave a spread (max / min segment cost) above ``max_spread`` (or above the
+    equal-cost positions' own), the tolerance halves until they do not (at
+    last 0: the equal-cost positions). Lengths come in sequence order.
     """
     import bisect
 
@@ -442,29 +472,41 @@ def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of:
     if seq_length % multiple_of or units < num_splits:
         raise ValueError(f"cannot cut {seq_length} tokens into {num_splits} segments of "
                          f"multiples of {multiple_of}")
-    costs = DocumentCosts(documents, cost)
-    total = costs(seq_length)
-    share = total / num_splits
-    targets = [share * j for j in range(1, num_splits)]
-    positions = []
-    for target in targets:
-        x = costs.position_of(target)
-        below, above = (x // multiple_of) * multiple_of, -(-x // multiple_of) * multiple_of
-        positions.append(below if abs(costs(below) - target) <= abs(costs(above) - target)
-                         else above)
-    ends = [e for e in documents.ends() if e % multiple_of == 0 and 0 < e < seq_length]
+    segment_cost = document_segment_cost(documents, cost)
+    if cost.dense_attention:
+        ends = _equal_cost_ends(seq_length, num_splits,
+                                lambda length, end: segment_cost(round(end - length), round(end)))
+        raw = ends[:-1]
+    else:
+        costs = DocumentCosts(documents, cost)
+        step = costs(seq_length) / num_splits
+        raw = [costs.position_of(step * j) for j in range(1, num_splits)]
+    positions, previous = [], 0
+    for j, x in enumerate(raw):
+        below = max((int(x) // multiple_of) * multiple_of, previous + multiple_of)
+        above = max(-(-int(x) // multiple_of) * multiple_of, previous + multiple_of)
+        limit = seq_length - (num_splits - 1 - j) * multiple_of
+        below, above = min(below, limit), min(above, limit)
+        pick = below if abs(below - x) <= abs(above - x) else above
+        positions.append(pick)
+        previous = pick
+    share = segment_cost(0, seq_length) / num_splits
+    doc_ends = [e for e in documents.ends() if e % multiple_of == 0 and 0 < e < seq_length]
 
     def cuts_for(tol: float) -> list[int]:
         cuts, previous = [], 0
-        for j, (target, position) in enumerate(zip(targets, positions)):
+        for j, position in enumerate(positions):
             limit = seq_length - (num_splits - 1 - j) * multiple_of
-            best = position
+            best, best_gap = position, None
             if tol > 0:
-                i = bisect.bisect_left(ends, position)
-                for e in ends[max(0, i - 2): i + 2]:
-                    if abs(costs(e) - target) <= tol * share and (
-                            best == position or abs(costs(e) - target) < abs(costs(best) - target)):
-                        best = e
+                target = segment_cost(previous, position)
+                i = bisect.bisect_left(doc_ends, position)
+                for end in doc_ends[max(0, i - 2): i + 2]:
+                    if not previous < end <= limit:
+                        continue
+                    gap = abs(segment_cost(previous, end) - target)
+                    if gap <= tol * share and (best_gap is None or gap < best_gap):
+                        best, best_gap = end, gap
             best = min(max(best, previous + multiple_of), limit)
             cuts.append(best)
             previous = best
@@ -472,12 +514,12 @@ def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of:
 
     def spread(cuts: list[int]) -> float:
         bounds = [0] + cuts + [seq_length]
-        values = [costs(b) - costs(a) for a, b in zip(bounds, bounds[1:])]
+        values = [segment_cost(a, b) for a, b in zip(bounds, bounds[1:])]
         return max(values) / max(min(values), 1e-30)
 
-    tol = tolerance
+    tol, allowed = tolerance, max(max_spread, spread(positions))
     cuts = cuts_for(tol)
-    while tol > 0 and spread(cuts) > max(max_spread, spread(cuts_for(0.0))):
+    while tol > 0 and spread(cuts) > allowed:
         tol = tol / 2 if tol > tolerance / 16 else 0.0
         cuts = cuts_for(tol)
     bounds = [0] + cuts + [seq_length]

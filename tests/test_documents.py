@@ -3,6 +3,7 @@ document mask, on every attention path (Megatron's local attention, the flash on
 Transformer Engine's stand-in), for documents that cross no, one or several cuts."""
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -101,3 +102,63 @@ PIPELINES = {
 def test_pipeline_with_documents_equals_no_pipelining(ranks, name):
     layout = PIPELINES[name]
     _check(ranks.run(layout["pp"] * layout.get("tp", 1), run_layout, case=name, **layout))
+
+
+# ------------------------------------------------------------------ the documents partition
+
+from megatron_seq1f1b.partition import (  # noqa: E402
+    CostModel, document_segment_cost, split_documents, split_sequence,
+)
+
+
+def _long_tailed(seed: int, seq_length: int = 4096) -> Documents:
+    import random
+
+    rng = random.Random(seed)
+    starts = [0]
+    while True:
+        n = int(rng.lognormvariate(5.0, 1.3)) + 1
+        if starts[-1] + n >= seq_length:
+            return Documents((tuple(starts),), seq_length)
+        starts.append(starts[-1] + n)
+
+
+def _spread(documents, lengths, cost) -> float:
+    segment = document_segment_cost(documents, cost)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    values = [segment(a, b) for a, b in zip(bounds, bounds[1:])]
+    return max(values) / min(values)
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["flash", "local"])
+def test_documents_partition_balances_what_the_backend_computes(dense):
+    cost = CostModel(per_token=2 * 12 * 256 * 256 * 4, per_pair=4 * 256 * 4,
+                     dense_attention=dense)
+    for seed in range(3):
+        documents = _long_tailed(seed)
+        for k in (2, 4, 8):
+            lengths = split_documents(documents, k, cost, multiple_of=8)
+            assert sum(lengths) == 4096 and all(n % 8 == 0 for n in lengths)
+            assert _spread(documents, lengths, cost) <= 1.10
+            if k > 2:  # balanced assumes one causal triangle: wrong for packed documents
+                balanced = split_sequence(4096, k, "balanced", cost=cost, multiple_of=8)
+                assert _spread(documents, balanced, cost) > 1.5
+    # Unpacked data: one document per sample is the causal triangle balanced assumes.
+    whole = Documents.whole(4096)
+    for k in (2, 4, 8):
+        ours = split_documents(whole, k, cost, multiple_of=8)
+        theirs = split_sequence(4096, k, "balanced", cost=cost, multiple_of=8)
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 8, (ours, theirs)
+
+
+def test_documents_partition_cuts_at_document_ends_when_close():
+    cost = CostModel(per_token=1000.0, per_pair=1.0)
+    # Equal-cost cuts fall at 1024, 2048, 3072; documents end 20 tokens away from each.
+    documents = Documents(((0, 1004, 2068, 3052),), 4096)
+    assert split_documents(documents, 4, cost) == [1004, 1064, 984, 1044]
+    # No document end near: the document is split where the costs say.
+    far = Documents(((0, 600, 3500),), 4096)
+    lengths = split_documents(far, 4, cost)
+    assert not set(itertools.accumulate(lengths[:-1])) & {600, 3500}
