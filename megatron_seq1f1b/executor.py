@@ -53,7 +53,7 @@ from megatron_seq1f1b.checks import (
 from megatron_seq1f1b.checks import segment_multiple as segment_multiple_of
 from megatron_seq1f1b.document_plan import gather_documents, source_problems
 from megatron_seq1f1b.loss import SegmentLosses
-from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled
+from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled, unwrap
 from megatron_seq1f1b.p2p import InFlight, Peers, PipelineCommError, exchange
 from megatron_seq1f1b.partition import METHODS, CostModel, split_documents, split_sequence
 from megatron_seq1f1b.replay import replay
@@ -305,6 +305,11 @@ def _build_setup(chunks, config, iterators, pg_collection, peers, *,
         raise_if(segment_cost_problems(segment_costs, num_splits))
     raise_if(segment_multiple_problems(segment_multiple))
     raise_if(document_problems(documents, partition, split_lengths, micro_batch_size))
+    if documents == "cu_seqlens" and getattr(config, "apply_rope_fusion", False) and any(
+            getattr(unwrap(chunk), "position_embedding_type", None) == "rope" for chunk in chunks):
+        raise_if(["packed (THD) documents with apply_rope_fusion: the fused THD RoPE kernel "
+                  "starts every piece of a document at position 0, also the part that crossed "
+                  "into a segment from earlier ones; set apply_rope_fusion=False (--no-rope-fusion)"])
     try:
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
