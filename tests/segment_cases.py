@@ -378,3 +378,85 @@ def compare_documents_by_hand(
     if any(live_after):
         problems.append(f"caches alive after segment 0 backward: {live_after}")
     return {"problems": problems, "te_calls": list(TEDotProductAttention.calls)}
+
+
+class _Created(torch.overrides.TorchFunctionMode):
+    """Shapes of the tensors Python code creates (a kernel's own insides are not seen: the
+    handler runs each call with the mode off; ``paused`` also hides a stand-in's insides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes, self.paused = [], 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(tensor, torch.Tensor):
+                    self.shapes.append(tuple(tensor.shape))
+        return out
+
+
+def mask_shapes_by_hand(model: ModelSpec, data: DataSpec, lengths, backend: str) -> dict:
+    """Training segments of packed documents with every tensor created outside the attention
+    kernels recorded: which of them have a [queries, keys] shape of a segment (or [s, s])."""
+    created = _Created()
+    stand_in = TEDotProductAttention.forward
+
+    def opaque(self, *args, **kwargs):  # Transformer Engine's kernels are not Python
+        created.paused += 1
+        try:
+            return stand_in(self, *args, **kwargs)
+        finally:
+            created.paused -= 1
+
+    TEDotProductAttention.forward = opaque  # before enable() wraps the bound forward
+    gpt = _documents_model(model, backend)
+    s1.enable(gpt)
+    batches = make_batches(model, data)
+    documents = data_documents(data, len(batches), model.seq_length)
+    run = SegmentRun(lengths, documents=documents)
+    k, seq = len(lengths), model.seq_length
+    outputs, sizes = {}, {(seq, seq)}
+    try:
+        with created:
+            for mb, j in _unit_order(len(batches), k, False):
+                with run.forward(mb, j) as info:
+                    view = run.geometry(mb, None).views[j]
+                    sizes.add((info.length, view.num_keys))
+                    batch = s1.slice_batch(batches[mb])
+                    outputs[mb, j] = (_doc_forward(gpt, batch) * batch["loss_mask"]).sum()
+            for mb, j in _unit_order(len(batches), k, False, backward=True):
+                with run.backward(mb, j):
+                    outputs[mb, j].backward()
+        run.close()
+    finally:
+        TEDotProductAttention.forward = stand_in
+    found = sorted({shape for shape in created.shapes
+                    if any(tuple(shape[i:i + 2]) in sizes for i in range(len(shape) - 1))})
+    return {"mask_shaped": found, "sizes": sorted(sizes), "created": len(created.shapes)}
+
+
+def flash_thd_full_sequence(model: ModelSpec, data: DataSpec) -> dict:
+    """Megatron's own path (no segments) with packed THD batches on the flash attention:
+    equal to the local attention with the dense document mask."""
+    reference_model = _model(model)
+    ref_logits, ref_losses, ref_grads = _full_sequence(
+        reference_model, make_batches(model, data, reference=True))
+    gpt = _documents_model(model, "flash")
+    gpt.load_state_dict(reference_model.state_dict(), strict=False)
+    gpt.zero_grad(set_to_none=True)
+    problems = []
+    for mb, batch in enumerate(make_batches(model, data)):
+        assert batch.get("cu_seqlens") is not None and batch["attention_mask"] is None
+        per_token = _doc_forward(gpt, batch)
+        ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+        ok, rel = _close(per_token.detach(), ref_losses[mb], RTOL)
+        if not ok:
+            problems.append(f"micro-batch {mb}: per-token losses max rel err {rel:.2e}")
+    grads = _sp_reduce(gpt)
+    for name, expected in ref_grads.items():
+        ok, rel = _close(grads[name], expected, RTOL)
+        if not ok:
+            problems.append(f"{name}: max rel err {rel:.2e}")
+    return {"problems": problems}

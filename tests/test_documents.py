@@ -166,3 +166,33 @@ def test_documents_partition_cuts_at_document_ends_when_close():
     far = Documents(((0, 1004, 2068, 3052),), 4096)
     assert cuts(far) == cuts(far, tolerance=0) == {1044, 2049, 3092}
     assert max(split_documents(far, 4, cost, max_spread=2.0)) == 1064  # allowed: it moves
+
+
+@pytest.mark.parametrize("backend,data", [
+    ("flash", _data(MIXED)),
+    ("flash", _data(TWO_SAMPLES, micro_batch_size=2)),
+    ("flash", _data(CROSSING, thd=True)),
+    ("te-flash", _data(MIXED, thd=True)),
+    ("te-flash", _data(TWO_SAMPLES, micro_batch_size=2)),
+])
+def test_no_mask_tensor_on_the_flash_and_te_paths(ranks, backend, data):
+    """No tensor of a segment's [queries, keys] size (or [s, s]) is made outside the kernels;
+    the local backend, which needs its masks, shows that the recorder sees them."""
+    from segment_cases import mask_shapes_by_hand
+
+    model = dataclasses.replace(GQA, seq_length=40)  # no weight is [40, 40] or [s, keys]
+    (result,) = ranks.run(1, mask_shapes_by_hand, case=f"masks-{backend}", model=model,
+                          data=data, lengths=(16, 13, 11), backend=backend)
+    assert result["created"] > 100 and not result["mask_shaped"], result
+    (local,) = ranks.run(1, mask_shapes_by_hand, case="masks-local", model=model, data=data,
+                         lengths=(16, 13, 11), backend="local")
+    assert local["mask_shaped"], local
+
+
+def test_flash_attention_takes_packed_batches_without_segments(ranks):
+    """Megatron's own schedules give the flash attention THD batches (cu_seqlens) natively."""
+    from segment_cases import flash_thd_full_sequence
+
+    (result,) = ranks.run(1, flash_thd_full_sequence, case="flash-thd-full", model=GQA,
+                          data=_data(MIXED, thd=True))
+    assert not result["problems"], "\n".join(result["problems"])
