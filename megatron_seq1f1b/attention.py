@@ -69,8 +69,7 @@ def segment_kv(layer, key, value, current, window: int | None = None):
     """This segment's keys/values for attention, and what it sees (:class:`SegmentView`).
 
     A segment of a chain (:mod:`megatron_seq1f1b.documents`) gets views of
-    the chain's buffer, rows ``[key_start, end)``, its own rows added; the
-    chain's head its own keys/values (its tail written for later segments); a
+    the chain's buffer, rows ``[key_start, end)``, its own rows added; a
     segment alone its own, untouched.
     """
     info, run = current.info, current.run
@@ -112,8 +111,7 @@ def segment_kv(layer, key, value, current, window: int | None = None):
         if entry is None or info.index not in entry.forwarded:
             raise RuntimeError(f"Seq1F1B: {_where(info)} recomputed without a cached forward")
         write = False
-    first = None if role == HEAD else view.key_start
-    keys, values = KVAppend.apply(key, value, run.kv, entry, info, write, first)
+    keys, values = KVAppend.apply(key, value, run.kv, entry, info, write, view.key_start)
     return keys, values, view
 
 

@@ -17,9 +17,9 @@ tail of the document that crosses into it, nothing of the documents before.
   Without documents every sample has one piece, and a segment sees the whole
   prefix as before.
 * :func:`chains`: consecutive segments linked by a crossing document. Only they
-  share a key/value buffer (:mod:`megatron_seq1f1b.kv_cache`), and it starts at
-  the first row a later segment reads, so earlier documents' keys and values
-  are neither read nor kept for the prefix.
+  share a key/value buffer (:mod:`megatron_seq1f1b.kv_cache`); a segment that
+  starts with a new document reads no earlier keys, and a segment that neither
+  reads nor is read keeps its keys and values to itself, as unsegmented attention does.
 
 Pure Python on host integers (built once per micro-batch); only the
 constructors read tensors.
@@ -139,6 +139,28 @@ class Documents:
         return SegmentView.of(start, end, tuple(pieces), window)
 
 
+def long_tailed(seq_length: int, mean_length: float, seed: int = 0,
+                micro_batch_size: int = 1) -> Documents:
+    """Packed documents of log-normal lengths (sigma 1: a long tail; median ~0.6 x the mean),
+    cut where the sequence ends, as packing a web-like corpus gives them (benchmarks, the
+    stage rehearsal)."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    mu = math.log(mean_length) - 0.5
+    samples = []
+    for _ in range(micro_batch_size):
+        starts = [0]
+        while True:
+            end = starts[-1] + max(1, int(rng.lognormvariate(mu, 1.0)))
+            if end >= seq_length:
+                break
+            starts.append(end)
+        samples.append(tuple(starts))
+    return Documents(tuple(samples), seq_length)
+
+
 @dataclass(frozen=True)
 class Piece:
     """One document's part of a segment: queries ``[q0, q1)`` over keys ``[k0, q1)``.
@@ -243,8 +265,11 @@ def views_of(starts: Sequence[int], lengths: Sequence[int], documents: Documents
 def chains(views: Sequence[SegmentView]) -> tuple[Chain, ...]:
     """Maximal runs of segments where each one after the first reads keys of earlier ones.
 
-    A chain's buffer starts at the first key row its second segment reads: the
-    head's rows before it belong to documents no later segment sees.
+    A chain's buffer holds its rows from the head's start: the head's own attention
+    keeps its keys and values until the head's backward anyway, when the buffer goes,
+    so rows of its documents that no later segment reads cost nothing more there
+    (and the head's attention reads the buffer as every member does, with no second
+    copy of its keys).
     """
     found = []
     head = 0
@@ -253,7 +278,7 @@ def chains(views: Sequence[SegmentView]) -> tuple[Chain, ...]:
             continue
         last = index - 1
         if last > head:
-            found.append(Chain(head, last, views[head + 1].key_start, views[last].end))
+            found.append(Chain(head, last, views[head].start, views[last].end))
         head = index
     return tuple(found)
 

@@ -366,11 +366,9 @@ def _build_setup(chunks, config, iterators, pg_collection, peers, *,
     split = splits_backward([actions])
     te_layers = tuple(tuple((name, weakref.ref(layer)) for name, layer in chunk)
                       for chunk in te_wgrad.delayed_layers(chunks)) if split else ()
-    document_costs = (CostModel.from_config(config, vocab_size,
-                                            dense_attention=dense_attention(chunks))
-                      if by_documents else None)
-    document_multiple = (segment_multiple_of(config) if segment_multiple is None
-                         else math.lcm(int(segment_multiple), segment_multiple_of(config)))
+    document_costs, document_multiple = document_cut(chunks, config, vocab_size,
+                                                     segment_multiple)
+    document_costs = document_costs if by_documents else None
     return _Setup(
         documents=documents, document_costs=document_costs,
         document_multiple=document_multiple * cp, divisor=cp * tp,
@@ -384,6 +382,16 @@ def _build_setup(chunks, config, iterators, pg_collection, peers, *,
         agreement=_agreement(num_microbatches, lengths, len(chunks), forward_only, schedule,
                              costs),
     )
+
+
+def document_cut(chunks, config, vocab_size, segment_multiple=None) -> tuple[CostModel, int]:
+    """What the documents partition cuts a micro-batch with: this model's FLOP costs (as its
+    attention computes them) and the layout's multiple (a requested one too; the CUDA
+    default of 64 is not forced on cuts that could fall where documents end)."""
+    costs = CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks))
+    multiple = (segment_multiple_of(config) if segment_multiple is None
+                else math.lcm(int(segment_multiple), segment_multiple_of(config)))
+    return costs, multiple
 
 
 def document_problems(documents, partition: str, split_lengths, micro_batch_size: int) -> list:

@@ -217,18 +217,88 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
     return float(total), float(num_layers * kv)
 
 
+def attention_pair_bytes(shape: ModelShape, num_layers: int, *, dtype: str = "bf16",
+                         flash: bool = True) -> float:
+    """Bytes per query-key pair (one sample) that attention keeps for its backward on a chunk.
+
+    Flash kernels keep none. Megatron's unfused attention keeps its probabilities
+    for every pair it computes (masked ones too): the softmax's output, in fp32
+    (``attention_softmax_in_fp32``), and in half precision the copy cast back for
+    the product with the values, per head and layer.
+    """
+    if flash:
+        return 0.0
+    per_head = 4 + (DTYPE_BYTES[dtype] if DTYPE_BYTES[dtype] < 4 else 0)
+    return float(num_layers * shape.num_attention_heads * per_head)
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """What one unit (a segment of a micro-batch) holds, in tokens and pairs of one sample:
+    ``tokens`` (their activations besides keys and values), ``kv_rows`` (keys and values
+    saved with the unit itself), ``pairs`` (query-key pairs its attention computes), and
+    ``buffer_rows`` (a K/V buffer of a chain this segment heads, held until its backward)."""
+
+    tokens: int
+    kv_rows: int
+    pairs: int
+    buffer_rows: int
+
+
+def unit_bytes(lengths: Sequence[int], documents=None, dense: bool = False) -> list[UnitBytes]:
+    """Per segment of a micro-batch: what its unit holds (:class:`UnitBytes`).
+
+    The K/V buffers are :mod:`megatron_seq1f1b.kv_cache`'s: a chain of segments
+    linked by a crossing document (without documents all of them) keeps its rows
+    in one buffer from its head's forward to the head's backward; a segment alone
+    keeps its own keys and values with the unit. ``pairs`` count what the attention computes: for the
+    unfused kernel (``dense``) every query against every key the segment holds,
+    else (flash) only the causal pairs of each document, which keep nothing.
+    With ``documents`` (:class:`~megatron_seq1f1b.documents.Documents`), per
+    sample, summed over the micro-batch's samples.
+    """
+    from megatron_seq1f1b.documents import HEAD, MEMBER, chains, roles, views_of
+
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    samples = 1 if documents is None else documents.micro_batch_size
+    if len(lengths) == 1 and documents is None:  # Megatron's schedule: nothing is cached
+        n = lengths[0]
+        return [UnitBytes(n, n, n * n if dense else 0, 0)]
+    views = views_of(starts, lengths, documents, None)
+    linked = chains(views)
+    units = []
+    for index, (view, (role, number)) in enumerate(zip(views, roles(views, linked))):
+        own, buffer = view.length, 0
+        if role == MEMBER:
+            own = 0
+        elif role == HEAD:
+            chain = linked[number]
+            own, buffer = 0, chain.end - chain.base
+        pairs = view.length * view.num_keys if dense else 0
+        units.append(UnitBytes(view.length * samples, own * samples, pairs * samples,
+                               buffer * samples))
+    return units
+
+
 def stage_activation_bytes(schedule: Sequence[Sequence], lengths: Sequence[int],
                            bytes_per_token: Sequence[Sequence[tuple[float, float]]],
-                           micro_batch_size: int = 1) -> list[float]:
+                           micro_batch_size: int = 1, *,
+                           pair_bytes: Sequence[Sequence[float]] | None = None,
+                           microbatches: Sequence[Sequence[UnitBytes]] | None = None,
+                           dense: bool = False) -> list[float]:
     """Peak activation bytes per rank of a schedule (lists of actions per rank).
 
-    ``bytes_per_token[rank][chunk]``: (all, keys and values) bytes one token of one
-    sample leaves on that chunk. A unit holds ``len * (all - kv)`` from its forward
-    until its backward, or its ``W`` where W is split off; segment 0 of a micro-batch
-    also holds the whole sequence's keys and values until its backward (Seq1F1B's
-    buffer; with one segment this is the same as ``len * all``).
+    ``bytes_per_token[rank][chunk]``: (all, keys and values) bytes one token of
+    one sample leaves on that chunk; ``pair_bytes[rank][chunk]``: bytes per
+    query-key pair the unfused attention keeps (:func:`attention_pair_bytes`).
+    A unit holds its tokens' activations (keys and values apart), its own keys
+    and values and its attention's pairs from its forward until its backward,
+    or its ``W`` where W is split off; a chain's K/V buffer lives from its head's
+    forward to the head's backward (:func:`unit_bytes`). ``microbatches``: each
+    micro-batch's :func:`unit_bytes` (packed documents: their own lengths and
+    chains), cycled; default: ``lengths`` for every micro-batch, without documents.
     """
-    seq = sum(lengths)
+    default = unit_bytes(lengths, dense=dense)
     peaks = []
     for rank, actions in enumerate(schedule):
         release = "W" if any(a.is_weight for a in actions) else "B"
@@ -236,16 +306,21 @@ def stage_activation_bytes(schedule: Sequence[Sequence], lengths: Sequence[int],
         held = {}
         for action in actions:
             all_bytes, kv_bytes = bytes_per_token[rank][action.chunk]
+            pair = pair_bytes[rank][action.chunk] if pair_bytes is not None else 0.0
+            units = (microbatches[action.microbatch % len(microbatches)] if microbatches
+                     else default)
+            unit = units[action.segment]
+            scale = micro_batch_size if not microbatches else 1
             if action.is_forward:
-                units = lengths[action.segment] * (all_bytes - kv_bytes)
-                kv = seq * kv_bytes if action.segment == 0 else 0.0
-                held[action.unit] = (units * micro_batch_size, kv * micro_batch_size)
+                own = (unit.tokens * (all_bytes - kv_bytes) + unit.kv_rows * kv_bytes
+                       + unit.pairs * pair) * scale
+                held[action.unit] = (own, unit.buffer_rows * kv_bytes * scale)
                 live += sum(held[action.unit])
                 peak = max(peak, live)
             else:
                 if action.kind == release:
                     live -= held[action.unit][0]
-                if action.kind == "B" and action.segment == 0:
+                if action.kind == "B":
                     live -= held[action.unit][1]
         peaks.append(peak)
     return peaks

@@ -6,16 +6,15 @@ of a micro-batch, with packed documents the runs of segments a document
 crosses. Per (micro-batch, model chunk, attention layer, chain) one entry holds:
 
 * ``keys`` / ``values``: one buffer of rows ``[base, end)`` of the micro-batch,
-  where ``base`` is the first row the chain's second segment reads (0 without
-  documents or window). The chain's later segments write their own
-  (post-RoPE) keys and values into their rows and attend over the view
-  ``[key_start, end_j)``; the head writes only its rows from ``base`` on and
-  attends over its own tensors. The views attention saves for its backward all
-  share this one buffer, so a chain's keys and values exist once, not once per
-  segment (a concatenated prefix per segment would cost ~(k+1)/2 times as
-  much), and rows of documents no later segment reads are never in it. Writes
-  go through ``.data`` so they do not bump the version counter of views saved
-  by earlier segments; they touch rows no earlier segment reads.
+  from the chain's head's start (0 without documents) to its last segment's
+  end. Each segment writes its own (post-RoPE) keys and values into its rows
+  and attends over the view ``[key_start, end_j)``: from the start of the
+  document crossing into it (or its window), never earlier documents. The
+  views attention saves for its backward all share this one buffer, so a
+  chain's keys and values exist once, not once per segment (a concatenated
+  prefix per segment would cost ~(k+1)/2 times as much). Writes go through
+  ``.data`` so they do not bump the version counter of views saved by earlier
+  segments; they touch rows no earlier segment reads.
 * the gradient later segments' attention leaves for earlier rows (half
   precision accumulates in fp32). Without a window one buffer ``prefix``
   holds rows ``[base, R)`` from the first segment that contributes (the last
@@ -178,30 +177,22 @@ class KVStore:
 
 
 class KVAppend(torch.autograd.Function):
-    """A chain segment's keys/values: its own, or earlier rows and its own as views of the entry.
-
-    ``first_row`` None: the chain's head, which attends over its own tensors
-    (they come back as views of themselves) and writes its rows from the
-    buffer's base on. Otherwise a later segment, which writes its rows and
-    attends over rows ``[first_row, end)``.
-    """
+    """A chain segment's keys/values ``[first_row, end)`` as views of the entry, its own
+    rows written in (``write``; not when a recomputation runs the forward again)."""
 
     @staticmethod
-    def forward(ctx, key, value, store, entry, info, write, first_row=None):
+    def forward(ctx, key, value, store, entry, info, write, first_row):
         if write:
             entry.write(info.start, key, value)
         # Weak: a graph that outlives the iteration (Megatron's MoE dispatcher keeps the last
         # forward's tensors) must not keep the cache objects alive.
         ctx.store, ctx.entry = weakref.ref(store), weakref.ref(entry)
         ctx.info, ctx.first_row = info, first_row
-        if first_row is None:
-            return key.view_as(key), value.view_as(value)
         return entry.view(first_row, info.end)
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
-        entry, store, info = ctx.entry(), ctx.store(), ctx.info
-        first_row = info.start if ctx.first_row is None else ctx.first_row
+        entry, store, info, first_row = ctx.entry(), ctx.store(), ctx.info, ctx.first_row
         if entry is None or store is None:
             raise RuntimeError(
                 f"Seq1F1B: backward of micro-batch {info.microbatch}, segment {info.index} "

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_seq1f1b.footprint import (
-    ModelShape, Training, activation_bytes_per_token, layers_per_virtual_stage,
-    stage_activation_bytes, stage_parameters,
+    ModelShape, Training, activation_bytes_per_token, attention_pair_bytes,
+    layers_per_virtual_stage, stage_activation_bytes, stage_parameters, unit_bytes,
 )
 from megatron_seq1f1b.schedule import Schedule, build_schedule
 
@@ -59,9 +59,13 @@ class MemoryModel:
     is trained (:class:`~megatron_seq1f1b.footprint.Training`) and its attention kernel.
 
     Activation bytes per token come from
-    :func:`~megatron_seq1f1b.footprint.activation_bytes_per_token` for every chunk; with
-    ``bytes_per_token`` (measured: what one token of one sample leaves on the most loaded
-    stage, all its chunks) every chunk's estimate is scaled so that stage matches it.
+    :func:`~megatron_seq1f1b.footprint.activation_bytes_per_token` for every chunk, and
+    with Megatron's unfused attention (``flash=False``) the probabilities it keeps per
+    query-key pair (:func:`~megatron_seq1f1b.footprint.attention_pair_bytes`); with
+    ``bytes_per_token`` (measured on a whole micro-batch: what one token of one sample
+    leaves on the most loaded stage, all its chunks) every chunk's per-token estimate is
+    scaled so that stage matches it (the unfused attention's ``s x s`` pairs taken out of
+    the measurement first: they are counted per pair).
     """
 
     shape: ModelShape
@@ -70,10 +74,20 @@ class MemoryModel:
     bytes_per_token: float | None = None
     activation_scale: float = 1.0  # e.g. measured / estimated activations of a rehearsal
 
+    def chunk_pair_bytes(self, num_stages: int, num_model_chunks: int = 1
+                         ) -> list[list[float]]:
+        """[rank][chunk] -> bytes per query-key pair its attention keeps (0 for flash)."""
+        p, v = num_stages, num_model_chunks
+        layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
+        return [[attention_pair_bytes(self.shape, layers, dtype=self.training.dtype,
+                                      flash=self.flash) for _ in range(v)] for _ in range(p)]
+
     def chunk_bytes_per_token(self, num_stages: int, num_model_chunks: int = 1,
-                              whole_qkv: bool = False) -> list[list[tuple[float, float]]]:
+                              whole_qkv: bool = False, seq_length: int | None = None
+                              ) -> list[list[tuple[float, float]]]:
         """[rank][chunk] -> (bytes per token, of which keys and values); ``whole_qkv`` for
-        unsegmented micro-batches (see :func:`activation_bytes_per_token`)."""
+        unsegmented micro-batches (see :func:`activation_bytes_per_token`); ``seq_length``:
+        what a measured ``bytes_per_token`` was measured on (its pairs are taken out)."""
         p, v = num_stages, num_model_chunks
         layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
 
@@ -87,7 +101,10 @@ class MemoryModel:
         scale = self.activation_scale
         if self.bytes_per_token:  # measured on a whole micro-batch (the calibration's k=1)
             measured_kind = table if whole_qkv else estimate(True)
-            scale = self.bytes_per_token / max(sum(b for b, _ in rank) for rank in measured_kind)
+            pairs = [sum(rank) for rank in self.chunk_pair_bytes(p, v)]
+            busiest = max(range(p), key=lambda r: sum(b for b, _ in measured_kind[r]))
+            measured = self.bytes_per_token - (seq_length or 0) * pairs[busiest]
+            scale = max(measured, 0.0) / sum(b for b, _ in measured_kind[busiest])
         if scale != 1.0:
             table = [[(b * scale, kv * scale) for b, kv in rank] for rank in table]
         return table
@@ -98,13 +115,24 @@ class MemoryModel:
                 for n in stage_parameters(self.shape, num_stages, num_model_chunks)]
 
     def stage_bytes(self, schedule: Schedule, lengths: Sequence[int], num_model_chunks: int = 1,
-                    micro_batch_size: int = 1) -> list[dict]:
+                    micro_batch_size: int = 1, documents=None,
+                    microbatch_lengths: Sequence[Sequence[int]] | None = None) -> list[dict]:
         """Per rank: ``weights``, ``gradients``, ``optimizer``, ``activations`` and ``total``
-        bytes, activations replayed over the rank's actions."""
+        bytes, activations replayed over the rank's actions. ``documents``: each
+        micro-batch's packed documents (cycled), with ``microbatch_lengths`` where its
+        segments differ (the documents partition): what each unit and K/V buffer then
+        holds follows the documents (:func:`~megatron_seq1f1b.footprint.unit_bytes`)."""
         p = len(schedule)
+        microbatches = None
+        if documents is not None:
+            rows = microbatch_lengths or [lengths] * len(documents)
+            microbatches = [unit_bytes(list(row), docs, dense=not self.flash)
+                            for row, docs in zip(rows, documents)]
         activations = stage_activation_bytes(
-            schedule, lengths, self.chunk_bytes_per_token(p, num_model_chunks, len(lengths) == 1),
-            micro_batch_size)
+            schedule, lengths,
+            self.chunk_bytes_per_token(p, num_model_chunks, len(lengths) == 1, sum(lengths)),
+            micro_batch_size, pair_bytes=self.chunk_pair_bytes(p, num_model_chunks),
+            microbatches=microbatches, dense=not self.flash)
         stages = []
         for static, act in zip(self.static_bytes(p, num_model_chunks), activations):
             entry = dict(static, activations=act)
@@ -117,13 +145,17 @@ def stage_memory(shape: ModelShape, training: Training, num_stages: int,
                  num_microbatches: int, lengths: Sequence[int], *, num_model_chunks: int = 1,
                  schedule: str | Schedule = "1f1b", micro_batch_size: int = 1,
                  flash: bool = True, bytes_per_token: float | None = None,
-                 costs: Sequence[tuple[float, float, float]] | None = None) -> list[dict]:
+                 costs: Sequence[tuple[float, float, float]] | None = None,
+                 documents=None,
+                 microbatch_lengths: Sequence[Sequence[int]] | None = None) -> list[dict]:
     """Each pipeline rank's predicted bytes (weights, gradients, optimizer, activations,
     total) for one plan: ``schedule`` a name (built here; zero bubble placed with
-    ``costs``, else unit costs) or every rank's action lists."""
+    ``costs``, else unit costs) or every rank's action lists; ``documents`` and
+    ``microbatch_lengths`` as :meth:`MemoryModel.stage_bytes` takes them."""
     if isinstance(schedule, str):
         schedule = build_schedule(num_stages, num_microbatches, len(lengths), num_model_chunks,
                                   schedule=schedule, costs=costs)
     model = MemoryModel(shape, training, flash, bytes_per_token)
-    return model.stage_bytes(schedule, lengths, num_model_chunks, micro_batch_size)
+    return model.stage_bytes(schedule, lengths, num_model_chunks, micro_batch_size,
+                             documents=documents, microbatch_lengths=microbatch_lengths)
 

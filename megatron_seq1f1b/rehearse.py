@@ -193,18 +193,34 @@ def _finalize_on_real_groups(config):
 
 
 def _lengths(chunks, config, num_splits, partition, split_lengths, seq_length,
-             segment_multiple) -> list[int]:
-    """The segment lengths the executor ran (its own rounding on CUDA included)."""
+             segment_multiple, documents=None) -> list[int]:
+    """The segment lengths the executor ran (its own rounding on CUDA included; the
+    documents partition: those of the rehearsal's micro-batch, which every one repeats)."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    from megatron_seq1f1b.executor import resolve_lengths
+    from megatron_seq1f1b.executor import document_cut, resolve_lengths
+    from megatron_seq1f1b.partition import split_documents
 
     try:
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
         vocab_size = None
+    if partition == "documents" and split_lengths is None:
+        costs, multiple = document_cut(chunks, config, vocab_size, segment_multiple)
+        return split_documents(documents, num_splits, costs, multiple_of=multiple)
     return resolve_lengths(num_splits, partition, split_lengths, seq_length, chunks, config,
                            vocab_size, segment_multiple)
+
+
+def documents_of(data_iterator, source, seq_length: int):
+    """The documents of the next micro-batch ``data_iterator`` yields (a rehearsal repeats
+    one), or None."""
+    if source is None:
+        return None
+    from megatron_seq1f1b.document_plan import read_documents
+
+    iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+    return read_documents(source, next(iterator), seq_length)
 
 
 def rehearse_stage(
@@ -227,6 +243,7 @@ def rehearse_stage(
     warmup: int = 0,
     optimizer=None,
     count_saved: bool | None = None,
+    documents=None,
 ) -> Rehearsal:
     """Run stage ``stage`` of a ``num_stages`` pipeline alone; ``warmup`` + ``iters``
     iterations, the last ``iters`` measured.
@@ -237,7 +254,8 @@ def rehearse_stage(
     as :func:`megatron_seq1f1b.get_forward_backward_func`'s. ``optimizer``: stepped after
     every iteration (its states then count in the CUDA total). ``count_saved``: count
     the bytes autograd saves (default on CPU, where the allocator cannot tell; it costs
-    host time per operation).
+    host time per operation). ``documents``: where each micro-batch's packed documents
+    are (:func:`megatron_seq1f1b.get_forward_backward_func`'s argument).
     """
     from megatron.core.utils import get_model_config
 
@@ -263,7 +281,7 @@ def rehearse_stage(
         seq_length=seq_length, micro_batch_size=micro_batch_size, num_splits=num_splits,
         partition=partition, split_lengths=split_lengths, recorder=recorder, schedule=schedule,
         segment_costs=segment_costs, segment_multiple=segment_multiple,
-        rehearse=(num_stages, stage))
+        rehearse=(num_stages, stage), documents=documents)
     with _finalize_on_real_groups(config), (meter or contextlib.nullcontext()):
         for iteration in range(warmup + iters):
             _zero_grads(chunks)
@@ -293,7 +311,7 @@ def rehearse_stage(
                 saved.append(meter.peak_bytes)
     _zero_grads(chunks)
     lengths = _lengths(chunks, config, num_splits, partition, split_lengths, seq_length,
-                       segment_multiple)
+                       segment_multiple, documents_of(data_iterator, documents, seq_length))
     record = recorder.last
     action_s = [iv.end - iv.start for iv in record.compute]
     return Rehearsal(
@@ -343,7 +361,12 @@ def build_parser() -> ArgumentParser:
     par.add_argument("--micro-batch-size", type=positive_int, default=1)
     par.add_argument("--num-microbatches", type=positive_int, required=True)
     par.add_argument("--seq1f1b-splits", type=positive_int, default=1)
-    par.add_argument("--seq1f1b-partition", choices=["uniform", "balanced"], default="uniform")
+    par.add_argument("--seq1f1b-partition", choices=["uniform", "balanced", "documents"],
+                     default="uniform", help="documents: needs --document-length")
+    par.add_argument("--document-length", type=positive_int, default=None, metavar="N",
+                     help="pack documents of about N tokens (log-normal lengths) into every "
+                          "micro-batch, ended by the last vocabulary id; attention keeps them "
+                          "apart and the prediction follows them")
     par.add_argument("--seq1f1b-schedule", choices=["1f1b", "zb-h1", "zb-h2"], default="1f1b")
     par.add_argument("--seq1f1b-segment-multiple", type=positive_int, default=None)
     train = p.add_argument_group("training state")
@@ -397,6 +420,8 @@ def check_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Nam
                        multiple_of=args.seq1f1b_segment_multiple or 1)
     except ValueError as exc:
         parser.error(f"--seq-length / --seq1f1b-splits / --seq1f1b-segment-multiple: {exc}")
+    if args.seq1f1b_partition == "documents" and args.document_length is None:
+        parser.error("--seq1f1b-partition documents cuts by documents: add --document-length N")
     return args
 
 
@@ -483,10 +508,24 @@ def _loss(loss_mask, output):
     return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1).float()])}
 
 
+def _documents(args):
+    """The rehearsal's packed documents (``--document-length``), or None."""
+    if args.document_length is None:
+        return None
+    from megatron_seq1f1b.documents import long_tailed
+
+    return long_tailed(args.seq_length, args.document_length, args.seed, args.micro_batch_size)
+
+
 def _batch(args, device) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     b, s = args.micro_batch_size, args.seq_length
-    tokens = torch.randint(0, args.vocab_size, (b, s), generator=gen)
+    documents = _documents(args)
+    eod = args.vocab_size - 1
+    tokens = torch.randint(0, eod if documents else args.vocab_size, (b, s), generator=gen)
+    for sample in range(b if documents else 0):
+        for start in documents.starts[sample][1:]:
+            tokens[sample, start - 1] = eod
     return {k: v.to(device) for k, v in dict(
         tokens=tokens, labels=torch.roll(tokens, -1, dims=1),
         loss_mask=torch.ones(b, s), position_ids=torch.arange(s).expand(b, s).contiguous(),
@@ -572,7 +611,8 @@ def predicted(args, rehearsal: Rehearsal, costs=None) -> dict:
                           args.num_microbatches, rehearsal.lengths,
                           num_model_chunks=rehearsal.num_model_chunks, schedule=schedule,
                           micro_batch_size=args.micro_batch_size,
-                          flash=args.attention_backend == "flash")
+                          flash=args.attention_backend == "flash",
+                          documents=None if args.document_length is None else [_documents(args)])
     mine = [str(a) for a in schedule[args.rehearse_stage]]
     return dict(memory[args.rehearse_stage], same_actions=mine == rehearsal.actions)
 
@@ -639,7 +679,8 @@ def main(argv=None) -> int:
         micro_batch_size=args.micro_batch_size, num_splits=args.seq1f1b_splits,
         partition=args.seq1f1b_partition, schedule=args.seq1f1b_schedule,
         segment_multiple=args.seq1f1b_segment_multiple, iters=args.iters, warmup=args.warmup,
-        optimizer=optimizer, count_saved=count)
+        optimizer=optimizer, count_saved=count,
+        documents=args.vocab_size - 1 if args.document_length else None)
     costs = None
     if args.seq1f1b_schedule != "1f1b":
         from megatron_seq1f1b.executor import zero_bubble_costs

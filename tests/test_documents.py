@@ -56,7 +56,7 @@ def test_views_and_chains():
     views = views_of((0, 8, 16, 24), (8, 8, 8, 8), documents, None)
     assert [v.key_start for v in views] == [0, 5, 5, 20]
     (chain,) = chains(views)
-    assert (chain.head, chain.last, chain.base, chain.end) == (0, 3, 5, 32)
+    assert (chain.head, chain.last, chain.base, chain.end) == (0, 3, 0, 32)
     whole = views_of((0, 8, 16, 24), (8, 8, 8, 8), Documents(((0, 8, 16, 24),), 32), None)
     assert chains(whole) == () and all(v.pieces is None for v in whole)
     assert Documents.from_eod([[1, 9, 2, 2, 9, 3]], eod=9).starts == ((0, 2, 5),)

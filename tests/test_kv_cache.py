@@ -94,8 +94,7 @@ def test_without_a_window_a_backward_costs_the_same_operations_whatever_k():
             if entry is None:
                 entry = store.create(0, 0, "layer", k_seg, k_seg, end=seq, starts=starts,
                                      lengths=(8,) * k)
-            view_k, view_v = KVAppend.apply(k_seg, k_seg, store, entry, info, True,
-                                            None if index == 0 else 0)
+            view_k, view_v = KVAppend.apply(k_seg, k_seg, store, entry, info, True, 0)
             outputs.append(view_k.sum() + view_v.sum())
             start += 8
         with Count() as count:
@@ -138,7 +137,7 @@ def test_documents_carry_only_the_crossing_document(starts, window, ranges):
     torch.testing.assert_close(grad_v, expected_v, rtol=1e-6, atol=0)
 
 
-def test_a_chain_buffer_holds_only_rows_later_segments_read():
+def test_a_chain_buffer_holds_only_its_own_segments_rows():
     from megatron_seq1f1b.documents import Documents
 
     run = SegmentRun((8, 8, 8, 8), documents=[Documents(((0, 5, 20),), 32)])
@@ -148,7 +147,14 @@ def test_a_chain_buffer_holds_only_rows_later_segments_read():
             segment_kv("layer", keys[info.start:info.end], keys[info.start:info.end],
                        segments.active(), None)
     (entry,) = run.kv._entries.values()
-    assert (entry.base, entry.end, entry.keys.shape[0]) == (5, 32, 27)  # document 0..5 left out
+    assert (entry.base, entry.end, entry.keys.shape[0]) == (0, 32, 32)  # one chain, 0..32
+    run = SegmentRun((8, 8, 8, 8), documents=[Documents(((0, 8, 20),), 32)])
+    for index in range(4):
+        with run.forward(0, index) as info:
+            segment_kv("layer", keys[info.start:info.end], keys[info.start:info.end],
+                       segments.active(), None)
+    (entry,) = run.kv._entries.values()  # segment 0 alone: its rows are in no buffer
+    assert (entry.base, entry.end, entry.keys.shape[0]) == (8, 32, 24)
     run = SegmentRun((8, 8, 8, 8), documents=[Documents(((0, 8, 16, 24),), 32)])
     for index in range(4):
         with run.forward(0, index) as info:
