@@ -34,6 +34,7 @@ def _model(spec: ModelSpec, *, tp=1, sp=False, fake_te=False, **overrides):
     if not fake_te:
         (gpt,) = build_chunks(spec, config)
         return gpt
+    TEDotProductAttention.backend = "flash"  # the default; tests that need "unfused" say so
     return GPTModel(
         config=config, transformer_layer_spec=layer_spec(spec, fake_te=True), vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length, position_embedding_type=spec.position_embedding_type,
@@ -306,6 +307,7 @@ def compare_documents_by_hand(
     tp: int = 1,
     sp: bool = False,
     overrides: dict | None = None,
+    documents: bool = True,
 ) -> dict:
     """Segments of packed documents against the full sequence with a dense document mask.
 
@@ -321,15 +323,16 @@ def compare_documents_by_hand(
     # documents would be lost): with windows the reference is the TE stand-in's unfused
     # backend, which ORs the document mask into its window.
     windowed = overrides.get("window_size") is not None
-    TEDotProductAttention.backend = "unfused"
     reference_model = _model(model, tp=tp, sp=sp, fake_te=windowed, **overrides)
+    TEDotProductAttention.backend = "unfused"
     ref_batches = make_batches(model, data, reference=True)
     ref_logits, ref_losses, ref_grads = _full_sequence(reference_model, ref_batches)
     gpt = _documents_model(model, backend, tp=tp, sp=sp, **overrides)
     gpt.load_state_dict(reference_model.state_dict(), strict=False)
     s1.enable(gpt)
     batches = make_batches(model, data)
-    documents = data_documents(data, len(batches), model.seq_length)
+    # ``documents=False``: the schedule is not told (only the batch's dense mask has them)
+    documents = data_documents(data, len(batches), model.seq_length) if documents else None
     TEDotProductAttention.calls.clear()
 
     def run_of(forward_only=False):

@@ -42,6 +42,11 @@ CASES = {
     "te_thd_mixed": dict(model=ROPE, data=_data(MIXED, thd=True), backend="te-flash"),
     "te_eod_two_samples": dict(model=GQA, data=_data(TWO_SAMPLES, micro_batch_size=2),
                                backend="te-flash"),
+    # A dense document mask (--reset-attention-mask) reaches TE over the keys each segment
+    # sees, as it does unsegmented: TE's unfused backend ORs it in (its flash and fused
+    # ones ignore it, unsegmented too: Megatron-LM refuses that combination under Seq1F1B).
+    "te_unfused_dense_mask": dict(model=ROPE, data=_data(MIXED, explicit_mask=True),
+                                  backend="te-unfused", documents=False),
 }
 
 
