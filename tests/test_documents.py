@@ -96,6 +96,10 @@ PIPELINES = {
         data=DataSpec(num_microbatches=4, documents=PER_MICROBATCH), pp=2, vpp=2,
         config_overrides=dict(overlap_p2p_comm=True, batch_p2p_comm=False),
         seq1f1b=dict(num_splits=2, partition="documents", documents=EOD)),
+    "tp2_sp_k3_flash_documents": dict(
+        model=dataclasses.replace(GQA, attention="flash"),
+        data=DataSpec(num_microbatches=2, documents=PER_MICROBATCH), pp=1, tp=2, sp=True,
+        seq1f1b=dict(num_splits=3, partition="documents", documents=EOD)),
     "pp2_zb_k3_local_two_samples": dict(
         model=ROPE, data=DataSpec(num_microbatches=2, micro_batch_size=2,
                                   documents=(TWO_SAMPLES, ((0, 9, 22), (0, 16)))), pp=2,
