@@ -55,7 +55,8 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
                       *, seq_length: int, num_microbatches: int, micro_batch_size: int,
                       memory_budget_gib: float | None = None,
                       memory_budget_microbatches: float | None = None,
-                      min_segment_length: int = 128, segment_multiple: int | None = None):
+                      min_segment_length: int = 128, segment_multiple: int | None = None,
+                      documents=None):
     """Measure these chunks and choose a plan (a :class:`~megatron_seq1f1b.planner.PlanChoice`).
 
     Collective over the world. ``data_iterator`` yields the micro-batch to
@@ -63,7 +64,10 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
     it repeats one element). ``segment_multiple``: as the executor's (segment lengths
     rounded to 64 on CUDA by default). A budget nothing fits raises
     :class:`~megatron_seq1f1b.checks.ConfigError` on every rank alike, naming
-    the smallest memory reachable.
+    the smallest memory reachable. ``documents``: where the micro-batch's packed
+    documents are (:data:`~megatron_seq1f1b.document_plan.DocumentSource`): they are read
+    on the first stage and sent to every rank, attention keeps them apart while timed, and
+    every candidate is predicted on them, the ``documents`` partition among them.
     """
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
@@ -81,10 +85,13 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
         vocab_size = None
+    found = None
+    if documents is not None:
+        found = _measured_documents(documents, data_iterator, seq_length, micro_batch_size)
     with _untouched_state(chunks):
         calibration = measure_calibration(chunks, forward_step_func, data_iterator, seq_length,
                                           micro_batch_size, min_segment_length=min_segment_length,
-                                          multiple_of=multiple)
+                                          multiple_of=multiple, documents=found)
     try:
         return choose_plan(
             seq_length, parallel_state.get_pipeline_model_parallel_world_size(),
@@ -97,9 +104,27 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
             multiple_of=multiple,
             send_slack=send_slack_of_runtime(),  # sends finish a step later, on NCCL too
             tie_tolerance=TIE_TOLERANCE,  # closer predictions are within its noise
+            documents=found,
         )
     except BudgetError as exc:  # the same on every rank: all stop, none waits
         raise ConfigError([f"--seq1f1b-splits auto: {exc}"]) from None
+
+
+def _measured_documents(source, data_iterator, seq_length: int, micro_batch_size: int):
+    """The measured micro-batch's documents on every rank (read on the first stage)."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megatron_seq1f1b.document_plan import gather_documents
+    from megatron_seq1f1b.segments import SegmentData
+
+    groups = SimpleNamespace(tp=parallel_state.get_tensor_model_parallel_group(),
+                             pp=parallel_state.get_pipeline_model_parallel_group())
+    data = SegmentData(data_iterator) if data_iterator is not None else None
+    (documents,) = gather_documents(source, data, 1, seq_length, micro_batch_size, groups,
+                                    parallel_state.get_pipeline_model_parallel_rank())
+    return documents
 
 
 class _Replayed:
@@ -130,14 +155,15 @@ def auto_forward_backward_func(*, memory_budget_gib: float | None = None,
                                memory_budget_microbatches: float | None = None,
                                min_segment_length: int = 128,
                                segment_multiple: int | None = None,
-                               log: Callable[[str], None] | None = None) -> Callable:
+                               log: Callable[[str], None] | None = None,
+                               documents=None) -> Callable:
     """Megatron-Core's forward-backward signature; plans on the first call (see module doc).
 
     Later calls run the chosen plan (its ``choice`` attribute once made);
     ``log`` gets the candidates' table once (default: print on global rank 0).
+    ``documents``: where each micro-batch's packed documents are (planned on the first,
+    then given to the schedule).
     """
-    from megatron_seq1f1b.api import get_forward_backward_func
-
     state: dict[str, Any] = {}
 
     def forward_backward_func(*, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -154,11 +180,9 @@ def auto_forward_backward_func(*, memory_budget_gib: float | None = None,
                 num_microbatches=num_microbatches, micro_batch_size=micro_batch_size,
                 memory_budget_gib=memory_budget_gib,
                 memory_budget_microbatches=memory_budget_microbatches,
-                min_segment_length=min_segment_length, segment_multiple=segment_multiple)
-            plan = choice.plan
-            state["run"] = get_forward_backward_func(
-                plan.num_splits, plan.partition, split_lengths=plan.lengths,
-                schedule=plan.schedule, segment_costs=plan.segment_costs)
+                min_segment_length=min_segment_length, segment_multiple=segment_multiple,
+                documents=documents)
+            state["run"] = run_plan(choice.plan, documents, segment_multiple)
             forward_backward_func.choice = choice
             _log(log, f"Seq1F1B plan (--seq1f1b-splits auto; costs: {choice.source}, on the "
                       f"first micro-batch):\n{choice.table()}")
@@ -174,6 +198,19 @@ def auto_forward_backward_func(*, memory_budget_gib: float | None = None,
     forward_backward_func.num_splits = "auto"
     forward_backward_func.__qualname__ = "seq1f1b_forward_backward[auto]"
     return forward_backward_func
+
+
+def run_plan(plan, documents=None, segment_multiple: int | None = None) -> Callable:
+    """The forward-backward function of a chosen plan (the ``documents`` partition cuts every
+    micro-batch by its own documents; the others run the plan's lengths)."""
+    from megatron_seq1f1b.api import get_forward_backward_func
+
+    by_documents = plan.partition == "documents"
+    return get_forward_backward_func(
+        plan.num_splits, plan.partition,
+        split_lengths=None if by_documents else plan.lengths, schedule=plan.schedule,
+        segment_costs=None if by_documents else plan.segment_costs,
+        segment_multiple=segment_multiple if by_documents else None, documents=documents)
 
 
 def _log(log: Callable[[str], None] | None, text: str) -> None:

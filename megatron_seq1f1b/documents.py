@@ -117,6 +117,44 @@ class Documents:
             common &= set(self.bounds(sample)[1:])
         return tuple(sorted(common))
 
+    def pairs(self, start: int, end: int, dense: bool = False) -> float:
+        """Query-key pairs of tokens ``[start, end)`` per sample (the mean over samples) that
+        attention computes: each document's causal pairs, or for a kernel that computes
+        every score (``dense``) the rectangle of the queries and the keys from the start of
+        the document crossing into ``start``. What per-pair costs are fitted and planned on."""
+        if end <= start:
+            return 0.0
+        total = 0.0
+        for sample in range(self.micro_batch_size):
+            if dense:
+                total += (end - start) * (end - self.document_start(sample, start))
+            else:
+                total += self._causal_before(sample, end) - self._causal_before(sample, start)
+        return total / self.micro_batch_size
+
+    def _causal_before(self, sample: int, x: int) -> float:
+        """Causal pairs of tokens ``[0, x)`` of a sample, within their documents."""
+        if x <= 0:
+            return 0.0
+        sums = self.__dict__.get("_pair_sums")
+        if sums is None:
+            sums = []
+            for index in range(self.micro_batch_size):
+                bounds, running, row = self.bounds(index), 0.0, []
+                for a, b in zip(bounds, bounds[1:]):
+                    row.append(running)
+                    running += (b - a) * (b - a + 1) / 2
+                sums.append(row)
+            object.__setattr__(self, "_pair_sums", sums)
+        starts = self.starts[sample]
+        index = bisect.bisect_right(starts, x - 1) - 1
+        n = x - starts[index]
+        return sums[sample][index] + n * (n + 1) / 2
+
+    def pair_function(self, dense: bool = False):
+        """``pairs(length, end)`` of segments ending at ``end`` (a calibration's quadratic)."""
+        return lambda length, end: self.pairs(int(round(end - length)), int(round(end)), dense)
+
     def positions(self, sample: int, start: int, end: int) -> list[int]:
         """Each token's position within its document (THD position ids, RoPE)."""
         return [t - self.document_start(sample, t) for t in range(start, end)]

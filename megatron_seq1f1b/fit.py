@@ -47,12 +47,14 @@ def nonneg_lstsq(features: Sequence[Sequence[float]], target: Sequence[float]) -
     return best
 
 
-def fit_costs(rows_by_stage: dict, quadratic: str) -> dict:
+def fit_costs(rows_by_stage: dict, quadratic: str, pairs=None) -> dict:
     """time = a*len + c*quad(len, end) + d per (stage, chunk): forward (F), whole backward
     (B), and where every row has them (:func:`megatron_seq1f1b.measure.time_cases` with
     ``split_weights``) the weight-gradient part W and the input-gradient part Bi that a
-    zero-bubble schedule runs with W deferred."""
-    quad = QUADRATIC[quadratic]
+    zero-bubble schedule runs with W deferred. ``pairs(len, end)``: the quadratic term of
+    segments timed on packed documents (:meth:`~megatron_seq1f1b.documents.Documents.pairs`),
+    in place of the named one."""
+    quad = pairs or QUADRATIC[quadratic]
     fits = {}
     for key, rows in rows_by_stage.items():
         features = [[r[0], quad(r[0], r[1]), 1.0] for r in rows]

@@ -80,7 +80,7 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
                   forward_step: Callable, config, micro_batch_size: int, pre: bool,
                   post: bool, split_weights: bool = False,
                   held: HeldActivations | None = None, host: Rows | None = None,
-                  timer: UnitTimer | None = None) -> Rows:
+                  timer: UnitTimer | None = None, documents=None) -> Rows:
     """Forward segments 0..k-1 then backward k-1..0 of one micro-batch on one chunk.
 
     ``data``: what ``forward_step`` reads its micro-batch from (one element,
@@ -93,13 +93,16 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
     ``held`` measures the bytes the forwards leave for the backwards. Times are the
     device's (:class:`~megatron_seq1f1b.timing.UnitTimer`); ``host`` gets, per segment,
     ``[forward, backward]`` host dispatch seconds (the same as the device's on a CPU).
+    ``documents``: the micro-batch's packed documents (attention keeps them apart, as in
+    training).
     """
     from megatron.core.utils import get_attr_wrapped_model
 
     from megatron_seq1f1b import wgrad
     from megatron_seq1f1b.segments import SegmentRun
 
-    run = SegmentRun(list(lengths), config=config)
+    run = SegmentRun(list(lengths), config=config,
+                     documents=None if documents is None else [documents])
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
@@ -149,7 +152,7 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
 def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], data: Iterator | None,
                forward_step: Callable, config, micro_batch_size: int, pre: bool, post: bool,
                reps: int, split_weights: bool = False,
-               host: Rows | None = None) -> tuple[Rows, int | None]:
+               host: Rows | None = None, documents=None) -> tuple[Rows, int | None]:
     """Every case's segments, the median of ``reps`` repetitions after one warm-up; and the
     bytes the first case's forwards held (the fewest of the repetitions). ``host`` gets
     every timed segment's ``[forward, backward]`` host dispatch seconds.
@@ -166,9 +169,10 @@ def time_cases(chunk, chunk_index: int, cases: Iterable[Sequence[int]], data: It
             held = HeldActivations(chunk) if index == 0 else None
             got = time_segments(chunk, chunk_index, lengths, data, forward_step, config,
                                 micro_batch_size, pre, post, False, held,
-                                host if rep and host is not None else None, timer)
+                                host if rep and host is not None else None, timer, documents)
             deferred = (time_segments(chunk, chunk_index, lengths, data, forward_step, config,
-                                      micro_batch_size, pre, post, True, timer=timer)
+                                      micro_batch_size, pre, post, True, timer=timer,
+                                      documents=documents)
                         if split_weights else None)
             if not rep:
                 timer.reset()  # the warm-up's stalls are not the units' dispatch
@@ -274,7 +278,7 @@ def message_fit(rows: list[list[float]], micro_batch_size: int, config):
 def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator | None,
                         seq_length: int, micro_batch_size: int, *,
                         min_segment_length: int = 128, reps: int = 3,
-                        multiple_of: int | None = None):
+                        multiple_of: int | None = None, documents=None):
     """This pipeline's calibration, identical on every rank (collective over the world).
 
     ``chunks``: this rank's model chunks (Seq1F1B-enabled); ``data``: an
@@ -287,6 +291,8 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
     times, and every stage's forward and backward get the median host dispatch time of its
     units as their ``floor`` (:class:`~megatron_seq1f1b.planner.Fit`): where segments are so
     short that the host cannot keep the device busy, more of them cost more.
+    ``documents``: the micro-batch's packed documents (the same on every rank): attention
+    keeps them apart while timed, and the fits' quadratic term counts their pairs.
     """
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
@@ -310,7 +316,7 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
         host: Rows = []
         mine[(pp_rank, index)], chunk_held = time_cases(
             chunk, index, cases, data, forward_step, config, micro_batch_size,
-            gpt.pre_process, gpt.post_process, reps, split_weights, host)
+            gpt.pre_process, gpt.post_process, reps, split_weights, host, documents)
         if torch.cuda.is_available():  # host and device apart; on a CPU they are one
             floors[(pp_rank, index)] = host_floor(host)
         held += chunk_held or 0
@@ -336,6 +342,6 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
                         + (", score rectangle (local attention)" if dense else "")
                         + (", host dispatch floors" if stage_floors else ""),
         bytes_per_token=bytes_per_token or None, dense_attention=dense,
-        floors=stage_floors or None), message=message)]
+        floors=stage_floors or None, documents=documents), message=message)]
     dist.broadcast_object_list(calibration, src=0)
     return calibration[0]

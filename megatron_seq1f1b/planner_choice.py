@@ -96,10 +96,11 @@ def _memory_key(plan: Plan) -> tuple:
 
 
 # Within the tie tolerance, the plan that leans least on the cost model: the 1F1B schedule
-# (zero bubble's win rests on the B/W split and W placement), then the FLOP-balanced
-# partition (machine-independent), then the fitted one; then the fewest segments (fewer
+# (zero bubble's win rests on the B/W split and W placement), then the partition cut by the
+# packed documents' own FLOPs (where documents are known), the FLOP-balanced partition
+# (machine-independent), then the fitted one; then the fewest segments (fewer
 # steps, messages and small kernels: what per-segment fits capture worst).
-PREFERRED_PARTITIONS = ("balanced", "measured", "uniform")
+PREFERRED_PARTITIONS = ("documents", "balanced", "measured", "uniform")
 #: Predictions this close to the fastest are a tie, for measured and FLOP costs alike: a
 #: calibration's noise and the FLOP model's assumed rate and host time are both larger, so a
 #: smaller lead is no evidence (FLOP costs once chose k=16 by 0.1 % over k=15).

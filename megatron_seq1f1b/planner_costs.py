@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from megatron_seq1f1b.fit import QUADRATIC, extrapolated_fits, fit_costs, quadratic_for
 from megatron_seq1f1b.partition import CostModel
@@ -64,8 +64,11 @@ class Fit:
     floor: float = 0.0
 
     def time(self, length: float, end: float, quadratic: str) -> float:
-        return max(self.a * length + self.c * QUADRATIC[quadratic](length, end) + self.d,
-                   self.floor)
+        return self.at(length, QUADRATIC[quadratic](length, end))
+
+    def at(self, length: float, pairs: float) -> float:
+        """The time of ``length`` tokens whose attention computes ``pairs`` pairs."""
+        return max(self.a * length + self.c * pairs + self.d, self.floor)
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class Calibration:
     start-up), which turns the plans' memory into bytes. ``message``: one-way
     time of a pipeline message of a segment (``a`` per token, ``d`` fixed);
     each candidate is replayed with its segments' mean as the latency of every
-    step that exchanges tensors.
+    step that exchanges tensors. ``pairs``: the quadratic term for packed documents
+    (:meth:`with_documents`; not saved with the calibration).
     """
 
     stages: tuple[StageCosts, ...]
@@ -104,6 +108,20 @@ class Calibration:
     source: str = ""
     bytes_per_token: float | None = None
     message: Fit | None = None
+    pairs: Callable[[float, float], float] | None = field(default=None, compare=False,
+                                                           repr=False)
+
+    def with_documents(self, documents) -> "Calibration":
+        """These costs on a packed micro-batch: attention pairs within its documents
+        (:meth:`~megatron_seq1f1b.documents.Documents.pairs`; every score of the rectangle
+        from the crossing document's start for the local kernel)."""
+        return replace(self, pairs=documents.pair_function(dense=self.quadratic == "rectangle"))
+
+    def quad(self, length: float, end: float) -> float:
+        """The quadratic (attention) term of a segment of ``length`` tokens ending at ``end``."""
+        if self.pairs is not None:
+            return self.pairs(length, end)
+        return QUADRATIC[self.quadratic](length, end)
 
     def __post_init__(self):
         if not self.stages:
@@ -124,9 +142,10 @@ class Calibration:
 
     def times(self, stage: StageCosts, length: float, end: float) -> tuple[float, float, float]:
         """(forward, whole backward, its weight-gradient part) of a segment on `stage`."""
-        forward = stage.forward.time(length, end, self.quadratic)
-        backward = stage.backward.time(length, end, self.quadratic)
-        weight = (stage.weight.time(length, end, self.quadratic) if stage.weight
+        pairs = self.quad(length, end)
+        forward = stage.forward.at(length, pairs)
+        backward = stage.backward.at(length, pairs)
+        weight = (stage.weight.at(length, pairs) if stage.weight
                   else self.weight_fraction * backward)
         return forward, backward, min(weight, backward)
 
@@ -141,7 +160,7 @@ class Calibration:
         """(F, B, W) of a segment on `stage` in a zero-bubble schedule: B measured with W
         deferred where the calibration has it, else the whole backward less W."""
         forward, backward, weight = self.times(stage, length, end)
-        split = stage.input.time(length, end, self.quadratic) if stage.input else None
+        split = stage.input.at(length, self.quad(length, end)) if stage.input else None
         return forward, (split if split is not None else backward - weight), weight
 
     def __call__(self, length: float, end: float) -> float:
@@ -197,17 +216,23 @@ class Calibration:
     @classmethod
     def from_samples(cls, samples: dict, quadratic: str | None = None,
                      source: str = "measured", bytes_per_token: float | None = None,
-                     dense_attention: bool = False, floors: dict | None = None
-                     ) -> "Calibration":
+                     dense_attention: bool = False, floors: dict | None = None,
+                     documents=None) -> "Calibration":
         """Fit timed segments ``{(stage, chunk): [[length, end, forward_s, backward_s(,
         weight_s)], ...]}`` (:mod:`megatron_seq1f1b.measure`'s format); unless given, the
         quadratic of :func:`~megatron_seq1f1b.fit.quadratic_for` (``dense_attention``:
         the model runs Megatron's local attention, which computes the score rectangle).
         ``floors``: per ``(stage, chunk)`` the (forward, backward) host dispatch seconds,
-        the fits' :attr:`Fit.floor` (a GPU's host; none on a CPU)."""
+        the fits' :attr:`Fit.floor` (a GPU's host; none on a CPU). ``documents``: the
+        segments were timed on that packed micro-batch: the quadratic term is its pairs
+        (the fits' ``c`` stays a cost per pair)."""
         if quadratic is None:
-            quadratic, _ = quadratic_for({"samples": samples}, dense_attention)
-        fits = fit_costs(samples, quadratic)
+            quadratic = "rectangle" if dense_attention else (
+                "causal_pairs" if documents is not None
+                else quadratic_for({"samples": samples}, dense_attention)[0])
+        pairs = (documents.pair_function(dense=quadratic == "rectangle")
+                 if documents is not None else None)
+        fits = fit_costs(samples, quadratic, pairs)
         for key, (forward, backward) in (floors or {}).items():
             if key in fits:
                 fits[key] = dict(fits[key], F=dict(fits[key]["F"], floor=forward),

@@ -90,6 +90,7 @@ def choose_plan(
     tie_tolerance: float = 0.0,
     memory_model: MemoryModel | None = None,
     memory_budget_total_bytes: float | None = None,
+    documents=None,
 ) -> PlanChoice:
     """The fastest (k, partition, schedule) within the memory budget, and all candidates.
 
@@ -110,7 +111,10 @@ def choose_plan(
     balanced, measured, uniform partition, then the fewest splits). Raises
     :class:`BudgetError` if nothing fits. ``memory_model``: every candidate also gets
     each stage's total bytes (:attr:`Plan.stages`); ``memory_budget_total_bytes`` (needs
-    it) bounds the busiest stage's total.
+    it) bounds the busiest stage's total. ``documents``: a packed micro-batch
+    (:class:`~megatron_seq1f1b.documents.Documents`, e.g. the one measured): every
+    candidate's attention costs count pairs within its documents, its memory follows
+    them, and the ``"documents"`` partition (cut by them) is a candidate too.
     """
     if memory_budget_total_bytes is not None and memory_model is None:
         raise ValueError("memory_budget_total_bytes needs memory_model (weights, gradients, "
@@ -132,11 +136,15 @@ def choose_plan(
             raise ValueError("choose_plan needs costs: calibration=..., or config=... / "
                              "cost_model=... for FLOPs")
         calibration = Calibration.from_cost_model(flops, p * v)
-    partitions, schedules = _options(partitions, schedules, flops is not None, v)
+    if documents is not None:
+        calibration = calibration.with_documents(documents)
+    partitions, schedules = _options(partitions, schedules, flops is not None, v,
+                                     documents is not None)
     multiple = multiple_of or (segment_multiple(config) if config is not None else 1)
     ks = sorted(set(splits)) if splits else split_counts(seq_length, multiple,
                                                          min_segment_length, max_splits)
-    costs_of = {"balanced": flops, "measured": calibration}
+    costs_of = {"balanced": flops, "measured": calibration,
+                "documents": flops or calibration.cost_model()}
     budgeted = (memory_budget is not None or memory_budget_bytes is not None
                 or memory_budget_total_bytes is not None)
 
@@ -146,7 +154,8 @@ def choose_plan(
         for partition in partitions:
             try:
                 lengths = tuple(split_sequence(seq_length, k, partition, multiple_of=multiple,
-                                               cost=costs_of.get(partition)))
+                                               cost=costs_of.get(partition),
+                                               documents=documents))
             except ValueError:  # e.g. a calibration whose cost does not grow with length
                 continue
             if lengths in seen or (k > 1 and min(lengths) < min_segment_length):
@@ -154,7 +163,7 @@ def choose_plan(
             seen.add(lengths)
             for name in schedules:
                 plan = _evaluate(calibration, p, m, v, partition, lengths, name, send_slack,
-                                 memory_model, micro_batch_size)
+                                 memory_model, micro_batch_size, documents)
                 if plan is None:
                     continue
                 memory_bytes = (plan.memory * seq_length * micro_batch_size * bytes_per_token
@@ -186,16 +195,17 @@ def choose_plan(
     return PlanChoice(chosen, ranked, explain(ranked, chosen, tie_tolerance), calibration.source)
 
 
-def _options(partitions, schedules, have_flops: bool, chunks: int) -> tuple[list, list]:
+def _options(partitions, schedules, have_flops: bool, chunks: int,
+             have_documents: bool = False) -> tuple[list, list]:
     """The partitions and schedules to try, in METHODS / SCHEDULES order; asking for one
     that cannot be built is an error (leaving it out silently would hide it)."""
-    # (the documents partition cuts each micro-batch by its own documents: not a plan's lengths)
-    available = [x for x in METHODS if (x != "balanced" or have_flops) and x != "documents"]
+    available = [x for x in METHODS if (x != "balanced" or have_flops)
+                 and (x != "documents" or have_documents)]
     allowed = [s for s in SCHEDULES if not (s == "zb-h2" and chunks > 1)]  # ZB_H2_PROBLEM
     for name in partitions or ():
         if name not in available:
             raise ValueError(f"partition {name!r} is not available here; choose from {available}"
-                             " ('balanced' needs config= or cost_model=)")
+                             " ('balanced' needs config= or cost_model=, 'documents' documents=)")
     for name in schedules or ():
         if name not in allowed:
             raise ValueError(f"schedule {name!r} is not available with {chunks} model chunk(s); "
@@ -206,8 +216,8 @@ def _options(partitions, schedules, have_flops: bool, chunks: int) -> tuple[list
 
 def _evaluate(calibration: Calibration, p: int, m: int, v: int, partition: str,
               lengths: tuple[int, ...], name: str, send_slack: int,
-              memory_model: MemoryModel | None = None, micro_batch_size: int = 1
-              ) -> Plan | None:
+              memory_model: MemoryModel | None = None, micro_batch_size: int = 1,
+              documents=None) -> Plan | None:
     """One candidate's predicted time, bubble and memory; None if the executor would
     refuse its steps (deadlock, link order)."""
     zero_bubble = name != "1f1b"
@@ -218,8 +228,10 @@ def _evaluate(calibration: Calibration, p: int, m: int, v: int, partition: str,
                                costs, send_slack, calibration.message_latency(lengths))
     except ScheduleError:
         return None
-    stages = (tuple(memory_model.stage_bytes(schedule, lengths, v, micro_batch_size))
-              if memory_model is not None else None)
+    stages = (tuple(memory_model.stage_bytes(
+        schedule, lengths, v, micro_batch_size,
+        documents=None if documents is None else [documents]))
+        if memory_model is not None else None)
     return Plan(len(lengths), partition, lengths, name, time, bubble,
                 activation_peak(schedule, lengths, v), unit=calibration.unit,
                 segment_costs=costs, stages=stages)

@@ -205,3 +205,19 @@ def test_flash_attention_takes_packed_batches_without_segments(ranks):
     (result,) = ranks.run(1, flash_thd_full_sequence, case="flash-thd-full", model=GQA,
                           data=_data(MIXED, thd=True))
     assert not result["problems"], "\n".join(result["problems"])
+
+
+def test_auto_plans_on_the_documents_and_trains_exactly(ranks):
+    """--seq1f1b-splits auto with documents: the measured micro-batch's documents reach every
+    rank, the documents partition is a candidate, and the chosen plan trains exactly."""
+    import pipeline_cases as cases
+
+    results = ranks.run(2, cases.auto_plan, case="auto-documents", pp=2, model=ROPE,
+                        data=DataSpec(num_microbatches=3, documents=PER_MICROBATCH),
+                        documents=EOD)
+    problems = [p for r in results for p in r.get("problems", [r.get("error")])]
+    assert not problems, "\n".join(map(str, problems))
+    plans = [r["plan"] for r in results]
+    assert all(p == plans[0] for p in plans), plans
+    logged = [r["logged"] for r in results if r["rank"] == 0][0]
+    assert " documents " in logged[0], logged[0]

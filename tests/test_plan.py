@@ -250,7 +250,8 @@ def test_ties_broken_by_memory_then_k_then_partition_then_schedule():
 def test_same_inputs_same_plan_whatever_the_option_order():
     t = "zero_bubble"  # zb-h1 and zb-h2 tie on time here
     one = plan(t)
-    two = plan(t, partitions=list(reversed(METHODS)), schedules=list(reversed(SCHEDULES)),
+    two = plan(t, partitions=[m for m in reversed(METHODS) if m != "documents"],
+               schedules=list(reversed(SCHEDULES)),
                splits=list(reversed(range(1, MAX_K + 1))))
     assert one == two
     tied = [c for c in one.candidates if c.time == pytest.approx(one.plan.time, rel=1e-12)]
@@ -592,3 +593,21 @@ def test_cli_offline_costs_in_seconds_with_the_documented_host_time(capsys):
     assert "9.5 ms host time per unit" in default  # 4.75 ms x 2 layers per stage
     chosen = lambda out: int(out.split("--seq1f1b-splits ")[1].split()[0])  # noqa: E731
     assert chosen(flops_only) > 1 and chosen(default) == 1  # a tiny model: the host decides
+
+
+def test_packed_documents_make_the_planner_cut_by_them():
+    """With a packed micro-batch's documents every candidate's attention counts only pairs
+    within documents, and the documents partition (cut by them) wins over balanced, whose
+    causal triangle they do not have; without documents it is not a candidate."""
+    from megatron_seq1f1b.documents import long_tailed
+    from megatron_seq1f1b.partition import CostModel
+
+    model = CostModel(per_token=2 * 12 * 1024 * 1024 * 4 * 12, per_pair=4 * 1024 * 12)
+    plain = choose_plan(32768, 4, 8, cost_model=model, splits=[1, 4, 8], schedules=["1f1b"])
+    assert {c.partition for c in plain.candidates} == {"uniform", "balanced"}
+    packed = choose_plan(32768, 4, 8, cost_model=model, splits=[1, 4, 8], schedules=["1f1b"],
+                         documents=long_tailed(32768, 2000, seed=1))
+    assert packed.plan.partition == "documents" and packed.plan.num_splits == 8
+    by = {(c.partition, c.num_splits): c.time for c in packed.candidates}
+    assert by["balanced", 8] > 1.1 * by["documents", 8]
+    assert by["documents", 8] < plain.plan.time  # fewer pairs than one causal triangle
