@@ -32,6 +32,7 @@ import contextlib
 import torch
 
 from megatron_seq1f1b import segments
+from megatron_seq1f1b.context_parallel import GatherKV
 from megatron_seq1f1b.documents import ALONE, HEAD
 from megatron_seq1f1b.kv_cache import KVAppend
 from megatron_seq1f1b.varlen import PADDING_CAUSAL_BOTTOM_RIGHT
@@ -40,9 +41,10 @@ _ORIGINAL = "_seq1f1b_original_forward"
 
 
 def _segmented() -> "segments._Active | None":
-    """The active segment, if attention must treat it as one: several segments, or documents."""
+    """The active segment, if attention must treat it as one: several segments, documents, or
+    context parallelism."""
     current = segments.active()
-    if current is None or (current.info.num_splits == 1 and current.run.documents is None):
+    if current is None or not current.run.segmented:
         return None
     return current
 
@@ -66,13 +68,23 @@ def layer_window(core_attention) -> int | None:
 
 
 def segment_kv(layer, key, value, current, window: int | None = None):
-    """This segment's keys/values for attention, and what it sees (:class:`SegmentView`).
+    """This segment's keys/values for attention, what the segment sees and what this rank's
+    queries of it see (:class:`SegmentView` s; the same without context parallelism).
 
     A segment of a chain (:mod:`megatron_seq1f1b.documents`) gets views of
     the chain's buffer, rows ``[key_start, end)``, its own rows added; a
-    segment alone its own, untouched.
+    segment alone its own, untouched. With context parallelism the segment's
+    keys and values are first gathered over the CP group
+    (:class:`~megatron_seq1f1b.context_parallel.GatherKV`).
     """
     info, run = current.info, current.run
+    if run.cp_size > 1:
+        if key.shape[0] * run.cp_size != info.length:
+            raise RuntimeError(
+                f"Seq1F1B: attention received {key.shape[0]} keys for this context-parallel "
+                f"rank's part of segment {info.index} ({info.length} tokens over "
+                f"{run.cp_size} ranks); cut batches with megatron_seq1f1b.slice_batch")
+        key, value = GatherKV.apply(key, value, run.cp_group, run.cp_meter)
     if key.shape[0] != info.length:
         raise RuntimeError(
             f"Seq1F1B: attention received {key.shape[0]} keys for segment {info.index} of "
@@ -80,10 +92,10 @@ def segment_kv(layer, key, value, current, window: int | None = None):
             "and pipeline inputs must have the segment's shape"
         )
     geometry = run.geometry(info.microbatch, window)
-    view = geometry.views[info.index]
+    view, mine = geometry.views[info.index], geometry.queries[info.index]
     role, number = geometry.roles[info.index]
     if role == ALONE:
-        return key, value, view
+        return key, value, view, mine
     chain = geometry.chains[number]
     entry = run.kv.get(info.microbatch, info.chunk, layer, chain.head)
     if current.phase == segments.FORWARD:
@@ -112,7 +124,7 @@ def segment_kv(layer, key, value, current, window: int | None = None):
             raise RuntimeError(f"Seq1F1B: {_where(info)} recomputed without a cached forward")
         write = False
     keys, values = KVAppend.apply(key, value, run.kv, entry, info, write, view.key_start)
-    return keys, values, view
+    return keys, values, view, mine
 
 
 def _where(info) -> str:
@@ -139,26 +151,27 @@ def _masked_softmax(core_attention):
             softmax.window_size = saved[1]
 
 
-def _given_mask(attention_mask, info, view):
-    """The user's mask (sliced by ``slice_batch`` to ``[..., L, end]``) over the keys seen."""
-    if tuple(attention_mask.shape[-2:]) != (info.length, info.end):
+def _given_mask(attention_mask, info, view, mine):
+    """The user's mask (sliced by ``slice_batch`` to ``[..., queries, end]``) over the keys
+    seen (``view``'s, from its ``key_start``) by this rank's queries (``mine``)."""
+    if tuple(attention_mask.shape[-2:]) != (mine.num_queries, info.end):
         raise ValueError(
             f"Seq1F1B: attention_mask of shape {tuple(attention_mask.shape)} for segment "
-            f"{info.index} (tokens {info.start}..{info.end}); expected [..., {info.length}, "
-            f"{info.end}]: cut the batch with megatron_seq1f1b.slice_batch"
+            f"{info.index} (tokens {info.start}..{info.end}); expected [..., "
+            f"{mine.num_queries}, {info.end}]: cut the batch with megatron_seq1f1b.slice_batch"
         )
     return attention_mask[..., view.key_start:]
 
 
-def _local_mask(attention_mask, current, view, device):
+def _local_mask(attention_mask, current, view, mine, device):
     """What the local attention masks: the segment's own causal/document/window mask, and the
     user's mask on top (Megatron's windowed softmax also builds its own window mask)."""
     info = current.info
-    own = current.run.local_mask(info, view, device)
+    own = current.run.local_mask(info, mine, device, view.key_start)
     if attention_mask is None:
         return own
-    given = _given_mask(attention_mask, info, view)
-    if view.pieces is None and view.window is None:
+    given = _given_mask(attention_mask, info, view, mine)
+    if mine.pieces is None and mine.window is None:
         return given
     return given | own
 
@@ -214,8 +227,8 @@ def local_attention_forward(core_attention, original):
             _thd_checks(current, packed_seq_params, query)
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         window = layer_window(core_attention)
-        keys, values, view = segment_kv(core_attention, key, value, current, window)
-        mask = _local_mask(attention_mask, current, view, query.device)
+        keys, values, view, mine = segment_kv(core_attention, key, value, current, window)
+        mask = _local_mask(attention_mask, current, view, mine, query.device)
         with _masked_softmax(core_attention):
             return original(query, keys, values, mask, attn_mask_type=AttnMaskType.padding,
                             attention_bias=None, packed_seq_params=None)
@@ -256,15 +269,16 @@ def te_attention_forward(core_attention, original):
         if _is_thd(packed_seq_params):
             _thd_checks(current, packed_seq_params, query)
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        keys, values, view = segment_kv(core_attention, key, value, current,
-                                        layer_window(core_attention))
+        keys, values, view, mine = segment_kv(core_attention, key, value, current,
+                                              layer_window(core_attention))
         info = current.info
-        if view.pieces is None:
-            mask = None if attention_mask is None else _given_mask(attention_mask, info, view)
+        if mine.pieces is None:
+            mask = (None if attention_mask is None
+                    else _given_mask(attention_mask, info, view, mine))
             return original(query, keys, values, mask,
                             attn_mask_type=AttnMaskType.causal_bottom_right,
                             attention_bias=None, packed_seq_params=None, **kwargs)
-        packed = current.run.packed(info, view, query.device)
+        packed = current.run.packed(info, mine, query.device, view.key_start)
         q, k, v = packed.pack(query, keys, values)
         params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=packed.cu_q_tensor, cu_seqlens_kv=packed.cu_k_tensor,
@@ -309,7 +323,15 @@ def rotary_forward(rotary, original):
                 f"{info.index} of {info.length} tokens; cut each segment's batch with "
                 "megatron_seq1f1b.slice_batch"
             )
-        return original(max_seq_len, offset + info.start, packed_seq, cp_group)
+        run = current.run
+        if run.cp_size == 1:
+            return original(max_seq_len, offset + info.start, packed_seq, cp_group)
+        # Context parallelism: the segment's table (packed_seq: not Megatron's whole-sequence
+        # CP slicing), then this rank's chunks of the segment.
+        table = original(max_seq_len, offset + info.start, True, cp_group)
+        rows = torch.cat([torch.arange(a - info.start, b - info.start, device=table.device)
+                          for a, b in run.rank_ranges(info)])
+        return table.index_select(0, rows)
 
     return forward
 

@@ -33,11 +33,17 @@ def segment_multiple(config) -> int:
     """What every segment length must divide by for this model configuration.
 
     The tensor-parallel size with sequence parallelism (each rank holds
-    length / tp tokens), times 8 with FP8 (each rank's tokens feed FP8 GEMMs).
+    length / tp tokens), times 8 with FP8 (each rank's tokens feed FP8 GEMMs);
+    with context parallelism ``cp`` a segment is cut into ``2 * cp`` chunks and
+    each CP rank's ``length / cp`` tokens must divide as above.
     """
+    import math
+
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
     tp = (get("tensor_model_parallel_size", 1) or 1) if get("sequence_parallel") else 1
-    return tp * (FP8_TOKEN_MULTIPLE if get("fp8") else 1)
+    own = tp * (FP8_TOKEN_MULTIPLE if get("fp8") else 1)
+    cp = get("context_parallel_size", 1) or 1
+    return own if cp == 1 else math.lcm(2 * cp, cp * own)
 
 
 #: On CUDA, segment lengths are multiples of this by default: tensor-core GEMM tiles and
@@ -86,12 +92,10 @@ def model_config_problems(config) -> list[str]:
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
     problems = []
     if (get("context_parallel_size", 1) or 1) > 1:
-        problems.append(
-            f"context parallelism (context_parallel_size={get('context_parallel_size')}) splits "
-            "the sequence across ranks as well; use context_parallel_size=1"
-        )
+        problems += context_parallel_problems(config)
     if get("hybrid_context_parallel"):
-        problems.append("hybrid_context_parallel is not supported; disable it")
+        problems.append("hybrid_context_parallel (hybrid data x context parallelism per "
+                        "sequence) is not supported; disable it")
     if get("multi_latent_attention") and get("rope_type") == "yarn" and get("apply_rope_fusion"):
         problems.append(
             "multi-latent attention with YaRN and apply_rope_fusion reads RoPE cos/sin cached "
@@ -144,6 +148,25 @@ def model_config_problems(config) -> list[str]:
     return problems
 
 
+def context_parallel_problems(config) -> list[str]:
+    """Context parallelism inside segments: the keys and values of a segment are all-gathered
+    over the CP group (:mod:`megatron_seq1f1b.context_parallel`); what that does not cover."""
+    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    problems = []
+    kinds = get("cp_comm_type")
+    kinds = kinds if isinstance(kinds, (list, tuple)) else [kinds]
+    odd = sorted({str(k) for k in kinds if k not in (None, "p2p", "all_gather")})
+    if odd:
+        problems.append(
+            f"cp_comm_type {odd}: Seq1F1B's segments exchange keys and values over the "
+            "context-parallel group by all-gather; use cp_comm_type='all_gather' (or 'p2p', "
+            "which segments run as all-gather too)")
+    if get("multi_latent_attention"):
+        problems.append("multi-latent attention with context parallelism is not supported "
+                        "under Seq1F1B; use context_parallel_size=1")
+    return problems
+
+
 def moe_problems(config) -> list[str]:
     """MoE options whose result depends on how many tokens share one forward."""
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
@@ -192,7 +215,12 @@ def segment_length_problems(lengths, seq_length: int | None = None, config=None)
     multiple = segment_multiple(config)
     bad = [n for n in lengths if n % multiple]
     if bad:
-        if getattr(config, "fp8", None):
+        cp = getattr(config, "context_parallel_size", 1) or 1
+        if cp > 1:
+            rule = (f"with context parallelism {cp} a segment is cut into {2 * cp} equal chunks "
+                    f"(and each rank's part divided as its layout needs): every segment length "
+                    f"must be divisible by {multiple}")
+        elif getattr(config, "fp8", None):
             rule = (f"with FP8 every segment's tokens per rank must be divisible by "
                     f"{FP8_TOKEN_MULTIPLE} (Transformer Engine's FP8 GEMMs)")
         else:
@@ -250,7 +278,4 @@ def executor_problems(chunks, iterators, config, num_microbatches, num_splits, l
                 "after building it"
             )
     problems += segment_length_problems(lengths, seq_length, config)
-    cp = getattr(config, "context_parallel_size", 1) or 1
-    if any(n % cp for n in lengths):
-        problems.append(f"segment lengths {lengths} must be divisible by context_parallel_size {cp}")
     return sorted(set(problems), key=problems.index)

@@ -159,20 +159,23 @@ class Documents:
         """Each token's position within its document (THD position ids, RoPE)."""
         return [t - self.document_start(sample, t) for t in range(start, end)]
 
-    def view(self, start: int, end: int, window: int | None = None) -> "SegmentView":
-        """What queries ``[start, end)`` attend to (``window``: keys looked back, or None)."""
+    def view(self, start: int, end: int, window: int | None = None,
+             queries: tuple[tuple[int, int], ...] | None = None) -> "SegmentView":
+        """What queries ``[start, end)`` attend to (``window``: keys looked back, or None);
+        ``queries``: only these ranges of them (a context-parallel rank's chunks)."""
         pieces = []
         for sample in range(self.micro_batch_size):
             bounds = self.bounds(sample)
-            first = bisect.bisect_right(bounds, start) - 1
             own = []
-            for index in range(first, len(bounds) - 1):
-                doc_start, doc_end = bounds[index], bounds[index + 1]
-                if doc_start >= end:
-                    break
-                q0, q1 = max(doc_start, start), min(doc_end, end)
-                k0 = doc_start if window is None else max(doc_start, q0 - window)
-                own.append(Piece(q0, q1, k0, doc_start))
+            for low, high in queries or ((start, end),):
+                first = bisect.bisect_right(bounds, low) - 1
+                for index in range(first, len(bounds) - 1):
+                    doc_start, doc_end = bounds[index], bounds[index + 1]
+                    if doc_start >= high:
+                        break
+                    q0, q1 = max(doc_start, low), min(doc_end, high)
+                    k0 = doc_start if window is None else max(doc_start, q0 - window)
+                    own.append(Piece(q0, q1, k0, doc_start))
             pieces.append(tuple(own))
         return SegmentView.of(start, end, tuple(pieces), window)
 
@@ -237,9 +240,15 @@ class SegmentView:
     pieces: tuple[tuple[Piece, ...], ...] | None = None
 
     @classmethod
-    def causal(cls, start: int, end: int, window: int | None = None) -> "SegmentView":
-        """No documents: the whole prefix (or the window's part of it)."""
-        return cls(start, end, 0 if window is None else max(0, start - window), window)
+    def causal(cls, start: int, end: int, window: int | None = None,
+               queries: tuple[tuple[int, int], ...] | None = None) -> "SegmentView":
+        """No documents: the whole prefix (or the window's part of it); ``queries``: only
+        these ranges of the segment's queries (one causal piece each)."""
+        if queries is None or len(queries) == 1 and tuple(queries[0]) == (start, end):
+            return cls(start, end, 0 if window is None else max(0, start - window), window)
+        pieces = (tuple(Piece(a, b, 0 if window is None else max(0, a - window), 0)
+                        for a, b in queries),)
+        return cls(start, end, min(p.k0 for p in pieces[0]), window, pieces)
 
     @classmethod
     def of(cls, start: int, end: int, pieces, window: int | None) -> "SegmentView":
@@ -252,6 +261,13 @@ class SegmentView:
         return self.end - self.start
 
     @property
+    def num_queries(self) -> int:
+        """Queries per sample (the segment's, or a context-parallel rank's part of them)."""
+        if self.pieces is None:
+            return self.length
+        return sum(piece.queries for piece in self.pieces[0])
+
+    @property
     def num_keys(self) -> int:
         return self.end - self.key_start
 
@@ -262,6 +278,8 @@ class SegmentView:
     def sample_pieces(self, micro_batch_size: int) -> tuple[tuple[Piece, ...], ...]:
         """Pieces per sample, also without documents (one causal piece each)."""
         if self.pieces is not None:
+            if len(self.pieces) == 1 and micro_batch_size > 1:  # the same for every sample
+                return self.pieces * micro_batch_size
             return self.pieces
         return ((Piece(self.start, self.end, self.key_start, 0),),) * micro_batch_size
 
@@ -290,13 +308,15 @@ class Chain:
 
 
 def views_of(starts: Sequence[int], lengths: Sequence[int], documents: Documents | None,
-             window: int | None) -> tuple[SegmentView, ...]:
-    """Every segment's view for layers with ``window`` (None: no window)."""
+             window: int | None, queries=None) -> tuple[SegmentView, ...]:
+    """Every segment's view for layers with ``window`` (None: no window); ``queries(start,
+    end)``: the ranges of each segment's queries to see (a context-parallel rank's)."""
     views = []
     for start, length in zip(starts, lengths):
         end = start + length
-        views.append(documents.view(start, end, window) if documents is not None
-                     else SegmentView.causal(start, end, window))
+        mine = queries(start, end) if queries is not None else None
+        views.append(documents.view(start, end, window, mine) if documents is not None
+                     else SegmentView.causal(start, end, window, mine))
     return tuple(views)
 
 

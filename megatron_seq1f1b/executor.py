@@ -305,6 +305,10 @@ def _build_setup(chunks, config, iterators, pg_collection, peers, *,
         raise_if(segment_cost_problems(segment_costs, num_splits))
     raise_if(segment_multiple_problems(segment_multiple))
     raise_if(document_problems(documents, partition, split_lengths, micro_batch_size))
+    if documents == "cu_seqlens" and (getattr(config, "context_parallel_size", 1) or 1) > 1:
+        raise_if(["packed (THD) documents with context parallelism are not supported (each "
+                  "document would need its own CP split); give documents by end-of-document "
+                  "tokens, or use context_parallel_size=1"])
     if documents == "cu_seqlens" and getattr(config, "apply_rope_fusion", False) and any(
             getattr(unwrap(chunk), "position_embedding_type", None) == "rope" for chunk in chunks):
         raise_if(["packed (THD) documents with apply_rope_fusion: the fused THD RoPE kernel "
@@ -371,7 +375,7 @@ def _build_setup(chunks, config, iterators, pg_collection, peers, *,
     document_costs = document_costs if by_documents else None
     return _Setup(
         documents=documents, document_costs=document_costs,
-        document_multiple=document_multiple * cp, divisor=cp * tp,
+        document_multiple=document_multiple, divisor=cp * tp,
         micro_batch_size=micro_batch_size, hidden_size=config.hidden_size,
         lengths=tuple(lengths), num_microbatches=num_microbatches, forward_only=forward_only,
         steps=tuple(steps), units=units,
@@ -476,15 +480,18 @@ class _Pipeline:
         self.pg_collection = pg_collection
         self.steps = setup.steps
         self.recorder = recorder
+        cp_group = pg_collection.cp
+        cp = cp_group.size() if cp_group is not None else 1
         self.run = SegmentRun(setup.lengths, forward_only=setup.forward_only,
-                              documents=documents, microbatch_lengths=microbatch_lengths)
+                              documents=documents, microbatch_lengths=microbatch_lengths,
+                              cp_group=cp_group if cp > 1 else None,
+                              cp_meter=getattr(recorder, "cp_bytes", None))
         self.microbatch_shapes = None if microbatch_lengths is None else [
             [(n // setup.divisor, setup.micro_batch_size, setup.hidden_size) for n in row]
             for row in microbatch_lengths]
         self.forward_data_store: list = []
-        cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
         self.losses = SegmentLosses(self.m, self.k, cp, config.calculate_per_token_loss,
-                                    self.device)
+                                    self.device, cp_group if cp > 1 else None)
         self.stash: dict[tuple[int, int, int], tuple] = {}  # unit -> (input, output)
         self.outgoing: dict = {}  # message -> tensor to send in the next step
         self.inbox: dict = {}  # received tensors waiting for their unit

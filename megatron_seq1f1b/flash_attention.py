@@ -56,6 +56,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_seq1f1b import varlen
+from megatron_seq1f1b.context_parallel import refuse_outside_segments
 from megatron_seq1f1b.varlen import window_mask
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
@@ -99,9 +100,7 @@ class FlashDotProductAttention(MegatronModule):
         if unknown:
             raise TypeError(f"FlashDotProductAttention does not take {', '.join(unknown)}")
         problems = []
-        if (getattr(config, "context_parallel_size", 1) or 1) > 1:
-            problems.append("context parallelism (context_parallel_size > 1) needs Transformer "
-                            "Engine's attention")
+        self.cp_size = getattr(config, "context_parallel_size", 1) or 1  # Seq1F1B segments only
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             problems.append(f"softmax_type={config.softmax_type!r} (a softmax offset) has no "
                             "SDPA kernel; use softmax_type='vanilla'")
@@ -140,6 +139,7 @@ class FlashDotProductAttention(MegatronModule):
         **kwargs: Any,
     ) -> torch.Tensor:
         """``softmax(Q K^T * scale) V``, causal (bottom-right when keys outnumber queries)."""
+        refuse_outside_segments(self.cp_size, "FlashDotProductAttention")
         if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd":
             return self._thd(query, key, value, attention_mask, attn_mask_type, attention_bias,
                              packed_seq_params, kwargs)

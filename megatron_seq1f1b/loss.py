@@ -28,6 +28,7 @@ class _Microbatch:
     def __init__(self):
         self.sums: dict[int, torch.Tensor] = {}
         self.tokens: torch.Tensor | None = None
+        self.tokens_summed = False  # over the context-parallel group
         self.legacy = False  # a 2-tuple mean loss (only with one segment)
 
 
@@ -35,8 +36,9 @@ class SegmentLosses:
     """Loss sums of the micro-batches in flight on the last stage, for one iteration."""
 
     def __init__(self, num_microbatches: int, num_splits: int, cp_size: int,
-                 per_token: bool, device: torch.device):
+                 per_token: bool, device: torch.device, cp_group=None):
         self.m, self.k, self.cp_size, self.per_token = num_microbatches, num_splits, cp_size, per_token
+        self.cp_group = cp_group if cp_size > 1 else None
         self.total_tokens = torch.zeros([], dtype=torch.int, device=device)
         self._open: dict[tuple[int, int], _Microbatch] = {}
 
@@ -57,15 +59,29 @@ class SegmentLosses:
         raise ValueError(TWO_TUPLE_ERROR)
 
     def scaled(self, action: Action) -> torch.Tensor:
-        """The loss to backpropagate: the segment's sum / micro-batch tokens / m."""
+        """The loss to backpropagate: the segment's sum / micro-batch tokens / m.
+
+        With context parallelism each rank holds part of the micro-batch's tokens: they
+        are summed over the CP group (one small all-reduce per micro-batch, at its first
+        backward, in the same order on every CP rank), and the loss is multiplied by the
+        CP size because Megatron's DDP averages gradients over data- x context-parallel
+        ranks (as Megatron scales its own CP losses).
+        """
         key = (action.microbatch, action.chunk)
         entry = self._open[key]
+        if self.cp_group is not None and not entry.legacy and not self.per_token \
+                and not entry.tokens_summed:
+            import torch.distributed as dist
+
+            entry.tokens = entry.tokens.clone()
+            dist.all_reduce(entry.tokens, group=self.cp_group)
+            entry.tokens_summed = True
         loss = entry.sums.pop(action.segment)
         if not entry.sums:
             del self._open[key]
         if entry.legacy or self.per_token:
             return loss
-        return loss / torch.clamp(entry.tokens, min=1) / self.m
+        return loss / torch.clamp(entry.tokens, min=1) / self.m * self.cp_size
 
     def close(self) -> None:
         if self._open:

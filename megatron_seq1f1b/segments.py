@@ -17,6 +17,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from megatron_seq1f1b.checks import raise_if, segment_length_problems
+from megatron_seq1f1b.context_parallel import rank_ranges
 from megatron_seq1f1b.documents import Chain, Documents, SegmentView, chains, roles, views_of
 from megatron_seq1f1b.kv_cache import KVStore
 from megatron_seq1f1b.varlen import Packed
@@ -48,13 +49,18 @@ class SegmentInfo:
 
 @dataclass(frozen=True)
 class Geometry:
-    """One micro-batch's segments for layers of one window: what each sees, and the chains."""
+    """One micro-batch's segments for layers of one window: what each sees, and the chains.
+
+    ``views`` are whole segments (their keys, the chains); ``queries`` what this rank's
+    queries of each see (a context-parallel rank's chunks; the views without CP).
+    """
 
     views: tuple[SegmentView, ...]
     chains: tuple[Chain, ...]
     roles: tuple[tuple[str, int], ...]
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
+    queries: tuple[SegmentView, ...] = ()
 
 
 def _starts(lengths: Sequence[int]) -> tuple[int, ...]:
@@ -96,7 +102,8 @@ class SegmentRun:
 
     def __init__(self, lengths: Sequence[int], *, forward_only: bool = False, config=None,
                  documents: Sequence[Documents | None] | None = None,
-                 microbatch_lengths: Sequence[Sequence[int]] | None = None):
+                 microbatch_lengths: Sequence[Sequence[int]] | None = None,
+                 cp_group=None, cp_meter=None):
         raise_if(segment_length_problems(lengths, config=config))
         self.lengths = tuple(int(n) for n in lengths)
         self.starts = _starts(self.lengths)
@@ -116,6 +123,21 @@ class SegmentRun:
         self._masks: dict = {}
         self._views: dict = {}
         self._packed: dict = {}
+        # Context parallelism: this rank holds two chunks of every segment
+        # (:mod:`megatron_seq1f1b.context_parallel`); ``cp_meter`` counts the bytes exchanged.
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        self.cp_rank = self.cp_group.rank() if self.cp_group is not None else 0
+        self.cp_meter = cp_meter
+
+    @property
+    def segmented(self) -> bool:
+        """Whether attention must treat even one segment as such (documents, or CP)."""
+        return self.num_splits > 1 or self.documents is not None or self.cp_size > 1
+
+    def rank_ranges(self, info: SegmentInfo) -> tuple[tuple[int, int], ...]:
+        """The positions of the segment this rank holds (all of it without CP)."""
+        return rank_ranges(info.start, info.end, self.cp_size, self.cp_rank)
 
     @property
     def num_splits(self) -> int:
@@ -149,9 +171,13 @@ class SegmentRun:
         found = self._views.get(key)
         if found is None:
             lengths = self.lengths_of(microbatch)
-            views = views_of(_starts(lengths), lengths, self.documents_of(microbatch), window)
+            documents, starts = self.documents_of(microbatch), _starts(lengths)
+            views = views_of(starts, lengths, documents, window)
+            mine = views if self.cp_size == 1 else views_of(
+                starts, lengths, documents, window,
+                lambda start, end: rank_ranges(start, end, self.cp_size, self.cp_rank))
             linked = chains(views)
-            found = Geometry(views, linked, roles(views, linked), _starts(lengths), lengths)
+            found = Geometry(views, linked, roles(views, linked), starts, lengths, mine)
             self._views[key] = found
         return found
 
@@ -184,27 +210,34 @@ class SegmentRun:
             self.kv.release(microbatch, chunk)
             self.forget(microbatch)
 
-    def local_mask(self, info: SegmentInfo, view: SegmentView, device) -> torch.Tensor:
+    def local_mask(self, info: SegmentInfo, view: SegmentView, device,
+                   key_start: int | None = None) -> torch.Tensor:
         """Boolean mask of queries x keys ``[key_start, end)``, True = masked (local attention).
 
         Without documents ``[1, 1, L, keys]``: query i sees keys ``<= start + i``
         (and, with a window of w keys, ``>= start + i - w``). With documents
-        ``[b, 1, L, keys]``: the keys of its own document only.
+        ``[b, 1, L, keys]``: the keys of its own document only. The queries are
+        ``view``'s (a context-parallel rank's chunks), the keys from ``key_start``
+        (default the view's).
         """
+        key_start = view.key_start if key_start is None else key_start
         key = (info.microbatch if view.pieces is not None else None, info.start, info.end,
-               view.key_start, view.window, device)
+               key_start, view.window, device, view.num_queries)
         mask = self._masks.get(key)
         if mask is None:
-            queries = torch.arange(info.start, info.end, device=device).unsqueeze(1)
-            keys = torch.arange(view.key_start, info.end, device=device)
+            keys = torch.arange(key_start, info.end, device=device)
             if view.pieces is None:
+                queries = torch.arange(info.start, info.end, device=device).unsqueeze(1)
                 mask = keys > queries
                 if view.window is not None:
                     mask |= keys < queries - view.window
-                mask = mask.view(1, 1, info.length, view.num_keys)
+                mask = mask.view(1, 1, info.length, len(keys))
             else:
                 rows = []
                 for sample in view.pieces:
+                    queries = torch.tensor([t for piece in sample
+                                            for t in range(piece.q0, piece.q1)],
+                                           device=device).unsqueeze(1)
                     lows = [piece.doc for piece in sample for _ in range(piece.queries)]
                     lowest = torch.tensor(lows, device=device).unsqueeze(1)
                     if view.window is not None:
@@ -214,13 +247,18 @@ class SegmentRun:
             self._masks[key] = mask
         return mask
 
-    def packed(self, info: SegmentInfo, view: SegmentView, device) -> Packed:
+    def packed(self, info: SegmentInfo, view: SegmentView, device,
+               key_start: int | None = None) -> Packed:
         """The segment as variable-length (THD) attention sees it, its index tensors on
         ``device`` (made once per segment and window, shared by its layers)."""
         key = (info.microbatch, info.index, view.window, device)
         found = self._packed.get(key)
         if found is None:
-            found = Packed.of(view, len(view.pieces) if view.pieces is not None else 1, device)
+            samples = len(view.pieces) if view.pieces is not None else 1
+            documents = self.documents_of(info.microbatch)
+            if documents is not None:
+                samples = documents.micro_batch_size
+            found = Packed.of(view, samples, device, key_start)
             self._packed[key] = found
         return found
 
@@ -367,7 +405,8 @@ def slice_batch(batch: dict) -> dict:
 
     ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, input_ids) are
     cut to ``[:, start:end]``; a ``[b, 1, s, s]`` attention mask to rows
-    ``start:end`` and columns ``0:end``. Slices are contiguous copies (loss
+    ``start:end`` and columns ``0:end``. With context parallelism, to this
+    rank's two chunks of the segment (:mod:`megatron_seq1f1b.context_parallel`). Slices are contiguous copies (loss
     functions call ``.view(-1)``; fused kernels want dense masks). A packed
     (THD) batch's ``cu_seqlens`` (and ``cu_seqlens_padded``) become the
     segment's own document pieces and ``max_seqlen`` the longest of them, in
@@ -379,11 +418,22 @@ def slice_batch(batch: dict) -> dict:
     active_now = _active
     if active_now is None or batch is None:
         return batch
-    info = active_now.info
+    info, run = active_now.info, active_now.run
     seq = sum(info.lengths)
     out = dict(batch)
     if any(batch.get(key) is not None for key in _PACKED_KEYS):
-        out.update(active_now.run.packed_fields(info, batch))
+        if run.cp_size > 1:
+            raise ValueError("slice_batch: packed (THD) batches with context parallelism are "
+                             "not supported; give documents by end-of-document tokens")
+        out.update(run.packed_fields(info, batch))
+    # This rank's positions of the segment: all of it, or a context-parallel rank's chunks.
+    ranges = run.rank_ranges(info)
+
+    def cut(value, dim):
+        if len(ranges) == 1:
+            return value.narrow(dim, info.start, info.length).contiguous()
+        return torch.cat([value.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
     for key in _SEQUENCE_KEYS:
         value = batch.get(key)
         if isinstance(value, torch.Tensor):
@@ -392,7 +442,7 @@ def slice_batch(batch: dict) -> dict:
                     f"slice_batch: {key!r} has shape {tuple(value.shape)}, expected [..., {seq}] "
                     "(the full micro-batch sequence)"
                 )
-            out[key] = value[..., info.start : info.end].contiguous()
+            out[key] = cut(value, value.dim() - 1)
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor):
         if mask.dim() != 4 or mask.shape[-1] != seq or mask.shape[-2] != seq:
@@ -400,5 +450,5 @@ def slice_batch(batch: dict) -> dict:
                 f"slice_batch: attention_mask has shape {tuple(mask.shape)}, expected "
                 f"[b, 1, {seq}, {seq}]"
             )
-        out["attention_mask"] = mask[:, :, info.start : info.end, : info.end].contiguous()
+        out["attention_mask"] = cut(mask[..., : info.end], 2)
     return out

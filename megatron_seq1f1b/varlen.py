@@ -58,29 +58,36 @@ class Packed:
     max_k: int
     cu_q_tensor: torch.Tensor
     cu_k_tensor: torch.Tensor
-    key_index: torch.Tensor | None  # rows of the [keys * b] flattened K/V to gather (b > 1)
+    key_index: torch.Tensor | None  # rows of the [keys * b] K/V to gather (b > 1, CP)
 
     @classmethod
-    def of(cls, view: SegmentView, micro_batch_size: int, device) -> "Packed":
+    def of(cls, view: SegmentView, micro_batch_size: int, device,
+           key_start: int | None = None) -> "Packed":
+        """``view``'s pieces over keys given from row ``key_start`` (default the view's)."""
+        key_start = view.key_start if key_start is None else key_start
         pieces = view.sample_pieces(micro_batch_size)
         q_lengths = [p.queries for sample in pieces for p in sample]
         k_lengths = [p.keys for sample in pieces for p in sample]
         cu_q, cu_k = _cumulative(q_lengths), _cumulative(k_lengths)
-        key_index = None
-        if micro_batch_size > 1:
-            rows = [(row - view.key_start) * micro_batch_size + sample
-                    for sample, own in enumerate(pieces)
-                    for row in range(own[0].k0, view.end)]
+        (first, *rest), key_index = pieces[0], None
+        contiguous = (micro_batch_size == 1 and first.k0 == key_start
+                      and pieces[0][-1].q1 == view.end
+                      and all(piece.k0 == before.q1 for before, piece in zip(pieces[0], rest)))
+        if not contiguous:  # several samples, or pieces whose keys overlap (context parallel)
+            rows = [(row - key_start) * micro_batch_size + sample
+                    for sample, own in enumerate(pieces) for piece in own
+                    for row in range(piece.k0, piece.q1)]
             key_index = torch.tensor(rows, dtype=torch.long, device=device)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
-        return cls(micro_batch_size, view.length, tuple(cu_q), tuple(cu_k), max(q_lengths),
+        return cls(micro_batch_size, view.num_queries, tuple(cu_q), tuple(cu_k), max(q_lengths),
                    max(k_lengths), as_tensor(cu_q), as_tensor(cu_k), key_index)
 
     def pack(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """``[L, b, h, d]`` queries and ``[keys, b, g, d]`` K/V -> ``[T, h, d]`` THD tensors."""
-        if self.micro_batch_size == 1:
+        if self.key_index is None:
             return query[:, 0], key[:, 0], value[:, 0]
-        q = query.transpose(0, 1).reshape(-1, *query.shape[2:])
+        q = query[:, 0] if self.micro_batch_size == 1 else \
+            query.transpose(0, 1).reshape(-1, *query.shape[2:])
         k = key.reshape(-1, *key.shape[2:]).index_select(0, self.key_index)
         v = value.reshape(-1, *value.shape[2:]).index_select(0, self.key_index)
         return q, k, v

@@ -158,15 +158,21 @@ def layer_spec(spec: ModelSpec, fake_te: bool = False):
 
 
 def build_chunks(spec: ModelSpec, config: TransformerConfig) -> list[GPTModel]:
-    """Model chunks for this rank, as Megatron-LM's model provider builds them."""
+    """Model chunks for this rank, as Megatron-LM's model provider builds them (with context
+    parallelism, Megatron's local attention made buildable for Seq1F1B's segments)."""
+    from megatron_seq1f1b.context_parallel import context_parallel_layer_spec
+
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
+        block = block_spec(spec, config, stage)
+        if (config.context_parallel_size or 1) > 1:
+            block = context_parallel_layer_spec(block)
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=block_spec(spec, config, stage),
+                transformer_layer_spec=block,
                 vocab_size=spec.vocab_size,
                 max_sequence_length=spec.seq_length,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -468,6 +474,7 @@ def run_layout(
     seq1f1b: dict | None = None,
     forward_only: bool = False,
     ep: int = 1,
+    cp: int = 1,
 ) -> dict:
     """Reference vs. `forward_backward` on the layout; returns problems found on this rank.
 
@@ -484,16 +491,18 @@ def run_layout(
         forward_backward = s1.get_forward_backward_func(**seq1f1b, recorder=recorder)
         prepare, slicer = s1.enable, s1.slice_batch
     world = torch.distributed.get_world_size()
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     batches = make_batches(model, data, count=data.num_microbatches * dp)
     ref = reference(model, (data, dp),
                     make_batches(model, data, count=data.num_microbatches * dp, reference=True),
                     per_token)
 
-    init_parallel(tp, pp, vpp, expert_model_parallel_size=ep)
+    init_parallel(tp, pp, vpp, expert_model_parallel_size=ep,
+                  **(dict(context_parallel_size=cp) if cp > 1 else {}))
     config = make_config(
         model, tp=tp, pp=pp, vpp=vpp, sp=sp, calculate_per_token_loss=per_token,
-        **(dict(expert_model_parallel_size=ep) if ep > 1 else {}), **(config_overrides or {}),
+        **(dict(expert_model_parallel_size=ep) if ep > 1 else {}),
+        **(dict(context_parallel_size=cp) if cp > 1 else {}), **(config_overrides or {}),
     )
     chunks = build_chunks(model, config)
     copy_weights(chunks, ref, model)
@@ -529,6 +538,10 @@ def run_layout(
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         group = len(store) // m if store else 1
         mine_ref = dict(ref, reports=ref["reports"][dp_rank * m : (dp_rank + 1) * m])
+        if cp > 1 and not forward_only:  # each context-parallel rank reports its tokens' part
+            cp_group = parallel_state.get_context_parallel_group()
+            for entry in store:
+                torch.distributed.all_reduce(entry["lm loss"], group=cp_group)
         problems += compare_reports(store, mine_ref, group_size=group)
     result = {"rank": torch.distributed.get_rank(), "problems": problems, "entries": len(store)}
     if recorder is not None:

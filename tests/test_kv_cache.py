@@ -26,7 +26,7 @@ def _run(lengths, window, documents=None):
     for index in range(len(lengths)):
         with run.forward(0, index) as info:
             k, v = keys[info.start:info.end], values[info.start:info.end]
-            view_k, view_v, view = segment_kv("layer", k, v, segments.active(), window)
+            view_k, view_v, view, _ = segment_kv("layer", k, v, segments.active(), window)
             first = view.key_start if view_k.shape[0] != info.length else info.start
             assert view_k.shape[0] == info.end - first
             outputs.append((view_k * weights[first:info.end]).sum()

@@ -1,0 +1,181 @@
+"""Context parallelism inside Seq1F1B segments: each segment spread over the CP group.
+
+Context parallelism (CP) divides a sequence over ``cp`` ranks; Seq1F1B divides it
+in time. They compose inside segments: every segment (not the whole sequence) is
+cut into ``2 * cp`` chunks, and CP rank ``r`` holds chunks ``r`` and
+``2cp - 1 - r`` (Megatron's load balancing for causal attention, within each
+segment), so every rank does equal work in every segment. The pipeline still
+sends one segment's activations per step, now this rank's part of it.
+
+Attention is the only place the ranks meet: before a segment's attention the CP
+group all-gathers its keys and values (:class:`GatherKV`, Megatron-TE's
+``all_gather`` CP mode), in sequence order, so the K/V carry-over
+(:mod:`megatron_seq1f1b.kv_cache`) holds the whole segment for later segments
+on every rank; this rank's queries then attend to earlier segments' keys and to
+the segment's keys on every rank, each query up to its own position. The
+backward reduce-scatters the keys' and values' gradient back to their owners:
+what this segment's queries on all ranks owe, plus what later segments left for
+it in the carry-over (added before the reduction, so it is summed over ranks
+too).
+
+The all-gather runs where attention needs it, on the compute stream: it
+overlaps with nothing but the other ranks' own gathers (a layer's projection
+must finish before it, attention waits for it). Pipeline transfers of other
+steps overlap it as they overlap compute.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import torch
+
+
+def rank_ranges(start: int, end: int, cp_size: int, cp_rank: int) -> tuple[tuple[int, int], ...]:
+    """The positions ``[a, b)`` of segment ``[start, end)`` this CP rank holds (two chunks)."""
+    if cp_size == 1:
+        return ((start, end),)
+    chunk = (end - start) // (2 * cp_size)
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return ((start + first * chunk, start + (first + 1) * chunk),
+            (start + second * chunk, start + (second + 1) * chunk))
+
+
+@functools.lru_cache(maxsize=64)
+def _natural_order(cp_size: int) -> tuple[int, ...]:
+    """For each chunk in sequence order, its place in the rank-major gathered tensor."""
+    place = {}
+    for rank in range(cp_size):
+        place[rank] = 2 * rank
+        place[2 * cp_size - 1 - rank] = 2 * rank + 1
+    return tuple(place[chunk] for chunk in range(2 * cp_size))
+
+
+def _index(cp_size: int, inverse: bool, device) -> torch.Tensor:
+    order = _natural_order(cp_size)
+    if inverse:
+        order = tuple(order.index(i) for i in range(2 * cp_size))
+    return torch.tensor(order, dtype=torch.long, device=device)
+
+
+def _reorder(tensor: torch.Tensor, cp_size: int, inverse: bool) -> torch.Tensor:
+    """Chunks of ``tensor`` (dim 0 in ``2 * cp`` chunks) rank-major <-> sequence order."""
+    chunks = tensor.view(2 * cp_size, tensor.shape[0] // (2 * cp_size), *tensor.shape[1:])
+    return chunks.index_select(0, _index(cp_size, inverse, tensor.device)).view(tensor.shape)
+
+
+class GatherKV(torch.autograd.Function):
+    """This rank's keys and values (its two chunks) -> the segment's, in sequence order.
+
+    One all-gather of keys and values together; the backward reduce-scatters their
+    gradients to their owners (summed over the ranks whose queries used them).
+    """
+
+    @staticmethod
+    def forward(ctx, key: torch.Tensor, value: torch.Tensor, group, meter=None):
+        import torch.distributed as dist
+
+        cp = group.size()
+        ctx.group, ctx.split, ctx.meter = group, key.shape[-1], meter
+        local = torch.cat([key, value], dim=-1).contiguous()
+        gathered = local.new_empty((cp * local.shape[0],) + tuple(local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        if meter is not None:
+            meter.add(local.numel() * local.element_size() * (cp - 1))
+        ordered = _reorder(gathered, cp, inverse=False)
+        return ordered[..., :ctx.split].contiguous(), ordered[..., ctx.split:].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_key, grad_value):
+        import torch.distributed as dist
+
+        group = ctx.group
+        cp = group.size()
+        grads = torch.cat([grad_key, grad_value], dim=-1)
+        ranked = _reorder(grads, cp, inverse=True).contiguous()
+        local = ranked.new_empty((ranked.shape[0] // cp,) + tuple(ranked.shape[1:]))
+        dist.reduce_scatter_tensor(local, ranked, group=group)
+        if ctx.meter is not None:
+            ctx.meter.add(local.numel() * local.element_size() * (cp - 1))
+        return local[..., :ctx.split], local[..., ctx.split:], None, None
+
+
+class ExchangedBytes:
+    """Bytes this rank sent in the CP group (all-gather forward, reduce-scatter backward): what
+    a ring algorithm moves per rank, ``(cp - 1) / cp`` of the collective's tensor."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def add(self, count: int) -> None:
+        self.bytes += int(count)
+
+
+def local_attention_class():
+    """Megatron's ``DotProductAttention`` buildable with context parallelism (Megatron asserts
+    it is 1: its local attention has no CP exchange). Under Seq1F1B the exchange is ours
+    (:class:`GatherKV`), so the module is built as for one CP rank; unsegmented calls with
+    CP > 1 are refused by :mod:`megatron_seq1f1b.attention`."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    global _LOCAL
+    if _LOCAL is None:
+        class ContextParallelDotProductAttention(DotProductAttention):
+            """DotProductAttention whose CP exchange Seq1F1B's segments make (see factory)."""
+
+            seq1f1b_context_parallel = True
+
+            def __init__(self, config, *args: Any, **kwargs: Any):
+                single = copy.copy(config)
+                single.context_parallel_size = 1
+                super().__init__(single, *args, **kwargs)
+                self.cp_size = config.context_parallel_size or 1
+
+            def forward(self, *args: Any, **kwargs: Any):
+                refuse_outside_segments(self.cp_size, type(self).__name__)
+                return super().forward(*args, **kwargs)
+
+        _LOCAL = ContextParallelDotProductAttention
+    return _LOCAL
+
+
+_LOCAL = None
+
+
+def refuse_outside_segments(cp_size: int, module: str) -> None:
+    """A core attention built for context parallelism > 1 without an exchange of its own runs
+    only inside Seq1F1B segments (which gather the keys); elsewhere it would attend to this
+    rank's chunk alone: a wrong result, so an error."""
+    if cp_size <= 1:
+        return
+    from megatron_seq1f1b import segments
+
+    current = segments.active()
+    if current is None or current.run.cp_size != cp_size:
+        raise RuntimeError(
+            f"{module} with context_parallel_size={cp_size} runs only inside Seq1F1B's "
+            "schedule (megatron_seq1f1b.get_forward_backward_func), whose segments exchange "
+            "the keys and values over the context-parallel group; Megatron's own schedules "
+            "give it no exchange")
+
+
+def context_parallel_layer_spec(spec: Any) -> Any:
+    """A copy of a GPT layer (or block) spec whose Megatron local core attention can be built
+    with context parallelism > 1 (Seq1F1B segments make the exchange); other core
+    attentions (the flash one, TE's) are left as they are."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = copy.deepcopy(spec)
+    layers = getattr(spec, "layer_specs", None)
+    for layer in [spec] if layers is None else list(layers):
+        attention = getattr(getattr(layer, "submodules", None), "self_attention", None)
+        submodules = getattr(attention, "submodules", None)
+        core = getattr(submodules, "core_attention", None)
+        if isinstance(core, ModuleSpec) and core.module is DotProductAttention:
+            core.module = local_attention_class()
+        elif core is DotProductAttention:
+            submodules.core_attention = local_attention_class()
+    return spec
