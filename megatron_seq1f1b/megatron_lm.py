@@ -90,9 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--seq1f1b-partition", choices=FLAG_PARTITIONS, default=DEFAULT_PARTITION,
         help="How to cut the sequence: 'uniform' (equal tokens), 'balanced' (equal "
              "estimated FLOPs, longer early segments) or 'documents' (every micro-batch by its "
-             "own documents, equal attention cost; needs --sft, "
-             "--dataloader-inter-document-masking or --reset-attention-mask). Default "
-             f"{DEFAULT_PARTITION}.",
+             "own documents into segments of equal attention cost; needs documents in the "
+             f"data: packed batches or end-of-document masking). Default {DEFAULT_PARTITION}.",
     )
     group.add_argument(
         "--seq1f1b-memory-budget", type=positive_float, default=None, metavar="GIB",

@@ -1378,7 +1378,8 @@ def test_slice_gpt_batch_packed(squeezed):
         end = start + PACKED_LENGTHS[segment]
         with run.forward(0, segment):
             t, la, lm, am, pos, cut = megatron_lm.slice_gpt_batch(*batch)
-            assert torch.equal(t, tokens[:, start:end]) and torch.equal(la, tokens[:, start:end] + 1)
+            assert torch.equal(t, tokens[:, start:end])
+            assert torch.equal(la, tokens[:, start:end] + 1)
             assert lm.shape == (1, end - start) and am is None
             assert type(cut) is PackedSeqParams and cut.qkv_format == "thd"
             for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
