@@ -27,9 +27,10 @@ core_v0.19         :func:`add_post_wrap_hook`   :func:`slice_gpt_batch_fields`
 
 Packed documents (``--sft``; core_v0.19's ``--dataloader-inter-document-masking``)
 reach the schedule as ``documents="cu_seqlens"`` and each segment's batch
-carries its own document pieces; ``--reset-attention-mask`` with the flash
-attention (or ``--seq1f1b-partition documents``) gives the schedule the
-tokenizer's end-of-document id (:func:`documents_source`).
+carries its own document pieces; ``--reset-attention-mask`` without a dense
+mask from the data (the flash attention) or with ``--seq1f1b-partition
+documents`` gives the schedule the tokenizer's end-of-document id
+(:func:`documents_source`).
 
 Without ``--seq1f1b`` every function here is a no-op (or the identity).
 Importing this module does not import torch or Megatron.
@@ -405,8 +406,8 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     The schedule is told where each micro-batch's documents are
     (:func:`documents_source`): ``cu_seqlens`` for packed batches (``--sft``,
     ``--dataloader-inter-document-masking``), the tokenizer's end-of-document
-    id for ``--reset-attention-mask`` with the flash attention or
-    ``--seq1f1b-partition documents``.
+    id for ``--reset-attention-mask`` without a dense mask from the data (the
+    flash attention) or with ``--seq1f1b-partition documents``.
     """
     if args is None:
         args = _megatron_args()
@@ -557,15 +558,18 @@ def documents_source(args: Any) -> Optional[str]:
 
     * ``"cu_seqlens"``: packed batches (:func:`packed_documents_flag`);
     * :data:`EOD`: ``--reset-attention-mask`` where the documents must be known to the
-      schedule: with the flash attention (no dense mask) or ``--seq1f1b-partition
-      documents``. Elsewhere the dataset's dense ``[b, 1, s, s]`` mask, cut per segment,
-      keeps documents apart as it always did;
+      schedule: without a dense mask from the data (the flash attention, or
+      ``--no-create-attention-mask-in-dataloader``, where Megatron's local attention
+      would be causal across documents) or with ``--seq1f1b-partition documents``.
+      Elsewhere the dataset's dense ``[b, 1, s, s]`` mask, cut per segment, keeps
+      documents apart as it always did;
     * None: no documents (one per sequence).
     """
     if packed_documents_flag(args) is not None:
         return "cu_seqlens"
     if _flag(args, "reset_attention_mask", False) and (
             flash_attention_requested(args)
+            or not _flag(args, "create_attention_mask_in_dataloader", True)
             or _flag(args, "seq1f1b_partition", DEFAULT_PARTITION) == "documents"):
         return EOD
     return None

@@ -1143,6 +1143,9 @@ def test_prepare_model_off_and_rejected(monkeypatch):
     ({"reset_attention_mask": True, **FLASH}, 50256),  # the tokenizer's end-of-document id
     ({"reset_attention_mask": True, "seq1f1b_partition": "documents"}, 50256),
     ({"reset_attention_mask": True}, None),  # the dense mask, cut per segment, as before
+    # no dense mask from the data: Megatron's local attention alone would be causal across
+    # documents; the schedule keeps them apart
+    ({"reset_attention_mask": True, "create_attention_mask_in_dataloader": False}, 50256),
 ])
 def test_prepare_model_passes_the_documents(monkeypatch, overrides, documents):
     """The schedule learns where each micro-batch's documents are from the flags."""
