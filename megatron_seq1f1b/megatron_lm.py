@@ -25,6 +25,13 @@ core_v0.18         :func:`wrap_model_provider`  :func:`slice_gpt_batch_fields`
 core_v0.19         :func:`add_post_wrap_hook`   :func:`slice_gpt_batch_fields`
 =================  ===========================  ==============================
 
+Packed documents (``--sft``; core_v0.19's ``--dataloader-inter-document-masking``)
+reach the schedule as ``documents="cu_seqlens"`` and each segment's batch
+carries its own document pieces; ``--reset-attention-mask`` without a dense
+mask from the data (the flash attention) or with ``--seq1f1b-partition
+documents`` gives the schedule the tokenizer's end-of-document id
+(:func:`documents_source`).
+
 Without ``--seq1f1b`` every function here is a no-op (or the identity).
 Importing this module does not import torch or Megatron.
 ``python -m megatron_seq1f1b.megatron_lm`` prints the flags' help (Megatron-LM's
@@ -82,8 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--seq1f1b-partition", choices=FLAG_PARTITIONS, default=DEFAULT_PARTITION,
-        help="How to cut the sequence: 'uniform' (equal tokens) or 'balanced' (equal "
-             f"estimated FLOPs, longer early segments). Default {DEFAULT_PARTITION}.",
+        help="How to cut the sequence: 'uniform' (equal tokens), 'balanced' (equal "
+             "estimated FLOPs, longer early segments) or 'documents' (every micro-batch by its "
+             "own documents into segments of equal attention cost; needs documents in the "
+             f"data: packed batches or end-of-document masking). Default {DEFAULT_PARTITION}.",
     )
     group.add_argument(
         "--seq1f1b-memory-budget", type=positive_float, default=None, metavar="GIB",
@@ -217,14 +226,10 @@ def args_problems(args: Any) -> list[str]:
         )
     if _flag(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel is not supported with --seq1f1b; remove it")
-    if _flag(args, "sft", False):
-        problems.append(
-            "--sft packs sequences (THD format, cu_seqlens); Seq1F1B needs padded [b, s] "
-            "batches; remove --sft"
-        )
     if _flag(args, "rl_use_sequence_packing", False):
         problems.append(
-            "--rl-use-sequence-packing packs sequences (THD format); use "
+            "--rl-use-sequence-packing packs RL rollouts into bins with their own micro-batch "
+            "count per step (Megatron-LM's RL loop, not pretrain_gpt.py's packed batches); use "
             "--no-rl-use-sequence-packing"
         )
     if _flag(args, "variable_seq_lengths", False):
@@ -242,6 +247,7 @@ def args_problems(args: Any) -> list[str]:
 
     if flash_attention_requested(args):
         problems += flash_attention_problems(args)
+    problems += document_problems(args)
 
     # Model features without a per-segment implementation.
     if _flag(args, "use_legacy_models", False):
@@ -325,12 +331,6 @@ def args_problems(args: Any) -> list[str]:
                 f"{flag} is untested with bottom-right causal masks over a K/V prefix; "
                 "remove it (FP8 linear layers with --fp8-format are fine)"
             )
-    if _flag(args, "dataloader_inter_document_masking", False):
-        problems.append(
-            "--dataloader-inter-document-masking gives every batch cu_seqlens (packed, THD "
-            "attention); Seq1F1B needs padded [b, s] batches; remove it (--reset-attention-mask "
-            "keeps documents apart with a dense mask instead)"
-        )
     for name in ("logits_load_dir", "logits_save_dir"):
         if _flag(args, name) is not None:
             flag = "--" + name.replace("_", "-")
@@ -402,6 +402,12 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     which ``train()`` and ``evaluate()`` call after the model is built.
     Validation runs again here because ``get_model`` may turn on ModelOpt
     after ``validate_args``, and YAML configs skip ``validate_args``.
+
+    The schedule is told where each micro-batch's documents are
+    (:func:`documents_source`): ``cu_seqlens`` for packed batches (``--sft``,
+    ``--dataloader-inter-document-masking``), the tokenizer's end-of-document
+    id for ``--reset-attention-mask`` without a dense mask from the data (the
+    flash attention) or with ``--seq1f1b-partition documents``.
     """
     if args is None:
         args = _megatron_args()
@@ -423,9 +429,12 @@ def prepare_model(model: Any, args: Any = None) -> Any:
             min_segment_length=_flag(args, "seq1f1b_min_segment_length", DEFAULT_MIN_SEGMENT),
             segment_multiple=_flag(args, "seq1f1b_segment_multiple")))
     else:
+        documents = documents_source(args)
+        if documents == EOD:
+            documents = end_of_document_id()
         install(args.seq1f1b_splits, args.seq1f1b_partition,
                 schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE),
-                segment_multiple=_flag(args, "seq1f1b_segment_multiple"))
+                segment_multiple=_flag(args, "seq1f1b_segment_multiple"), documents=documents)
     return model
 
 
@@ -508,21 +517,132 @@ def flash_attention_requested(args: Any) -> bool:
 
 
 def flash_attention_problems(args: Any) -> list[str]:
-    """What the flash core attention cannot take: a dense attention mask from the data."""
+    """What the flash core attention cannot take: a dense attention mask from the data, and
+    documents by end-of-document tokens outside Seq1F1B's schedule (which knows them)."""
     problems = []
-    if _flag(args, "reset_attention_mask", False):
+    if _flag(args, "reset_attention_mask", False) and not _flag(args, "seq1f1b", False):
         problems.append(
-            "--reset-attention-mask needs a dense [s, s] mask per document, which "
-            "--attention-backend flash with --transformer-impl local does not take (it is "
-            "causal only); remove --reset-attention-mask, or use --attention-backend local"
+            "--reset-attention-mask with --attention-backend flash --transformer-impl local: "
+            "the flash attention takes no dense [s, s] mask; it keeps documents apart only "
+            "under --seq1f1b (which reads them from the end-of-document tokens); add --seq1f1b, "
+            "or use --attention-backend local"
         )
-    elif _flag(args, "create_attention_mask_in_dataloader", True):
+    if _flag(args, "create_attention_mask_in_dataloader", True):
         problems.append(
             "--attention-backend flash with --transformer-impl local computes the causal mask "
             "itself and takes no [b, 1, s, s] mask from the data (that mask is what flash "
             "attention avoids); add --no-create-attention-mask-in-dataloader"
         )
     return problems
+
+
+#: Documents source passed to the schedule for ``--reset-attention-mask``: the tokenizer's
+#: end-of-document id, read when the model is prepared (:func:`end_of_document_id`).
+EOD = "eod"
+
+
+def packed_documents_flag(args: Any) -> Optional[str]:
+    """The flag that makes pretrain_gpt.py's batches packed (THD, ``cu_seqlens``), or None.
+
+    ``--sft`` (every tag) and ``--dataloader-inter-document-masking`` (core_v0.19)
+    give every micro-batch ``cu_seqlens`` (``cu_seqlens_padded``, ``max_seqlen``).
+    """
+    for name in ("sft", "dataloader_inter_document_masking"):
+        if _flag(args, name, False):
+            return "--" + name.replace("_", "-")
+    return None
+
+
+def documents_source(args: Any) -> Optional[str]:
+    """Where the schedule finds each micro-batch's documents with these flags (or None).
+
+    * ``"cu_seqlens"``: packed batches (:func:`packed_documents_flag`);
+    * :data:`EOD`: ``--reset-attention-mask`` where the documents must be known to the
+      schedule: without a dense mask from the data (the flash attention, or
+      ``--no-create-attention-mask-in-dataloader``, where Megatron's local attention
+      would be causal across documents) or with ``--seq1f1b-partition documents``.
+      Elsewhere the dataset's dense ``[b, 1, s, s]`` mask, cut per segment, keeps
+      documents apart as it always did;
+    * None: no documents (one per sequence).
+    """
+    if packed_documents_flag(args) is not None:
+        return "cu_seqlens"
+    if _flag(args, "reset_attention_mask", False) and (
+            flash_attention_requested(args)
+            or not _flag(args, "create_attention_mask_in_dataloader", True)
+            or _flag(args, "seq1f1b_partition", DEFAULT_PARTITION) == "documents"):
+        return EOD
+    return None
+
+
+def document_problems(args: Any) -> list[str]:
+    """Documents under ``--seq1f1b``: what carries them must reach every segment's attention."""
+    problems = []
+    source = documents_source(args)
+    packed = packed_documents_flag(args)
+    te = _flag(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+    reset = _flag(args, "reset_attention_mask", False)
+    if reset and te and packed is None:
+        problems.append(
+            "--reset-attention-mask with --transformer-impl transformer_engine: Transformer "
+            "Engine's flash and fused attention ignore the dense [b, 1, s, s] document mask it "
+            "makes (only the unfused backend applies it), so documents would attend to each "
+            "other; keep documents apart with --dataloader-inter-document-masking (core_v0.19: "
+            "packed THD batches that Transformer Engine honours), or use --transformer-impl "
+            "local (--attention-backend flash --no-create-attention-mask-in-dataloader for "
+            "long sequences)"
+        )
+    elif (_flag(args, "seq1f1b_partition", DEFAULT_PARTITION) == "documents"
+          and source is None):
+        problems.append(
+            "--seq1f1b-partition documents cuts every micro-batch at its documents' ends, but "
+            "these flags give no documents; add --sft, --dataloader-inter-document-masking "
+            "(core_v0.19) or --reset-attention-mask, or use --seq1f1b-partition balanced"
+        )
+    if source is None:
+        return problems
+    flag = packed or "--reset-attention-mask"
+    if _flag(args, "seq1f1b_splits", DEFAULT_SPLITS) == AUTO:
+        problems.append(
+            f"--seq1f1b-splits auto measures and plans segments without documents, and {flag} "
+            "needs the schedule to keep them apart; give --seq1f1b-splits N"
+        )
+    if packed is None:
+        return problems
+    for name in ("micro_batch_size", "eval_micro_batch_size"):
+        size = _flag(args, name)
+        if name == "eval_micro_batch_size" and size == _flag(args, "micro_batch_size"):
+            continue  # Megatron-LM copies --micro-batch-size there: reported once
+        if isinstance(size, int) and size > 1:
+            problems.append(
+                f"--{name.replace('_', '-')} {size} with {packed}: packed (THD) batches hold "
+                "one sample per micro-batch under Seq1F1B (Megatron-LM flattens b samples into "
+                f"one sequence of b x --seq-length tokens, which the segments do not describe); "
+                f"use --{name.replace('_', '-')} 1"
+            )
+    if (_flag(args, "apply_rope_fusion", False)
+            and _flag(args, "position_embedding_type") == "rope"):
+        problems.append(
+            f"{packed} with fused RoPE: the fused THD RoPE kernel starts every document piece "
+            "of a segment at position 0, also the part of a document that crossed from earlier "
+            "segments; add --no-rope-fusion"
+        )
+    if _flag(args, "multi_latent_attention", False) and _flag(args, "rope_type") in (None,
+                                                                                       "yarn"):
+        problems.append(
+            f"{packed} with --multi-latent-attention and YaRN RoPE (--rope-type yarn, the "
+            "default): its rotary table cannot be read per document position in a segment; "
+            "use --rope-type rope"
+        )
+    return problems
+
+
+def end_of_document_id() -> int:
+    """The end-of-document token id (Megatron-LM's tokenizer's ``eod``): where the GPT dataset
+    resets attention masks and position ids."""
+    from megatron.training import get_tokenizer
+
+    return int(get_tokenizer().eod)
 
 
 def use_flash_attention(model: Any, args: Any) -> Any:
@@ -548,9 +668,8 @@ def use_flash_attention(model: Any, args: Any) -> Any:
 #: (its ``BATCH_KEYS``).
 GPT_BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group",
                   "labels", "local_cp_size", "loss_mask", "max_seqlen", "position_ids", "tokens")
-#: Fields that only packed (THD) batches or hybrid context parallelism carry.
-_PACKED_KEYS = ("packed_seq_params", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
-                "hybrid_cp_group", "local_cp_size")
+#: Fields that only hybrid context parallelism sets (refused inside a segment).
+_HYBRID_CP_KEYS = ("hybrid_cp_group", "local_cp_size")
 
 
 def _slice_fields(fields: dict) -> dict:
@@ -558,19 +677,61 @@ def _slice_fields(fields: dict) -> dict:
 
     ``[b, s]`` tensors are cut to ``[:, start:end]``, a ``[b, 1, s, s]`` mask
     to rows ``start:end`` and columns ``:end`` (contiguous copies), None stays
-    None, other fields pass unchanged. Identity outside a segmented step;
-    packed batches (any of :data:`_PACKED_KEYS` set) are refused inside one.
+    None, other fields pass unchanged. A packed (THD) batch's ``cu_seqlens``,
+    ``cu_seqlens_padded`` and ``max_seqlen``, and the ``packed_seq_params``
+    core_v0.16/0.17 build from them, become the segment's document pieces
+    (:func:`megatron_seq1f1b.slice_batch`, from the documents the schedule was
+    given). Identity outside a segmented step; hybrid context parallelism
+    (:data:`_HYBRID_CP_KEYS`) is refused inside one.
     """
     from megatron_seq1f1b.segments import current_segment, slice_batch
 
     if current_segment() is None:
         return fields
-    if any(fields.get(key) is not None for key in _PACKED_KEYS):
+    params = fields.get("packed_seq_params")
+    hybrid = [key for key in _HYBRID_CP_KEYS if fields.get(key) is not None
+              or getattr(params, key, None) is not None]
+    if params is not None and getattr(params, "cp_group", None) is not None:
+        hybrid.append("cp_group")
+    if hybrid:
         raise_if([
-            "packed sequences (THD format, packed_seq_params from cu_seqlens in the data) "
-            "cannot be cut into segments; use padded [b, s] batches"
+            f"hybrid context parallelism ({', '.join(hybrid)} in the batch) spreads a "
+            "micro-batch's sequences over ranks of their own and cannot be cut into segments; "
+            "remove --hybrid-context-parallel"
         ])
-    return slice_batch(fields)
+    out = slice_batch(fields)
+    if params is not None:
+        out["packed_seq_params"] = _segment_packed_seq_params(params)
+    return out
+
+
+def _segment_packed_seq_params(params: Any) -> Any:
+    """The segment's ``PackedSeqParams`` (core_v0.16/0.17 build it inside ``get_batch``).
+
+    Its ``cu_seqlens`` (and padded ones) become the segment's document pieces, 1-D as
+    PackedSeqParams and Transformer Engine expect, and ``max_seqlen`` the longest piece;
+    the rest is kept.
+    """
+    import dataclasses
+
+    from megatron_seq1f1b.segments import current_segment, slice_batch
+
+    if getattr(params, "qkv_format", None) != "thd" or params.cu_seqlens_q is None:
+        raise_if([f"packed_seq_params with qkv_format={getattr(params, 'qkv_format', None)!r}: "
+                  "segments take packed documents as THD (qkv_format='thd') batches with "
+                  "cu_seqlens"])
+    cut = slice_batch({"cu_seqlens": params.cu_seqlens_q,
+                       "cu_seqlens_padded": params.cu_seqlens_q_padded,
+                       "max_seqlen": params.max_seqlen_q})
+    cu = cut["cu_seqlens"].reshape(-1)
+    padded = cut["cu_seqlens_padded"]
+    padded = padded.reshape(-1) if padded is not None else None
+    longest = cut["max_seqlen"]
+    changes = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                   cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
+    if getattr(params, "total_tokens", None) is not None:  # (Mamba's seq_idx follows from it)
+        changes["total_tokens"] = current_segment().length
+    return dataclasses.replace(params, **changes)
 
 
 def slice_gpt_batch(tokens: Any, labels: Any, loss_mask: Any, attention_mask: Any,
@@ -578,7 +739,10 @@ def slice_gpt_batch(tokens: Any, labels: Any, loss_mask: Any, attention_mask: An
     """The current segment's part of pretrain_gpt.py's ``get_batch`` tuple (core_v0.16/0.17).
 
     Same order in and out: ``(tokens, labels, loss_mask, attention_mask,
-    position_ids, packed_seq_params)``; cut as :func:`_slice_fields` does.
+    position_ids, packed_seq_params)``; cut as :func:`_slice_fields` does,
+    ``packed_seq_params`` (``--sft``: built from the whole micro-batch's
+    ``cu_seqlens``; on middle pipeline stages core_v0.17 returns it alone,
+    core_v0.16 returns None) rebuilt from the segment's document pieces.
     Identity outside a segmented step.
     """
     names = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids",
@@ -593,7 +757,10 @@ def slice_gpt_batch_fields(*values: Any) -> tuple:
 
     `values` are the ten fields in :data:`GPT_BATCH_KEYS` order (Megatron's
     ``BATCH_KEYS``, alphabetical); the same order comes back, cut as
-    :func:`_slice_fields` does. Identity outside a segmented step.
+    :func:`_slice_fields` does: packed batches' ``cu_seqlens``,
+    ``cu_seqlens_padded`` (``[1, n]``, as get_batch returns them) and
+    ``max_seqlen`` describe the segment's document pieces, from which
+    forward_step builds its ``PackedSeqParams``. Identity outside a segmented step.
     """
     if len(values) != len(GPT_BATCH_KEYS):
         raise TypeError(f"slice_gpt_batch_fields takes the {len(GPT_BATCH_KEYS)} fields "

@@ -446,7 +446,37 @@ for segment in range(2):
         output, loss_func = pretrain_gpt.forward_step(iter(()), model)
         tokens_per_segment.append(int(loss_func(output)[1]))
 pretrain_gpt.forward_step(iter(()), model)
-print(json.dumps({"seen": seen, "tokens": tokens_per_segment,
+
+# A packed (THD) micro-batch (--sft): documents [0, 5), [5, 12), [12, 16) in segments of 6, 10.
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron_seq1f1b.documents import Documents
+
+tokens = torch.arange(16).view(1, 16)
+cu = torch.tensor([[0, 5, 12, 16]], dtype=torch.int32)
+fields = dict(tokens=tokens, labels=tokens + 1, loss_mask=torch.ones(1, 16),
+              position_ids=tokens.clone(), cu_seqlens=cu, cu_seqlens_padded=cu,
+              max_seqlen=torch.tensor([7], dtype=torch.int32))
+if "cu_seqlens_padded" in inspect.getsource(pretrain_gpt.forward_step):  # core_v0.18+
+    full = [fields.get(key) for key in megatron_lm.GPT_BATCH_KEYS]
+else:  # get_batch builds PackedSeqParams (get_thd_batch_on_this_cp_rank)
+    full = (fields["tokens"], fields["labels"], fields["loss_mask"], None,
+            fields["position_ids"], PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu[0], cu_seqlens_kv=cu[0],
+                max_seqlen_q=7, max_seqlen_kv=7))
+packed = []
+
+def model(tokens, position_ids, attention_mask, labels=None, loss_mask=None,
+          packed_seq_params=None):
+    p = packed_seq_params
+    packed.append([p.qkv_format, p.cu_seqlens_q.tolist(), p.cu_seqlens_kv.tolist(),
+                   int(p.max_seqlen_q), list(tokens.shape), int(position_ids[0, 0])])
+    return torch.zeros(tokens.shape)
+
+run = SegmentRun([6, 10], documents=[Documents(((0, 5, 12),), 16)])
+for segment in range(2):
+    with run.forward(0, segment):
+        pretrain_gpt.forward_step(iter(()), model)
+print(json.dumps({"seen": seen, "tokens": tokens_per_segment, "packed": packed,
                   "flags": [args.seq1f1b, args.seq1f1b_splits, args.seq1f1b_partition]}))
 """
 
@@ -462,7 +492,7 @@ def requires_python(tree: Path, tag: str) -> tuple[int, int]:
 
 
 def test_patched_forward_step(lm_checkout, tmp_path):
-    """The patched pretrain_gpt.forward_step cuts each segment's batch.
+    """The patched pretrain_gpt.forward_step cuts each segment's batch, packed (THD) ones too.
 
     Needs the Python version the tag requires (3.12 from core_v0.17) and Megatron-LM's own
     dependencies (its training package imports more than Megatron-Core: pydantic, ...).
@@ -493,6 +523,9 @@ def test_patched_forward_step(lm_checkout, tmp_path):
                               [[2, 8], [2, 1, 8, 16], 8, [2, 8]],
                               [[2, 16], [2, 1, 16, 16], 0, [2, 16]]]
     assert result["tokens"] == [16, 16]
+    # packed batches: each segment's PackedSeqParams holds its own document pieces
+    assert result["packed"] == [["thd", [0, 5, 6], [0, 5, 6], 5, [1, 6], 0],
+                                ["thd", [0, 6, 10], [0, 6, 10], 6, [1, 10], 6]]
 
 
 def call_keywords(source: str, func_name: str) -> list[set[str]]:
@@ -893,9 +926,16 @@ def megatron_args(**overrides) -> SimpleNamespace:
         fine_grained_activation_offloading=False, reset_attention_mask=False,
         reset_position_ids=False, create_attention_mask_in_dataloader=True,
         dataloader_inter_document_masking=False, logits_load_dir=None, logits_save_dir=None,
+        micro_batch_size=1, transformer_impl="local",
     )
     values.update(overrides)
     return SimpleNamespace(**values)
+
+
+# Packed (THD) batches as Seq1F1B takes them: one sample per micro-batch, RoPE unfused.
+PACKED = {"micro_batch_size": 1, "apply_rope_fusion": False}
+FLASH = {"transformer_impl": "local", "attention_backend": "flash",
+         "create_attention_mask_in_dataloader": False}
 
 
 @pytest.mark.parametrize("overrides", [
@@ -904,7 +944,24 @@ def megatron_args(**overrides) -> SimpleNamespace:
     {"virtual_pipeline_model_parallel_size": 2, "overlap_p2p_comm": True},
     {"position_embedding_type": "learned_absolute", "sequence_parallel": False,
      "tensor_model_parallel_size": 1, "seq_length": 5},
-    {"reset_attention_mask": True, "reset_position_ids": True},  # dense [b,1,s,s] masks: fine
+    # dense [b,1,s,s] document masks: fine with the local attention (not TE's flash/fused)
+    {"reset_attention_mask": True, "reset_position_ids": True},
+    {"reset_attention_mask": True, "seq1f1b_partition": "documents"},
+    # documents the schedule reads: packed batches (every tag: --sft; 0.19: inter-document
+    # masking), end-of-document tokens on the flash attention
+    {"sft": True, **PACKED},
+    {"sft": True, **PACKED, "transformer_impl": "transformer_engine"},
+    {"sft": True, **PACKED, **FLASH, "seq1f1b_partition": "documents"},
+    {"dataloader_inter_document_masking": True, **PACKED, "eval_micro_batch_size": 1},
+    {"dataloader_inter_document_masking": True, "micro_batch_size": 1,
+     "position_embedding_type": "learned_absolute"},  # no RoPE: fusion does not matter
+    {"dataloader_inter_document_masking": True, "reset_attention_mask": True, **PACKED,
+     "transformer_impl": "transformer_engine"},
+    {"reset_attention_mask": True, **FLASH},
+    {"reset_attention_mask": True, **FLASH, "seq1f1b_partition": "documents",
+     "micro_batch_size": 4},
+    {"sft": True, **PACKED, "multi_latent_attention": True, "rope_type": "rope"},
+    {"reset_attention_mask": True, "seq1f1b_splits": "auto"},
     {"decoder_seq_length": 4096},
     {"seq_length": 8, "tensor_model_parallel_size": 2, "seq1f1b_splits": 4},
     {"seq1f1b_schedule": "zb-h1", "virtual_pipeline_model_parallel_size": 2,
@@ -948,7 +1005,6 @@ def test_validate_does_nothing_without_the_flag():
     ({"window_size": (128, 4)}, ["--window-size"]),
     ({"position_embedding_type": "mrope"}, ["--position-embedding-type"]),
     ({"use_legacy_models": True}, ["--use-legacy-models"]),
-    ({"sft": True}, ["--sft"]),
     ({"rl_use_sequence_packing": True}, ["--rl-use-sequence-packing"]),
     ({"cuda_graph_impl": "local"}, ["--cuda-graph-impl"]),
     ({"enable_cuda_graph": True}, ["--enable-cuda-graph"]),
@@ -961,8 +1017,26 @@ def test_validate_does_nothing_without_the_flag():
     ({"tp_comm_overlap": True}, ["--tp-comm-overlap"]),
     ({"fp8_dot_product_attention": True}, ["--fp8-dot-product-attention"]),
     ({"fp8_multi_head_attention": True}, ["--fp8-multi-head-attention"]),
-    # core_v0.19: cu_seqlens from the data loader, cached-logits distillation
-    ({"dataloader_inter_document_masking": True}, ["--dataloader-inter-document-masking"]),
+    # packed documents: one sample per micro-batch, no fused RoPE, no YaRN, not planned by auto
+    ({"sft": True, **PACKED, "micro_batch_size": 2, "eval_micro_batch_size": 2},  # once
+     ["--micro-batch-size 1", "--sft"]),
+    ({"dataloader_inter_document_masking": True, **PACKED, "eval_micro_batch_size": 4},
+     ["--eval-micro-batch-size 1", "--dataloader-inter-document-masking"]),
+    ({"sft": True, **PACKED, "apply_rope_fusion": True}, ["--no-rope-fusion"]),
+    ({"sft": True, **PACKED, "multi_latent_attention": True}, ["--rope-type rope"]),
+    ({"sft": True, **PACKED, "seq1f1b_splits": "auto"}, ["--seq1f1b-splits N", "--sft"]),
+    ({"reset_attention_mask": True, **FLASH, "seq1f1b_splits": "auto"},
+     ["--seq1f1b-splits N", "--reset-attention-mask"]),
+    # a dense document mask that Transformer Engine's flash/fused attention would ignore
+    ({"reset_attention_mask": True, "transformer_impl": "transformer_engine"},
+     ["--reset-attention-mask", "--transformer-impl local",
+                                      "--dataloader-inter-document-masking"]),
+    ({"seq1f1b_partition": "documents"}, ["--seq1f1b-partition documents", "--sft",
+                                          "--reset-attention-mask"]),
+    # the flash attention computes its own mask
+    ({"reset_attention_mask": True, **FLASH, "create_attention_mask_in_dataloader": True},
+     ["--no-create-attention-mask-in-dataloader"]),
+    # core_v0.19: cached-logits distillation
     ({"logits_load_dir": "/cache/logits"}, ["--logits-load-dir"]),
     ({"logits_save_dir": "/cache/logits"}, ["--logits-save-dir"]),
     # FP8: every segment's tokens per rank a multiple of 8 (here TP 2 with SP: 16)
@@ -1059,6 +1133,57 @@ def test_prepare_model_off_and_rejected(monkeypatch):
     with pytest.raises(ConfigError, match="--modelopt-enabled"):
         # get_model() turns ModelOpt on after validate_args: prepare_model checks again.
         megatron_lm.prepare_model(model, megatron_args(modelopt_enabled=True))
+
+
+@pytest.mark.parametrize("overrides,documents", [
+    ({}, None),
+    ({"sft": True, **PACKED}, "cu_seqlens"),
+    ({"dataloader_inter_document_masking": True, **PACKED, "seq1f1b_partition": "documents"},
+     "cu_seqlens"),
+    ({"reset_attention_mask": True, **FLASH}, 50256),  # the tokenizer's end-of-document id
+    ({"reset_attention_mask": True, "seq1f1b_partition": "documents"}, 50256),
+    ({"reset_attention_mask": True}, None),  # the dense mask, cut per segment, as before
+    # no dense mask from the data: Megatron's local attention alone would be causal across
+    # documents; the schedule keeps them apart
+    ({"reset_attention_mask": True, "create_attention_mask_in_dataloader": False}, 50256),
+])
+def test_prepare_model_passes_the_documents(monkeypatch, overrides, documents):
+    """The schedule learns where each micro-batch's documents are from the flags."""
+    import megatron_seq1f1b.api as api_mod
+    import megatron_seq1f1b.model as model_mod
+
+    installed = []
+    monkeypatch.setattr(model_mod, "enable", lambda model: model)
+    monkeypatch.setattr(api_mod, "install", lambda *a, **k: installed.append((a, k)))
+    monkeypatch.setattr(megatron_lm, "use_flash_attention", lambda model, args: model)
+    monkeypatch.setattr(megatron_lm, "end_of_document_id", lambda: 50256)
+    args = megatron_args(seq1f1b_splits=2, **overrides)
+    megatron_lm.prepare_model([object()], args)
+    (positional, keywords), = installed
+    assert positional == (2, args.seq1f1b_partition)
+    assert keywords["documents"] == documents
+    # what install() hands over is a valid source for the schedule
+    import megatron_seq1f1b as s1
+
+    s1.get_forward_backward_func(2, args.seq1f1b_partition, documents=documents)
+
+
+def test_end_of_document_id_is_the_tokenizers(monkeypatch):
+    tokenizer = SimpleNamespace(eod=50256)
+    monkeypatch.setitem(sys.modules, "megatron.training",
+                        SimpleNamespace(get_tokenizer=lambda: tokenizer))
+    assert megatron_lm.end_of_document_id() == 50256
+
+
+def test_flash_reset_attention_mask_needs_seq1f1b(monkeypatch):
+    """Without --seq1f1b the flash attention has no documents: refused when the model is
+    prepared (nothing swapped); with --seq1f1b the schedule gives them."""
+    monkeypatch.setattr(megatron_lm, "_megatron_args", lambda: None)
+    args = megatron_args(seq1f1b=False, reset_attention_mask=True, **FLASH)
+    with pytest.raises(ConfigError, match="add --seq1f1b"):
+        megatron_lm.prepare_model(object(), args)
+    assert megatron_lm.flash_attention_problems(megatron_args(reset_attention_mask=True,
+                                                              **FLASH)) == []
 
 
 def test_wrap_model_provider(monkeypatch):
@@ -1158,8 +1283,8 @@ def test_slice_gpt_batch():
         t, la, lm, am, pos, _ = megatron_lm.slice_gpt_batch(tokens, None, None, None,
                                                               position_ids, None)
         assert t.shape == (b, 3) and la is None and lm is None and am is None
-        with pytest.raises(ConfigError, match="packed sequences"):
-            megatron_lm.slice_gpt_batch(*batch[:5], object())
+        with pytest.raises(ConfigError, match="qkv_format='thd'"):
+            megatron_lm.slice_gpt_batch(*batch[:5], SimpleNamespace(qkv_format="sbhd"))
     with run.forward(0, 0):
         assert megatron_lm.slice_gpt_batch(*batch)[0].shape == (b, 5)
     run.close()
@@ -1198,14 +1323,123 @@ def test_slice_gpt_batch_fields():
             assert torch.equal(out[key], value)
         # middle pipeline stages: all None
         assert megatron_lm.slice_gpt_batch_fields(*[None] * 10) == (None,) * 10
-        # packed (THD) batches and hybrid CP carry these: refused inside a segment
-        for key in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "hybrid_cp_group",
-                    "local_cp_size"):
-            packed = dict(zip(megatron_lm.GPT_BATCH_KEYS, values), **{key: torch.tensor([0])})
-            with pytest.raises(ConfigError, match="packed sequences"):
-                megatron_lm.slice_gpt_batch_fields(*packed.values())
+        # hybrid context parallelism carries these: refused inside a segment
+        for key in ("hybrid_cp_group", "local_cp_size"):
+            hybrid = dict(zip(megatron_lm.GPT_BATCH_KEYS, values), **{key: torch.tensor([2])})
+            with pytest.raises(ConfigError, match=f"hybrid context parallelism \\({key}"):
+                megatron_lm.slice_gpt_batch_fields(*hybrid.values())
+        # a packed batch needs the schedule to know its documents (prepare_model passes them)
+        packed = dict(zip(megatron_lm.GPT_BATCH_KEYS, values),
+                      cu_seqlens=torch.tensor([[0, 8]], dtype=torch.int32))
+        with pytest.raises(ValueError, match="documents='cu_seqlens'"):
+            megatron_lm.slice_gpt_batch_fields(*packed.values())
     with pytest.raises(TypeError, match="ten|10"):
         megatron_lm.slice_gpt_batch_fields(*values[:6])
+    run.close()
+
+
+# One packed (THD) micro-batch of 16 tokens holding documents [0, 5), [5, 12), [12, 16), cut
+# into segments of 6 and 10 tokens: the document [5, 12) crosses from segment 0 into segment 1.
+PACKED_STARTS, PACKED_LENGTHS = (0, 5, 12), (6, 10)
+# Each segment's pieces of documents (cu_seqlens) and the longest piece (max_seqlen).
+PACKED_PIECES = [([0, 5, 6], 5), ([0, 6, 10], 6)]
+
+
+def packed_run():
+    from megatron_seq1f1b.documents import Documents
+    from megatron_seq1f1b.segments import SegmentRun
+
+    return SegmentRun(PACKED_LENGTHS, documents=[Documents((PACKED_STARTS,), 16)])
+
+
+def packed_tensors():
+    import torch
+
+    tokens = torch.arange(16).view(1, 16)
+    cu = torch.tensor([[0, 5, 12, 16]], dtype=torch.int32)
+    return tokens, cu
+
+
+@pytest.mark.parametrize("squeezed", [False, True], ids=["core_v0.16.1", "core_v0.17.1"])
+def test_slice_gpt_batch_packed(squeezed):
+    """--sft in core_v0.16/0.17: get_batch's packed_seq_params, built from the whole
+    micro-batch's cu_seqlens ([1, n] in 0.16.1, 1-D in 0.17.1), becomes the segment's: its
+    document pieces, 1-D, the rest kept; middle stages (0.17.1: packed_seq_params alone)."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    tokens, cu = packed_tensors()
+    cu = cu[0] if squeezed else cu
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                             max_seqlen_q=7, max_seqlen_kv=7)
+    batch = (tokens, tokens + 1, torch.ones(1, 16), None, tokens.clone(), params)
+    assert megatron_lm.slice_gpt_batch(*batch)[5] is params  # outside a segment: as it was
+    run = packed_run()
+    for segment, (pieces, longest) in enumerate(PACKED_PIECES):
+        start = sum(PACKED_LENGTHS[:segment])
+        end = start + PACKED_LENGTHS[segment]
+        with run.forward(0, segment):
+            t, la, lm, am, pos, cut = megatron_lm.slice_gpt_batch(*batch)
+            assert torch.equal(t, tokens[:, start:end])
+            assert torch.equal(la, tokens[:, start:end] + 1)
+            assert lm.shape == (1, end - start) and am is None
+            assert type(cut) is PackedSeqParams and cut.qkv_format == "thd"
+            for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                         "cu_seqlens_kv_padded"):
+                value = getattr(cut, name)
+                assert value.dim() == 1 and value.dtype == torch.int32, name
+                assert value.tolist() == pieces, name
+            assert (cut.max_seqlen_q, cut.max_seqlen_kv) == (longest, longest)
+            # a middle pipeline stage: core_v0.17.1 gives packed_seq_params alone (unpadded)
+            middle = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=7, max_seqlen_kv=7)
+            out = megatron_lm.slice_gpt_batch(None, None, None, None, None, middle)
+            assert out[:5] == (None,) * 5 and out[5].cu_seqlens_q.tolist() == pieces
+            assert out[5].cu_seqlens_q_padded is None and out[5].max_seqlen_q == longest
+            # core_v0.16.1's middle stages get nothing (the schedule's documents still apply)
+            assert megatron_lm.slice_gpt_batch(*[None] * 6) == (None,) * 6
+        run.forget(0)
+    # hybrid context parallelism builds its own packed_seq_params: refused in a segment
+    with run.forward(0, 0):
+        hybrid = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=7, max_seqlen_kv=7, local_cp_size=2)
+        with pytest.raises(ConfigError, match="hybrid context parallelism"):
+            megatron_lm.slice_gpt_batch(*batch[:5], hybrid)
+    run.close()
+
+
+def test_slice_gpt_batch_fields_packed():
+    """--sft / --dataloader-inter-document-masking in core_v0.18+: cu_seqlens and
+    cu_seqlens_padded ([1, n], as get_batch returns them) and max_seqlen ([1]) describe the
+    segment's document pieces; middle stages carry only those three."""
+    import torch
+
+    tokens, cu = packed_tensors()
+    fields = dict.fromkeys(megatron_lm.GPT_BATCH_KEYS)
+    fields.update(tokens=tokens, labels=tokens + 1, loss_mask=torch.ones(1, 16),
+                  position_ids=tokens.clone(), cu_seqlens=cu, cu_seqlens_padded=cu.clone(),
+                  max_seqlen=torch.tensor([7], dtype=torch.int32))
+    middle = {key: (value if key in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") else None)
+              for key, value in fields.items()}
+    run = packed_run()
+    for segment, (pieces, longest) in enumerate(PACKED_PIECES):
+        start = sum(PACKED_LENGTHS[:segment])
+        end = start + PACKED_LENGTHS[segment]
+        with run.forward(0, segment):
+            for given in (fields, middle):
+                out = dict(zip(megatron_lm.GPT_BATCH_KEYS,
+                               megatron_lm.slice_gpt_batch_fields(*given.values())))
+                for key in ("cu_seqlens", "cu_seqlens_padded"):
+                    assert out[key].shape == (1, len(pieces)) and out[key].dtype == torch.int32
+                    assert out[key].tolist() == [pieces], key
+                assert out["max_seqlen"].tolist() == [longest]
+                if given is fields:
+                    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                        assert torch.equal(out[key], fields[key][:, start:end]), key
+                else:
+                    assert out["tokens"] is None and out["labels"] is None
+        run.forget(0)
     run.close()
 
 

@@ -122,8 +122,14 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
                                              transformer_impl="transformer_engine"),
     "lm-context-parallel": _lm(context_parallel_size=2),
     "lm-hybrid-context-parallel": _lm(hybrid_context_parallel=True),
-    "lm-sft": _lm(sft=True),
     "lm-rl-sequence-packing": _lm(rl_use_sequence_packing=True),
+    "lm-packed-micro-batch-size": _lm(sft=True, micro_batch_size=2),
+    "lm-packed-rope-fusion": _lm(dataloader_inter_document_masking=True, apply_rope_fusion=True),
+    "lm-packed-mla-yarn": _lm(sft=True, multi_latent_attention=True),
+    "lm-documents-auto": _lm(sft=True, seq1f1b_splits="auto"),
+    "lm-partition-documents-without-documents": _lm(seq1f1b_partition="documents"),
+    "lm-reset-attention-mask-transformer-engine": _lm(reset_attention_mask=True,
+                                                      transformer_impl="transformer_engine"),
     "lm-variable-seq-lengths": _lm(variable_seq_lengths=True),
     "lm-decoder-seq-length": _lm(decoder_seq_length=2048),
     "lm-legacy-models": _lm(use_legacy_models=True),
@@ -145,11 +151,8 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-tp-comm-overlap": _lm(tp_comm_overlap=True),
     "lm-fp8-dot-product-attention": _lm(fp8_dot_product_attention=True),
     "lm-fp8-multi-head-attention": _lm(fp8_multi_head_attention=True),
-    "lm-inter-document-masking": _lm(dataloader_inter_document_masking=True),
     "lm-flash-dataloader-mask": _lm(attention_backend="flash",
                                     create_attention_mask_in_dataloader=True),
-    "lm-flash-reset-attention-mask": _lm(attention_backend="flash", reset_attention_mask=True,
-                                         create_attention_mask_in_dataloader=False),
     "lm-logits-load-dir": _lm(logits_load_dir="/cache/logits"),
     "lm-logits-save-dir": _lm(logits_save_dir="/cache/logits"),
     "lm-modelopt": _lm(modelopt_enabled=True),
@@ -534,6 +537,24 @@ def test_valid_baselines_are_accepted():
     assert megatron_lm.args_problems(argparse.Namespace(**LM_VALID)) == []
     for world_size in (1, 2, 3):
         arguments.parse(TRAINER_VALID, world_size)
+
+
+# Once rejected, now accepted: documents the schedule reads (packed batches, end-of-document
+# tokens on the flash attention) and a dense document mask on the local attention.
+LM_DOCUMENTS_ACCEPTED = [
+    dict(sft=True, micro_batch_size=1, apply_rope_fusion=False),
+    dict(sft=True, micro_batch_size=1, transformer_impl="transformer_engine",
+         seq1f1b_partition="documents"),
+    dict(dataloader_inter_document_masking=True, micro_batch_size=1),
+    dict(reset_attention_mask=True, attention_backend="flash",
+         create_attention_mask_in_dataloader=False, seq1f1b_partition="documents"),
+    dict(reset_attention_mask=True),
+]
+
+
+@pytest.mark.parametrize("flags", LM_DOCUMENTS_ACCEPTED)
+def test_megatron_lm_documents_are_accepted(flags):
+    assert megatron_lm.args_problems(argparse.Namespace(**{**LM_VALID, **flags})) == []
 
 
 def _rejection(case: str, capsys: pytest.CaptureFixture) -> str | None:
