@@ -94,8 +94,8 @@ def model_config_problems(config) -> list[str]:
     if (get("context_parallel_size", 1) or 1) > 1:
         problems += context_parallel_problems(config)
     if get("hybrid_context_parallel"):
-        problems.append("hybrid_context_parallel (hybrid data x context parallelism per "
-                        "sequence) is not supported; disable it")
+        problems.append("hybrid_context_parallel is not supported (it chooses data x context "
+                        "parallelism per sequence); disable it")
     if get("multi_latent_attention") and get("rope_type") == "yarn" and get("apply_rope_fusion"):
         problems.append(
             "multi-latent attention with YaRN and apply_rope_fusion reads RoPE cos/sin cached "

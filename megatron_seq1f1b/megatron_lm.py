@@ -420,6 +420,9 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     from megatron_seq1f1b.model import enable
 
     enable(model)
+    documents = documents_source(args)
+    if documents == EOD:
+        documents = end_of_document_id()
     if args.seq1f1b_splits == AUTO:  # planned on the first forward-backward call
         from megatron_seq1f1b.auto import auto_forward_backward_func
 
@@ -427,11 +430,8 @@ def prepare_model(model: Any, args: Any = None) -> Any:
             memory_budget_gib=_flag(args, "seq1f1b_memory_budget"),
             memory_budget_microbatches=_flag(args, "seq1f1b_memory_budget_microbatches"),
             min_segment_length=_flag(args, "seq1f1b_min_segment_length", DEFAULT_MIN_SEGMENT),
-            segment_multiple=_flag(args, "seq1f1b_segment_multiple")))
+            segment_multiple=_flag(args, "seq1f1b_segment_multiple"), documents=documents))
     else:
-        documents = documents_source(args)
-        if documents == EOD:
-            documents = end_of_document_id()
         install(args.seq1f1b_splits, args.seq1f1b_partition,
                 schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE),
                 segment_multiple=_flag(args, "seq1f1b_segment_multiple"), documents=documents)
@@ -601,12 +601,6 @@ def document_problems(args: Any) -> list[str]:
         )
     if source is None:
         return problems
-    flag = packed or "--reset-attention-mask"
-    if _flag(args, "seq1f1b_splits", DEFAULT_SPLITS) == AUTO:
-        problems.append(
-            f"--seq1f1b-splits auto measures and plans segments without documents, and {flag} "
-            "needs the schedule to keep them apart; give --seq1f1b-splits N"
-        )
     if packed is None:
         return problems
     for name in ("micro_batch_size", "eval_micro_batch_size"):

@@ -106,14 +106,15 @@ def _attention_modules(gpt):
             if cp > 1 and not getattr(core, "seq1f1b_context_parallel", False):
                 problems.append(
                     f"{name}.core_attention: Megatron's DotProductAttention cannot be built "
-                    "with context parallelism; build the layer spec with megatron_seq1f1b."
-                    "context_parallel.context_parallel_layer_spec(spec)")
+                    f"with context parallelism (context_parallel_size={cp}); build the layer "
+                    "spec with megatron_seq1f1b.context_parallel.context_parallel_layer_spec(spec)")
             found.append((core, attention.local_attention_forward))
         elif attention.is_te_attention(core):
             if cp > 1 and not getattr(type(core), "bottom_right_causal", False):
                 problems.append(
                     f"{name}.core_attention: Transformer Engine's attention does its own context-"
-                    "parallel exchange, which Seq1F1B's segments do not drive yet; use "
+                    f"parallel exchange (context_parallel_size={cp}), which Seq1F1B's segments "
+                    "do not drive yet; use "
                     "Megatron's local attention or megatron_seq1f1b's flash attention "
                     "(--transformer-impl local) with context parallelism")
             found.append((core, attention.te_attention_forward))

@@ -251,7 +251,7 @@ def split_sequence(
         raise ValueError(
             f"seq_length {seq_length} is not a multiple of {multiple_of}, which every "
             "segment length must be (the tensor-parallel size with sequence parallelism, "
-            "times 8 with FP8)"
+            "times 8 with FP8, and 2 x context_parallel_size chunks with context parallelism)"
         )
     units = seq_length // multiple_of
     if units < num_splits:

@@ -1017,16 +1017,13 @@ def test_validate_does_nothing_without_the_flag():
     ({"tp_comm_overlap": True}, ["--tp-comm-overlap"]),
     ({"fp8_dot_product_attention": True}, ["--fp8-dot-product-attention"]),
     ({"fp8_multi_head_attention": True}, ["--fp8-multi-head-attention"]),
-    # packed documents: one sample per micro-batch, no fused RoPE, no YaRN, not planned by auto
+    # packed documents: one sample per micro-batch, no fused RoPE, no YaRN
     ({"sft": True, **PACKED, "micro_batch_size": 2, "eval_micro_batch_size": 2},  # once
      ["--micro-batch-size 1", "--sft"]),
     ({"dataloader_inter_document_masking": True, **PACKED, "eval_micro_batch_size": 4},
      ["--eval-micro-batch-size 1", "--dataloader-inter-document-masking"]),
     ({"sft": True, **PACKED, "apply_rope_fusion": True}, ["--no-rope-fusion"]),
     ({"sft": True, **PACKED, "multi_latent_attention": True}, ["--rope-type rope"]),
-    ({"sft": True, **PACKED, "seq1f1b_splits": "auto"}, ["--seq1f1b-splits N", "--sft"]),
-    ({"reset_attention_mask": True, **FLASH, "seq1f1b_splits": "auto"},
-     ["--seq1f1b-splits N", "--reset-attention-mask"]),
     # a dense document mask that Transformer Engine's flash/fused attention would ignore
     ({"reset_attention_mask": True, "transformer_impl": "transformer_engine"},
      ["--reset-attention-mask", "--transformer-impl local",
@@ -1112,7 +1109,7 @@ def test_prepare_model_with_auto_installs_the_planning_function(monkeypatch):
         func = pipeline_parallel.get_forward_backward_func()
         assert func.num_splits == "auto" and func.choice is None
         assert made == [dict(memory_budget_gib=40.0, memory_budget_microbatches=None,
-                             min_segment_length=256, segment_multiple=128)]
+                             min_segment_length=256, segment_multiple=128, documents=None)]
     finally:
         import megatron_seq1f1b as s1
 

@@ -126,7 +126,6 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-packed-micro-batch-size": _lm(sft=True, micro_batch_size=2),
     "lm-packed-rope-fusion": _lm(dataloader_inter_document_masking=True, apply_rope_fusion=True),
     "lm-packed-mla-yarn": _lm(sft=True, multi_latent_attention=True),
-    "lm-documents-auto": _lm(sft=True, seq1f1b_splits="auto"),
     "lm-partition-documents-without-documents": _lm(seq1f1b_partition="documents"),
     "lm-reset-attention-mask-transformer-engine": _lm(reset_attention_mask=True,
                                                       transformer_impl="transformer_engine"),
