@@ -9,7 +9,11 @@ import pytest
 from gpt import DataSpec, ModelSpec, run_layout
 
 ROPE = ModelSpec()
+LEARNED = ModelSpec(position_embedding_type="learned_absolute")
 GQA = ModelSpec(num_attention_heads=4, num_query_groups=2)
+FLASH_GQA = dataclasses.replace(GQA, attention="flash")
+EOD = ROPE.vocab_size - 1
+DOCUMENTS = (((0, 5, 20),), ((0, 3, 11, 12, 27),))
 
 
 def _check(results):
@@ -19,15 +23,33 @@ def _check(results):
 
 
 LAYOUTS = {
-    "cp2_k2_local": dict(model=ROPE, cp=2, seq1f1b=dict(num_splits=2, partition="uniform")),
-    "cp2_k3_flash_gqa": dict(model=dataclasses.replace(GQA, attention="flash"), cp=2,
-                             seq1f1b=dict(num_splits=2, partition="balanced")),
+    # CP 2 alone (2 ranks)
+    "cp2_k1_local": dict(model=ROPE, seq1f1b=dict(num_splits=1)),
+    "cp2_k2_learned_local": dict(model=LEARNED, seq1f1b=dict(num_splits=2, partition="uniform")),
+    "cp2_k3_flash_gqa_balanced": dict(model=FLASH_GQA,
+                                      seq1f1b=dict(num_splits=3, partition="balanced")),
+    "cp2_k2_documents_flash": dict(model=FLASH_GQA, data=DataSpec(num_microbatches=2,
+                                                                  documents=DOCUMENTS),
+                                   seq1f1b=dict(num_splits=2, partition="uniform",
+                                                documents=EOD)),
+    "cp2_k2_window_local": dict(model=dataclasses.replace(GQA, extra=(("window_size", (6, 0)),)),
+                                seq1f1b=dict(num_splits=2, partition="uniform")),
+    # pipeline 2 x CP 2, tensor 2 x CP 2 (4 ranks)
+    "pp2_cp2_k3_flash": dict(model=FLASH_GQA, pp=2,
+                             seq1f1b=dict(num_splits=3, partition="balanced")),
+    "pp2_cp2_k2_zero_bubble_local": dict(model=ROPE, pp=2,
+                                         seq1f1b=dict(num_splits=2, schedule="zb-h1")),
+    "pp2_vpp2_cp2_k2_local": dict(model=ROPE, pp=2, vpp=2,
+                                  config_overrides=dict(overlap_p2p_comm=True,
+                                                        batch_p2p_comm=False),
+                                  seq1f1b=dict(num_splits=2)),
+    "tp2_cp2_k2_sp_flash": dict(model=FLASH_GQA, tp=2, sp=True, seq1f1b=dict(num_splits=2)),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallel_segments_equal_one_rank(ranks, name):
-    layout = LAYOUTS[name]
-    world = layout.get("pp", 1) * layout["cp"] * layout.get("tp", 1)
-    _check(ranks.run(world, run_layout, case=name, data=DataSpec(num_microbatches=2),
-                     **layout))
+    layout = dict(LAYOUTS[name])
+    data = layout.pop("data", DataSpec(num_microbatches=2))
+    world = layout.get("pp", 1) * 2 * layout.get("tp", 1)
+    _check(ranks.run(world, run_layout, case=name, data=data, cp=2, **layout))
