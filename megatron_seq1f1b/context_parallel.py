@@ -66,6 +66,25 @@ def _reorder(tensor: torch.Tensor, cp_size: int, inverse: bool) -> torch.Tensor:
     return chunks.index_select(0, _index(cp_size, inverse, tensor.device)).view(tensor.shape)
 
 
+class ContextParallelCommError(RuntimeError):
+    """A context-parallel collective of a segment failed or timed out: a peer failed or is gone."""
+
+
+def collective(what: str, group, call) -> None:
+    """Run a CP collective; a failure (a dead or failed peer, the group's timeout) becomes an
+    error naming this rank and the peers it waited for."""
+    import torch.distributed as dist
+
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - re-raised with who and what
+        me = dist.get_rank()
+        peers = [r for r in dist.get_process_group_ranks(group) if r != me]
+        raise ContextParallelCommError(
+            f"Seq1F1B: rank {me}: the context-parallel {what} with ranks {peers} failed or "
+            f"timed out (a peer failed or is gone): {type(exc).__name__}: {exc}") from exc
+
+
 class GatherKV(torch.autograd.Function):
     """This rank's keys and values (its two chunks) -> the segment's, in sequence order.
 
@@ -81,7 +100,8 @@ class GatherKV(torch.autograd.Function):
         ctx.group, ctx.split, ctx.meter = group, key.shape[-1], meter
         local = torch.cat([key, value], dim=-1).contiguous()
         gathered = local.new_empty((cp * local.shape[0],) + tuple(local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local, group=group)
+        collective("all-gather of a segment's keys and values", group,
+                   lambda: dist.all_gather_into_tensor(gathered, local, group=group))
         if meter is not None:
             meter.add(local.numel() * local.element_size() * (cp - 1))
         ordered = _reorder(gathered, cp, inverse=False)
@@ -96,7 +116,8 @@ class GatherKV(torch.autograd.Function):
         grads = torch.cat([grad_key, grad_value], dim=-1)
         ranked = _reorder(grads, cp, inverse=True).contiguous()
         local = ranked.new_empty((ranked.shape[0] // cp,) + tuple(ranked.shape[1:]))
-        dist.reduce_scatter_tensor(local, ranked, group=group)
+        collective("reduce-scatter of a segment's key and value gradients", group,
+                   lambda: dist.reduce_scatter_tensor(local, ranked, group=group))
         if ctx.meter is not None:
             ctx.meter.add(local.numel() * local.element_size() * (cp - 1))
         return local[..., :ctx.split], local[..., ctx.split:], None, None

@@ -51,6 +51,7 @@ from megatron_seq1f1b.checks import (
     ConfigError, executor_problems, raise_if, rounding_multiple, segment_multiple_problems,
 )
 from megatron_seq1f1b.checks import segment_multiple as segment_multiple_of
+from megatron_seq1f1b.context_parallel import ContextParallelCommError
 from megatron_seq1f1b.document_plan import gather_documents, source_problems
 from megatron_seq1f1b.loss import SegmentLosses
 from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled, unwrap
@@ -646,7 +647,7 @@ class _Pipeline:
                 start = recorder.now() if record is not None else 0.0
                 try:
                     sent = self.compute(unit, in_flight)
-                except (PipelineCommError, ConfigError, ActionError):
+                except (PipelineCommError, ContextParallelCommError, ConfigError, ActionError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - re-raised with where and what
                     raise self._failure(unit.action, index, exc) from exc

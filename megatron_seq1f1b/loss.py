@@ -73,8 +73,11 @@ class SegmentLosses:
                 and not entry.tokens_summed:
             import torch.distributed as dist
 
+            from megatron_seq1f1b.context_parallel import collective
+
             entry.tokens = entry.tokens.clone()
-            dist.all_reduce(entry.tokens, group=self.cp_group)
+            collective("sum of a micro-batch's tokens", self.cp_group,
+                       lambda: dist.all_reduce(entry.tokens, group=self.cp_group))
             entry.tokens_summed = True
         loss = entry.sums.pop(action.segment)
         if not entry.sums:

@@ -385,6 +385,37 @@ def fault_in_user_code(stage: int, action: str, where: str, model: ModelSpec,
             "rank": torch.distributed.get_rank()}
 
 
+def context_parallel_fault(failing_rank: int, model: ModelSpec, timeout_s: float) -> dict:
+    """CP 2 (one stage): one rank's forward step raises in segment 1 of micro-batch 0; what
+    each rank raises, and how long it took."""
+    from gpt import wrap_ddp
+
+    data = DataSpec(num_microbatches=2)
+    batches = make_batches(model, data)
+    init_parallel(1, 1, None, timeout_s=timeout_s, context_parallel_size=2)
+    config = make_config(model, context_parallel_size=2)
+    chunks = build_chunks(model, config)
+    s1.enable(chunks)
+    models = wrap_ddp(chunks, config)
+    me = torch.distributed.get_rank()
+
+    def failing_step(data_iterator, chunk):
+        info = s1.current_segment()
+        if me == failing_rank and (info.microbatch, info.index) == (0, 1):
+            raise ValueError("injected failure")
+        return forward_step(data_iterator, chunk, slicer=s1.slice_batch)
+
+    start = time.monotonic()
+    try:
+        s1.get_forward_backward_func(2)(
+            forward_step_func=failing_step, data_iterator=iter(batches), model=models[0],
+            num_microbatches=len(batches), seq_length=model.seq_length, micro_batch_size=1)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start,
+                "rank": me}
+    return {"error": None, "seconds": time.monotonic() - start, "rank": me}
+
+
 def _train(models, batches, model, data, fwd_bwd, steps: int, slicer=None) -> None:
     # adam_eps=1: updates nearly linear in the gradient (as in optimizer_step), so rounding
     # differences are not blown up to +-lr where a gradient element is ~0.

@@ -53,3 +53,16 @@ def test_context_parallel_segments_equal_one_rank(ranks, name):
     data = layout.pop("data", DataSpec(num_microbatches=2))
     world = layout.get("pp", 1) * 2 * layout.get("tp", 1)
     _check(ranks.run(world, run_layout, case=name, data=data, cp=2, **layout))
+
+
+def test_a_failing_context_parallel_peer_stops_the_other_in_time_naming_it(ranks):
+    import pipeline_cases as cases
+
+    timeout_s = 4
+    results = ranks.run(2, cases.context_parallel_fault, case="cp-fault", failing_rank=1,
+                        model=ROPE, timeout_s=timeout_s)
+    failed, waiting = results[1], results[0]
+    assert failed["error"].startswith("ActionError") and "injected failure" in failed["error"]
+    assert waiting["error"].startswith("ContextParallelCommError"), waiting
+    assert "rank 0: the context-parallel" in waiting["error"] and "ranks [1]" in waiting["error"]
+    assert waiting["seconds"] < 6 * timeout_s, waiting
