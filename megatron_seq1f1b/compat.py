@@ -12,6 +12,9 @@ what                          0.16.1                     0.17.0 and later
                               config)``
 ``get_forward_backward_func`` ``(pp_size, vp_size)``     0.19: also
                                                          ``schedule_pg_collection``
+GPT dataset document          none                       0.19: ``GPTDatasetConfig``
+boundaries (``cu_seqlens``)   (:func:`with_document_     ``.inter_document_masking``
+                              boundaries` adds them)
 ============================  =========================  ==========================
 """
 
@@ -93,3 +96,86 @@ def moe_losses(reset: bool = False) -> dict:
         else:
             destroy_moe_metrics_tracker()
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def dataset_has_inter_document_masking() -> bool:
+    """Whether Megatron-Core's ``GPTDatasetConfig`` has ``inter_document_masking`` (0.19+)."""
+    import dataclasses
+
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    return any(field.name == "inter_document_masking"
+               for field in dataclasses.fields(GPTDatasetConfig))
+
+
+def with_document_boundaries(dataset_class: type) -> type:
+    """``dataset_class`` (``GPTDataset`` or ``MockGPTDataset``) whose samples carry the
+    document boundaries, as 0.19's ``inter_document_masking`` gives them, for releases
+    without it (see :func:`dataset_has_inter_document_masking`).
+
+    Each sample gets ``cu_seqlens`` (int32 ``[sequence_length + 1]``: 0, the end of
+    every document part in the sample, then copies of ``sequence_length``), ``max_seqlen``
+    (the longest part, a 0-d int32 tensor) and position ids restarting at every part. The
+    parts are where the dataset's documents are cut into the sample (its sample index),
+    not where end-of-document tokens are: a document that holds the end-of-document id
+    inside it stays one.
+    """
+
+    class WithDocumentBoundaries(dataset_class):
+        def __getitem__(self, idx):
+            sample = super().__getitem__(idx)
+            sample.pop("attention_mask", None)
+            parts = self._document_parts(0 if idx is None else idx)
+            return _add_document_boundaries(sample, parts, self.config.sequence_length,
+                                            int(self.config.add_extra_token_to_sequence))
+
+        def _document_parts(self, idx: int) -> list[int]:
+            """Tokens of each document in sample ``idx``, with the extra label token."""
+            extra = int(self.config.add_extra_token_to_sequence)
+            row = self.shuffle_index[idx]  # loaded by the base class's __getitem__
+            first, first_offset = (int(v) for v in self.sample_index[row])
+            last, last_offset = (int(v) for v in self.sample_index[row + 1])
+            parts = []
+            for position in range(first, last + 1):
+                offset = first_offset if position == first else 0
+                available = int(self.dataset.sequence_lengths[self.document_index[position]]) \
+                    - offset
+                wanted = last_offset + extra - offset if position == last else available
+                parts.append(min(wanted, available))
+            return parts
+
+    WithDocumentBoundaries.__name__ = dataset_class.__name__  # same index cache names
+    WithDocumentBoundaries.__qualname__ = dataset_class.__qualname__
+    return WithDocumentBoundaries
+
+
+def _add_document_boundaries(sample: dict, parts: list[int], sequence_length: int,
+                             extra: int) -> dict:
+    """cu_seqlens, max_seqlen and per-document position ids from the sample's parts (the
+    last one holds the ``extra`` label token; a sample padded short folds its padding into
+    the last document), as 0.19's dataset computes them."""
+    import torch
+
+    lengths = list(parts)
+    if extra:  # the extra token belongs to the labels only
+        lengths[-1] -= extra
+        if lengths[-1] == 0:
+            lengths.pop()
+    shortfall = sequence_length - sum(lengths)
+    if shortfall > 0:
+        if lengths:
+            lengths[-1] += shortfall
+        else:
+            lengths.append(shortfall)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    positions = sample["position_ids"].clone()
+    for start, end in zip(cu, cu[1:]):
+        positions[start:end] = torch.arange(end - start, dtype=positions.dtype)
+    padded = torch.full((sequence_length + 1,), sequence_length, dtype=torch.int32)
+    padded[: len(cu)] = torch.tensor(cu, dtype=torch.int32)
+    sample.update(position_ids=positions, cu_seqlens=padded,
+                  max_seqlen=torch.tensor(max(lengths), dtype=torch.int32))
+    return sample

@@ -78,10 +78,23 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
+def packed_seq_params(batch: dict):
+    """Packed documents (THD) as Megatron-LM's forward_step passes them, or None."""
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = cu_seqlens.squeeze(0)  # [1, N] in the batch, 1-D for attention
+    longest = int(batch["max_seqlen"].max().item())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
 def forward_step(data_iterator, model):
     batch = get_batch(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"])
+                   labels=batch["labels"], packed_seq_params=packed_seq_params(batch))
     return output, partial(loss_func, batch["loss_mask"])
 
 

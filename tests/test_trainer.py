@@ -24,12 +24,12 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
-def train(tmp_path, name, nproc, *flags, timeout=300):
+def train(tmp_path, name, nproc, *flags, timeout=300, base=BASE):
     log = tmp_path / f"{name}.json"
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                SEQ1F1B_TIMEOUT_MINUTES="2")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_port()}", str(SCRIPT), *BASE, *flags, "--log-json", str(log)]
+           f"--master-port={_port()}", str(SCRIPT), *base, *flags, "--log-json", str(log)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(log.read_text()), done.stdout
@@ -150,6 +150,111 @@ def test_checkpoints_interchange_between_schedules(tmp_path):
           str(seq_first))
     resumed_1f1b, _ = train(tmp_path, "b", 2, *common, "--load", str(seq_first))
     _same(resumed_1f1b["summary"]["losses"], straight["summary"]["losses"][2:])
+
+
+def _short_documents(tmp_path) -> list[str]:
+    """--data-path flags of an indexed dataset of short byte documents (1 to 40 tokens with
+    their end-of-document token): every 64-token sample holds several."""
+    import random
+
+    from megatron_seq1f1b.trainer.data import write_indexed
+
+    rng = random.Random(0)
+    texts = ["".join(rng.choice("abcdefgh ") for _ in range(rng.randint(0, 39)))
+             for _ in range(400)]
+    prefix = write_indexed(texts, tmp_path / "docs")
+    return ["--data-path", str(prefix), "--tokenizer-type", "ByteTokenizer", "--vocab-size",
+            "257", "--data-cache-path", str(tmp_path / "cache")]
+
+
+THD = "as packed THD batches"
+# Per mode: the flags of every run, then the runs, (extra flags, how the start-up line says
+# documents travel). The first run is the reference: Megatron's 1F1B on the same layout, so
+# the same initial weights (the layout fixes them; checkpoints do not cross layouts).
+DOCUMENTS = {
+    # issue 31's acceptance line; mock data, NullTokenizer: its documents hold the
+    # end-of-document id every 128 tokens. Micro-batches of 2 are flattened (THD).
+    "reset-attention-mask": (
+        ["--mock-data", "--seq-length", "128", "--reset-attention-mask", "--reset-position-ids",
+         "--eod-mask-loss", "--attention-backend", "flash", "--position-embedding-type", "rope",
+         "--micro-batch-size", "2", "--global-batch-size", "8"],
+        [([], f"end-of-document tokens {THD} (2 samples flattened into 256 tokens)"),
+         (["--seq1f1b", "--seq1f1b-splits", "3", "--seq1f1b-partition", "documents"], THD),
+         (["--seq1f1b", "--seq1f1b-splits", "1"], THD)]),
+    # the dataset's documents, both backends: local attention's dense-mask route for
+    # Megatron's schedule, the documents for Seq1F1B's, packed batches on flash for both
+    "inter-document-masking": (
+        ["--dataloader-inter-document-masking", "--position-embedding-type", "rope",
+         "--micro-batch-size", "2", "--global-batch-size", "8"],
+        [([], "the dataset's cu_seqlens as a dense document mask"),
+         (["--seq1f1b", "--seq1f1b-splits", "3", "--seq1f1b-partition", "documents"],
+          "the dataset's cu_seqlens as Seq1F1B's documents"),
+         (["--attention-backend", "flash"], THD),
+         (["--attention-backend", "flash", "--seq1f1b", "--seq1f1b-splits", "3"], THD)]),
+}
+
+
+@pytest.mark.parametrize("mode", list(DOCUMENTS))
+def test_documents_pipeline_2_seq1f1b_equals_megatrons_schedule(tmp_path, mode):
+    """Packed documents at pipeline 2, fp32: Seq1F1B k=3 (and k=1: documents without
+    segments) gives Megatron 1F1B's losses within 1e-5, on both attention backends: flash
+    takes packed THD batches (no [s, s] mask) in every schedule; local gives Megatron's
+    schedule a dense document mask and Seq1F1B the documents."""
+    flags, runs = DOCUMENTS[mode]
+    if "--mock-data" not in flags:
+        flags = [*flags, *_short_documents(tmp_path)]
+    base = [f for f in BASE if f != "--mock-data"]
+    common = ["--pipeline-model-parallel-size", "2", "--train-iters", "3", *flags]
+    losses = []
+    for number, (extra, form) in enumerate(runs):
+        log, stdout = train(tmp_path, f"run{number}", 2, *common, *extra, base=base)
+        assert "documents from " in stdout and form in stdout, (extra, stdout[-1500:])
+        losses.append(log["summary"]["losses"])
+    for other in losses[1:]:
+        _same(other, losses[0])
+
+
+def test_document_boundaries_before_0_19_equal_megatrons(tmp_path):
+    """compat.with_document_boundaries (Megatron-Core < 0.19) gives what 0.19's
+    inter_document_masking gives, sample by sample (indexed and mock data, both splits, the
+    padding sample). It matched 0.16.1's datasets against 0.19.2's by hand, too."""
+    import torch
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    from megatron_seq1f1b import compat
+    from megatron_seq1f1b.trainer.data import ByteTokenizer, NullTokenizer, quiet_logs
+
+    if not compat.dataset_has_inter_document_masking():
+        pytest.skip("Megatron-Core < 0.19 has no inter_document_masking to compare with")
+    quiet_logs()
+    prefix = _short_documents(tmp_path)[1]
+    for mock in (False, True):
+        def build(cls, native):
+            config = GPTDatasetConfig(
+                random_seed=1, sequence_length=64,
+                tokenizer=NullTokenizer(128) if mock else ByteTokenizer(),
+                reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                create_attention_mask=False, blend=None if mock else ([prefix], None),
+                split=None if mock else "98,2,0", path_to_cache=str(tmp_path / "cache"),
+                **(dict(inter_document_masking=True) if native else {}))
+            config.mock = mock
+            return BlendedMegatronDatasetBuilder(cls, [100, 20, None], lambda: True,
+                                                 config).build()
+
+        cls = MockGPTDataset if mock else GPTDataset
+        theirs, ours = build(cls, True), build(compat.with_document_boundaries(cls), False)
+        boundaries = 0
+        for split in (0, 1):
+            for index in [*range(min(len(theirs[split]), 300)), None]:
+                a, b = theirs[split][index], ours[split][index]
+                assert a.keys() == b.keys()
+                assert all(torch.equal(a[key], b[key]) for key in a), (mock, split, index)
+                boundaries += int((a["cu_seqlens"] < 64).sum()) - 1
+        assert boundaries > (10 if mock else 300), boundaries  # the samples hold documents
 
 
 # (name, ranks, flags). CI resumes one run that has it all on two ranks: interleaved Seq1F1B

@@ -154,6 +154,27 @@ def build_parser() -> ArgumentParser:
                       default="NullTokenizer")
     data.add_argument("--vocab-size", type=positive_int, default=None)
     data.add_argument("--data-cache-path", default=None)
+    docs = p.add_argument_group(
+        "documents (Megatron-LM's flags)",
+        "Samples pack several documents. --reset-attention-mask or "
+        "--dataloader-inter-document-masking keep them apart in attention, with every schedule "
+        "and both attention backends: on 'flash' every batch is packed (THD: cu_seqlens, "
+        "PackedSeqParams; micro-batches of b > 1 flattened into one sequence of b x "
+        "--seq-length tokens, as Megatron-LM does) and no [s, s] mask is built; on 'local' "
+        "Megatron's schedules get a dense [b, 1, s, s] document mask and Seq1F1B gets the "
+        "documents (its segments build their own masks).")
+    docs.add_argument("--reset-position-ids", action="store_true",
+                      help="position ids restart after every end-of-document token")
+    docs.add_argument("--reset-attention-mask", action="store_true",
+                      help="a token after an end-of-document token starts a new document: "
+                           "attention stays within documents")
+    docs.add_argument("--eod-mask-loss", action="store_true",
+                      help="no loss on end-of-document tokens")
+    docs.add_argument("--dataloader-inter-document-masking", action="store_true",
+                      help="the dataset's documents (where it cut them into the sample, not "
+                           "end-of-document tokens) as cu_seqlens; attention stays within "
+                           "them and position ids restart at each (takes precedence over "
+                           "--reset-attention-mask)")
 
     add_arguments(p)  # --seq1f1b... flags, as in Megatron-LM (auto's budget flags too)
     return p
@@ -228,6 +249,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                         "(or this package's [train] extra)")
     auto = args.seq1f1b_splits == AUTO
     problems += auto_flag_problems(args)
+    problems += document_problems(args, auto)
     if args.seq1f1b and args.seq1f1b_schedule == "zb-h2" \
             and args.virtual_pipeline_model_parallel_size is not None:
         problems.append(f"--seq1f1b-schedule zb-h2 with virtual pipelining: {ZB_H2_PROBLEM}")
@@ -239,7 +261,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         if requested is not None:
             multiple = math.lcm(multiple, requested)
         try:
-            split_sequence(args.seq_length, args.seq1f1b_splits, multiple_of=multiple)
+            split_sequence(args.schedule_seq_length, args.seq1f1b_splits, multiple_of=multiple)
         except ValueError as exc:
             problems.append(f"--seq-length / --seq1f1b-splits: {exc}")
     if args.seq1f1b and args.num_experts:
@@ -248,6 +270,35 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         sys.stderr.write("".join(f"pretrain_gpt.py: error: {p}\n" for p in problems))
         raise SystemExit(2)
     return args
+
+
+def document_problems(args: argparse.Namespace, auto: bool) -> list[str]:
+    """The documents flags; fills in how batches carry documents (``args.documents``: None,
+    ``"eod"`` or ``"dataset"``; ``args.packed_documents``: THD batches) and the sequence the
+    schedules run (``args.schedule_seq_length`` / ``args.schedule_micro_batch_size``: packed
+    micro-batches are one sequence of micro-batch size x --seq-length tokens)."""
+    problems = []
+    args.documents = ("dataset" if args.dataloader_inter_document_masking
+                      else "eod" if args.reset_attention_mask else None)
+    args.packed_documents = args.documents is not None and args.attention_backend == "flash"
+    flattened = args.micro_batch_size if args.packed_documents else 1
+    args.schedule_seq_length = args.seq_length * flattened
+    args.schedule_micro_batch_size = args.micro_batch_size // flattened
+    if args.seq1f1b and args.seq1f1b_partition == "documents" and args.documents is None:
+        problems.append("--seq1f1b-partition documents cuts every micro-batch by its "
+                        "documents: add --reset-attention-mask or "
+                        "--dataloader-inter-document-masking")
+    if args.documents is None:
+        return problems
+    flag = ("--dataloader-inter-document-masking" if args.documents == "dataset"
+            else "--reset-attention-mask")
+    if args.seq1f1b and auto:
+        problems.append(f"{flag} with --seq1f1b-splits auto: the start-up measurement times "
+                        "segments without documents; give --seq1f1b-splits N")
+    if args.multi_latent_attention:
+        problems.append(f"{flag} with --multi-latent-attention is not supported by this "
+                        "trainer yet; remove one of them")
+    return problems
 
 
 def parse(argv=None, world_size: int = 1) -> argparse.Namespace:

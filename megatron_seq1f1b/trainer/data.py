@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy
 import torch
+
+from megatron_seq1f1b.documents import Documents
 
 
 class NullTokenizer:
@@ -84,31 +86,44 @@ def build_datasets(args, tokenizer, train_samples: int, eval_samples: int):
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+    from megatron_seq1f1b import compat
+
+    documents = getattr(args, "documents", None)
+    boundaries = {}
+    if documents == "dataset" and compat.dataset_has_inter_document_masking():
+        boundaries = dict(inter_document_masking=True)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=getattr(args, "reset_position_ids", False),
+        reset_attention_mask=getattr(args, "reset_attention_mask", False),
+        eod_mask_loss=getattr(args, "eod_mask_loss", False),
+        # Megatron's dense [s, s] mask from end-of-document tokens: only where it is the
+        # documents' form (Megatron's schedules on local attention).
+        create_attention_mask=documents == "eod" and dense_document_mask(args),
         blend=None if args.mock_data else (list(args.data_path), None),
         split=None if args.mock_data else args.split,
         path_to_cache=args.data_cache_path,
+        **boundaries,
     )
     cls = MockGPTDataset
     if args.mock_data:
         config.mock = True
     else:
         cls = GPTDataset
+    if documents == "dataset" and not boundaries:
+        cls = compat.with_document_boundaries(cls)
     train, valid, _ = BlendedMegatronDatasetBuilder(
         cls, [train_samples, eval_samples, None], lambda: True, config
     ).build()
     return train, valid
 
 
-def batches(dataset, micro_batch_size: int, first_block: int, stride: int) -> Iterator[dict]:
-    """This data-parallel rank's micro-batches.
+def batches(dataset, micro_batch_size: int, first_block: int, stride: int,
+            form: Callable[[dict], dict] | None = None) -> Iterator[dict]:
+    """This data-parallel rank's micro-batches (``form``: how they carry documents,
+    :func:`document_form`).
 
     The global stream of micro-batches is blocks of ``micro_batch_size``
     consecutive samples; rank d of D takes blocks d, d + D, d + 2D, ...
@@ -120,8 +135,111 @@ def batches(dataset, micro_batch_size: int, first_block: int, stride: int) -> It
         start = block * micro_batch_size
         samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
         batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        if form is not None:
+            batch = form(batch)
         yield {key: value.pin_memory() for key, value in batch.items()} if pin else batch
         block += stride
+
+
+# ------------------------------------------------------------------------------- documents
+#
+# --reset-attention-mask (documents end at end-of-document tokens, Megatron's
+# _get_ltor_masks_and_position_ids) and --dataloader-inter-document-masking (the dataset's
+# document boundaries as cu_seqlens) reach attention in the form the backend and schedule
+# take. Tokens, labels, loss mask and position ids are the dataset's in every form.
+#
+#   attention  schedule   the micro-batch carries              Seq1F1B's documents source
+#   flash      any        packed THD: cu_seqlens, max_seqlen    "cu_seqlens"
+#                         ([1, b*s], flattened as Megatron-LM)
+#   local      Megatron   attention_mask [b, 1, s, s]           -
+#   local      Seq1F1B    nothing more (eod) or                 the eod id, or the rows
+#                         document_cu_seqlens [b, s+1]          (document_rows)
+#
+# Megatron's local DotProductAttention cannot take packed batches, and the flash attention
+# takes no dense mask (nor is one built for it): each gets the documents its own way, and
+# the losses of all forms agree (tests/test_trainer.py).
+
+#: [b, s + 1] cumulative document lengths per sample (padded with s): the documents of a
+#: local-attention Seq1F1B run with --dataloader-inter-document-masking; the model ignores it.
+DOCUMENT_ROWS = "document_cu_seqlens"
+_SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def dense_document_mask(args) -> bool:
+    """Whether documents reach attention as a dense mask: Megatron's schedules on local."""
+    return args.attention_backend == "local" and not args.seq1f1b
+
+
+def batch_documents(batch: dict, eod: int | None) -> Documents:
+    """A collated micro-batch's documents: the dataset's cu_seqlens rows, or end-of-document
+    tokens."""
+    if "cu_seqlens" in batch:
+        return Documents.from_cu_seqlens(batch["cu_seqlens"], batch["tokens"].shape[-1])
+    return Documents.from_eod(batch["tokens"], eod)
+
+
+def packed(batch: dict, documents: Documents) -> dict:
+    """One THD sequence: ``[1, b * s]`` entries, ``cu_seqlens`` ``[1, documents + 1]`` over all
+    samples' documents and ``max_seqlen`` ``[1]`` (Megatron-LM's
+    ``flatten_batch_for_packed_sequences``)."""
+    b, s = batch["tokens"].shape
+    cu = [0]
+    for sample in range(b):
+        cu += [sample * s + end for end in documents.bounds(sample)[1:]]
+    out = {key: batch[key].reshape(1, b * s) for key in _SEQUENCE_KEYS if key in batch}
+    out["cu_seqlens"] = torch.tensor([cu], dtype=torch.int32)
+    longest = max(end - start for start, end in zip(cu, cu[1:]))
+    out["max_seqlen"] = torch.tensor([longest], dtype=torch.int32)
+    return out
+
+
+def document_mask(documents: Documents) -> torch.Tensor:
+    """``[b, 1, s, s]`` bool, True where masked (Megatron's convention): each token sees the
+    earlier tokens of its own document."""
+    s = documents.seq_length
+    number = torch.zeros(documents.micro_batch_size, s, dtype=torch.int32)
+    for sample, starts in enumerate(documents.starts):
+        for start in starts[1:]:
+            number[sample, start:] += 1
+    later = torch.ones(s, s, dtype=torch.bool).triu(1)
+    return ((number.unsqueeze(2) != number.unsqueeze(1)) | later).unsqueeze(1)
+
+
+def document_form(args, eod: int) -> Callable[[dict], dict] | None:
+    """What a collated micro-batch becomes for this run (the table above), or None."""
+    documents = getattr(args, "documents", None)
+    if documents is None:
+        return None
+    if args.packed_documents:
+        return lambda batch: packed(batch, batch_documents(batch, eod))
+    if documents == "eod":
+        return None  # the dataset's own mask (Megatron's schedules) or none (Seq1F1B: eod id)
+
+    def unpacked(batch: dict) -> dict:
+        out = {key: value for key, value in batch.items()
+               if key not in ("cu_seqlens", "max_seqlen")}
+        if dense_document_mask(args):
+            out["attention_mask"] = document_mask(batch_documents(batch, eod))
+        else:
+            out[DOCUMENT_ROWS] = batch["cu_seqlens"]
+        return out
+
+    return unpacked
+
+
+def document_rows(batch: dict, seq_length: int) -> Documents:
+    """Seq1F1B's documents source for :data:`DOCUMENT_ROWS` (local attention)."""
+    return Documents.from_cu_seqlens(batch[DOCUMENT_ROWS], seq_length)
+
+
+def seq1f1b_documents(args, eod: int):
+    """``documents=`` for :func:`megatron_seq1f1b.get_forward_backward_func` (None: none)."""
+    documents = getattr(args, "documents", None)
+    if documents is None:
+        return None
+    if args.packed_documents:
+        return "cu_seqlens"
+    return eod if documents == "eod" else document_rows
 
 
 def quiet_logs() -> None:

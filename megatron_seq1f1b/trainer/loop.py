@@ -26,7 +26,8 @@ def _forward_backward_func(args, recorder=None) -> Callable:
             args.seq1f1b_splits, args.seq1f1b_partition, schedule=args.seq1f1b_schedule,
             split_lengths=getattr(args, "seq1f1b_split_lengths", None), recorder=recorder,
             segment_costs=getattr(args, "seq1f1b_segment_costs", None),
-            segment_multiple=args.seq1f1b_segment_multiple)
+            segment_multiple=args.seq1f1b_segment_multiple,
+            documents=data.seq1f1b_documents(args, data.make_tokenizer(args).eod))
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()
@@ -132,6 +133,23 @@ def _weights_digests(model: list) -> list[str]:
     return everyone
 
 
+def _documents_note(args) -> str:
+    """How this run keeps documents apart (the start-up line)."""
+    if args.documents is None:
+        return ""
+    where = ("the dataset's cu_seqlens" if args.documents == "dataset"
+             else "end-of-document tokens")
+    if args.packed_documents:
+        how = "packed THD batches" + (
+            f" ({args.micro_batch_size} samples flattened into {args.schedule_seq_length} "
+            "tokens)" if args.micro_batch_size > 1 else "")
+    elif data.dense_document_mask(args):
+        how = "a dense document mask"
+    else:
+        how = "Seq1F1B's documents"
+    return f"; documents from {where} as {how}"
+
+
 def _print(message: str) -> None:
     if dist.get_rank() == dist.get_world_size() - 1:
         print(message, flush=True)
@@ -143,7 +161,8 @@ def _iterators(args, dataset, model, consumed_microbatches: int):
     dp_rank = parallel_state.get_data_parallel_rank()
     dp = args.data_parallel_size
     first = dp_rank + dp * consumed_microbatches
-    made = [data.batches(dataset, args.micro_batch_size, first, dp) for _ in model]
+    form = data.document_form(args, data.make_tokenizer(args).eod)
+    made = [data.batches(dataset, args.micro_batch_size, first, dp, form) for _ in model]
     return made if len(made) > 1 else made[0]
 
 
@@ -194,7 +213,7 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
            f"{args.tensor_model_parallel_size}, pp {args.pipeline_model_parallel_size}, vpp "
            f"{args.virtual_pipeline_model_parallel_size}, dp {args.data_parallel_size}, "
            f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x "
-           f"{args.seq_length} tokens")
+           f"{args.seq_length} tokens{_documents_note(args)}")
     if memory.warning:
         _print(f"> warning: {memory.warning}")
 
@@ -214,8 +233,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
                 forward_backward)) as run:
             store = run(
                 forward_step_func=forward_step_func, data_iterator=train_iter, model=model,
-                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=None,
+                num_microbatches=args.num_microbatches, seq_length=args.schedule_seq_length,
+                micro_batch_size=args.schedule_micro_batch_size, decoder_seq_length=None,
                 forward_only=False,
             )
         success, grad_norm, _ = optimizer.step()
@@ -294,8 +313,8 @@ def evaluate(args, forward_step_func, forward_backward, model, dataset, device, 
         for _ in range(args.eval_iters):
             store = forward_backward(
                 forward_step_func=forward_step_func, data_iterator=iterator, model=model,
-                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=None,
+                num_microbatches=args.num_microbatches, seq_length=args.schedule_seq_length,
+                micro_batch_size=args.schedule_micro_batch_size, decoder_seq_length=None,
                 forward_only=True,
             )
             loss, tokens = _reduce_losses(store, device)
