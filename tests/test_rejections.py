@@ -222,8 +222,6 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-position-embedding": _trainer("--position-embedding-type", "yarn"),
     "trainer-partition-documents-without-documents": _trainer("--seq1f1b", "--seq1f1b-partition",
                                                               "documents"),
-    "trainer-documents-auto": _trainer("--reset-attention-mask", "--seq1f1b", "--seq1f1b-splits",
-                                       "auto"),
     "trainer-documents-mla": _trainer("--dataloader-inter-document-masking",
                                       "--multi-latent-attention"),
     "trainer-unknown-flag": _trainer("--context-parallel-size", "2"),

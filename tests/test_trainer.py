@@ -180,7 +180,9 @@ DOCUMENTS = {
          "--micro-batch-size", "2", "--global-batch-size", "8"],
         [([], f"end-of-document tokens {THD} (2 samples flattened into 256 tokens)"),
          (["--seq1f1b", "--seq1f1b-splits", "3", "--seq1f1b-partition", "documents"], THD),
-         (["--seq1f1b", "--seq1f1b-splits", "1"], THD)]),
+         # planned at start-up on the first micro-batch's documents
+         (["--seq1f1b", "--seq1f1b-splits", "auto", "--seq1f1b-min-segment-length", "32"],
+          THD)]),
     # the dataset's documents, both backends: local attention's dense-mask route for
     # Megatron's schedule, the documents for Seq1F1B's, packed batches on flash for both
     "inter-document-masking": (

@@ -292,9 +292,6 @@ def document_problems(args: argparse.Namespace, auto: bool) -> list[str]:
         return problems
     flag = ("--dataloader-inter-document-masking" if args.documents == "dataset"
             else "--reset-attention-mask")
-    if args.seq1f1b and auto:
-        problems.append(f"{flag} with --seq1f1b-splits auto: the start-up measurement times "
-                        "segments without documents; give --seq1f1b-splits N")
     if args.multi_latent_attention:
         problems.append(f"{flag} with --multi-latent-attention is not supported by this "
                         "trainer yet; remove one of them")
