@@ -278,6 +278,18 @@ def te_attention_forward(core_attention, original):
             return original(query, keys, values, mask,
                             attn_mask_type=AttnMaskType.causal_bottom_right,
                             attention_bias=None, packed_seq_params=None, **kwargs)
+        if current.run.documents_of(info.microbatch) is None and attention_mask is None:
+            # Context parallelism without documents: this rank's chunks are causal spans over
+            # views of the keys (no packed copy of them): one bottom-right call per chunk.
+            outputs, row = [], 0
+            for piece in mine.pieces[0]:
+                low, high = piece.k0 - view.key_start, piece.q1 - view.key_start
+                outputs.append(original(
+                    query[row:row + piece.queries], keys[low:high], values[low:high], None,
+                    attn_mask_type=AttnMaskType.causal_bottom_right, attention_bias=None,
+                    packed_seq_params=None, **kwargs))
+                row += piece.queries
+            return torch.cat(outputs)
         packed = current.run.packed(info, mine, query.device, view.key_start)
         q, k, v = packed.pack(query, keys, values)
         params = PackedSeqParams(

@@ -66,15 +66,38 @@ def _reorder(tensor: torch.Tensor, cp_size: int, inverse: bool) -> torch.Tensor:
     return chunks.index_select(0, _index(cp_size, inverse, tensor.device)).view(tensor.shape)
 
 
+class StandInGroup:
+    """A group of a stage rehearsed alone (:mod:`megatron_seq1f1b.rehearse`): it has a size and
+    a rank, and nothing to talk to. Collectives over it make up their results with the
+    shapes the real ones have (a gather repeats this rank's part; a reduction keeps it)."""
+
+    stand_in = True
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def is_stand_in(group) -> bool:
+    return getattr(group, "stand_in", False)
+
+
 class ContextParallelCommError(RuntimeError):
     """A context-parallel collective of a segment failed or timed out: a peer failed or is gone."""
 
 
 def collective(what: str, group, call) -> None:
     """Run a CP collective; a failure (a dead or failed peer, the group's timeout) becomes an
-    error naming this rank and the peers it waited for."""
+    error naming this rank and the peers it waited for. Over a stand-in group: nothing."""
     import torch.distributed as dist
 
+    if is_stand_in(group):
+        return
     try:
         call()
     except Exception as exc:  # noqa: BLE001 - re-raised with who and what
@@ -100,8 +123,11 @@ class GatherKV(torch.autograd.Function):
         ctx.group, ctx.split, ctx.meter = group, key.shape[-1], meter
         local = torch.cat([key, value], dim=-1).contiguous()
         gathered = local.new_empty((cp * local.shape[0],) + tuple(local.shape[1:]))
-        collective("all-gather of a segment's keys and values", group,
-                   lambda: dist.all_gather_into_tensor(gathered, local, group=group))
+        if is_stand_in(group):  # a rehearsal: every rank's part made up as this rank's
+            gathered.copy_(local.repeat(cp, *([1] * (local.dim() - 1))))
+        else:
+            collective("all-gather of a segment's keys and values", group,
+                       lambda: dist.all_gather_into_tensor(gathered, local, group=group))
         if meter is not None:
             meter.add(local.numel() * local.element_size() * (cp - 1))
         ordered = _reorder(gathered, cp, inverse=False)
@@ -116,8 +142,11 @@ class GatherKV(torch.autograd.Function):
         grads = torch.cat([grad_key, grad_value], dim=-1)
         ranked = _reorder(grads, cp, inverse=True).contiguous()
         local = ranked.new_empty((ranked.shape[0] // cp,) + tuple(ranked.shape[1:]))
-        collective("reduce-scatter of a segment's key and value gradients", group,
-                   lambda: dist.reduce_scatter_tensor(local, ranked, group=group))
+        if is_stand_in(group):  # a rehearsal: this rank's part, unreduced
+            local.copy_(ranked[: local.shape[0]])
+        else:
+            collective("reduce-scatter of a segment's key and value gradients", group,
+                       lambda: dist.reduce_scatter_tensor(local, ranked, group=group))
         if ctx.meter is not None:
             ctx.meter.add(local.numel() * local.element_size() * (cp - 1))
         return local[..., :ctx.split], local[..., ctx.split:], None, None

@@ -51,7 +51,7 @@ from megatron_seq1f1b.checks import (
     ConfigError, executor_problems, raise_if, rounding_multiple, segment_multiple_problems,
 )
 from megatron_seq1f1b.checks import segment_multiple as segment_multiple_of
-from megatron_seq1f1b.context_parallel import ContextParallelCommError
+from megatron_seq1f1b.context_parallel import ContextParallelCommError, StandInGroup
 from megatron_seq1f1b.document_plan import gather_documents, source_problems
 from megatron_seq1f1b.loss import SegmentLosses
 from megatron_seq1f1b.model import chunks_of, dense_attention, is_enabled, unwrap
@@ -424,33 +424,24 @@ def _final_grad_actions(actions) -> tuple[set, dict]:
     return set(last_of_kind.values()), last
 
 
-class _StandInGroup:
-    """A pipeline group of a rehearsal: it has a size and a rank, and nothing to talk to."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def _rehearsal_groups(config, num_stages: int, stage: int):
-    """This rank's process groups with the pipeline group standing in for ``num_stages``."""
+    """This rank's process groups with the pipeline group standing in for ``num_stages`` (and the
+    context-parallel group for the config's ``context_parallel_size``)."""
     if not (isinstance(num_stages, int) and isinstance(stage, int) and 0 <= stage < num_stages):
         raise_if([f"rehearse=(num_stages, stage) needs 0 <= stage < num_stages, got "
                   f"({num_stages!r}, {stage!r})"])
     _, pg_collection = _process_groups(config, None, None)
     rehearsal = copy.copy(pg_collection)
     rehearsal.pp = _stand_in_group(num_stages, stage)  # one object: the setup cache keys it
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1 and (pg_collection.cp is None or pg_collection.cp.size() == 1):
+        rehearsal.cp = _stand_in_group(cp, 0)  # rank 0 of the CP group, made-up peers
     return rehearsal, Peers.stand_ins(num_stages, stage)
 
 
 @functools.lru_cache(maxsize=None)
-def _stand_in_group(num_stages: int, stage: int) -> _StandInGroup:
-    return _StandInGroup(num_stages, stage)
+def _stand_in_group(size: int, rank: int) -> StandInGroup:
+    return StandInGroup(size, rank)
 
 
 class ActionError(RuntimeError):

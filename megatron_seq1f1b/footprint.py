@@ -236,7 +236,8 @@ def attention_pair_bytes(shape: ModelShape, num_layers: int, *, dtype: str = "bf
 class UnitBytes:
     """What one unit (a segment of a micro-batch) holds, in tokens and pairs of one sample:
     ``tokens`` (their activations besides keys and values), ``kv_rows`` (keys and values
-    saved with the unit itself), ``pairs`` (query-key pairs its attention computes), and
+    saved with the unit itself: its own, or the flash path's packed copies of the keys its
+    document pieces see), ``pairs`` (query-key pairs its attention computes), and
     ``buffer_rows`` (a K/V buffer of a chain this segment heads, held until its backward)."""
 
     tokens: int
@@ -245,7 +246,8 @@ class UnitBytes:
     buffer_rows: int
 
 
-def unit_bytes(lengths: Sequence[int], documents=None, dense: bool = False) -> list[UnitBytes]:
+def unit_bytes(lengths: Sequence[int], documents=None, dense: bool = False,
+               context_parallel_size: int = 1) -> list[UnitBytes]:
     """Per segment of a micro-batch: what its unit holds (:class:`UnitBytes`).
 
     The K/V buffers are :mod:`megatron_seq1f1b.kv_cache`'s: a chain of segments
@@ -255,28 +257,39 @@ def unit_bytes(lengths: Sequence[int], documents=None, dense: bool = False) -> l
     unfused kernel (``dense``) every query against every key the segment holds,
     else (flash) only the causal pairs of each document, which keep nothing.
     With ``documents`` (:class:`~megatron_seq1f1b.documents.Documents`), per
-    sample, summed over the micro-batch's samples.
+    sample, summed over the micro-batch's samples. With context parallelism a
+    rank holds ``1 / cp`` of every segment's tokens and queries, but the whole
+    segment's keys and values (gathered over the CP group) in the K/V buffers,
+    or with a segment alone.
     """
+    from megatron_seq1f1b.context_parallel import rank_ranges
     from megatron_seq1f1b.documents import HEAD, MEMBER, chains, roles, views_of
 
+    cp = context_parallel_size
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     samples = 1 if documents is None else documents.micro_batch_size
-    if len(lengths) == 1 and documents is None:  # Megatron's schedule: nothing is cached
+    if len(lengths) == 1 and documents is None:  # one segment: nothing is cached
         n = lengths[0]
-        return [UnitBytes(n, n, n * n if dense else 0, 0)]
+        return [UnitBytes(n // cp, n, (n // cp) * n if dense else 0, 0)]
     views = views_of(starts, lengths, documents, None)
+    mine = views if cp == 1 else views_of(  # CP rank 0's queries (every rank's as many)
+        starts, lengths, documents, None, lambda start, end: rank_ranges(start, end, cp, 0))
     linked = chains(views)
     units = []
     for index, (view, (role, number)) in enumerate(zip(views, roles(views, linked))):
-        own, buffer = view.length, 0
+        own, buffer = view.length * samples, 0
         if role == MEMBER:
             own = 0
         elif role == HEAD:
             chain = linked[number]
-            own, buffer = 0, chain.end - chain.base
-        pairs = view.length * view.num_keys if dense else 0
-        units.append(UnitBytes(view.length * samples, own * samples, pairs * samples,
-                               buffer * samples))
+            own, buffer = 0, (chain.end - chain.base) * samples
+        pairs = view.length // cp * view.num_keys * samples if dense else 0
+        pieces = mine[index].pieces
+        if not dense and documents is not None and pieces is not None and (samples > 1 or cp > 1):
+            # the flash path packs these documents' pieces as THD: its attention keeps a copy
+            # of the keys they see (not the segment's own keys and values)
+            own = sum(piece.keys for sample in pieces for piece in sample)
+        units.append(UnitBytes(view.length // cp * samples, own, pairs, buffer))
     return units
 
 
@@ -285,7 +298,7 @@ def stage_activation_bytes(schedule: Sequence[Sequence], lengths: Sequence[int],
                            micro_batch_size: int = 1, *,
                            pair_bytes: Sequence[Sequence[float]] | None = None,
                            microbatches: Sequence[Sequence[UnitBytes]] | None = None,
-                           dense: bool = False) -> list[float]:
+                           dense: bool = False, context_parallel_size: int = 1) -> list[float]:
     """Peak activation bytes per rank of a schedule (lists of actions per rank).
 
     ``bytes_per_token[rank][chunk]``: (all, keys and values) bytes one token of
@@ -298,7 +311,7 @@ def stage_activation_bytes(schedule: Sequence[Sequence], lengths: Sequence[int],
     micro-batch's :func:`unit_bytes` (packed documents: their own lengths and
     chains), cycled; default: ``lengths`` for every micro-batch, without documents.
     """
-    default = unit_bytes(lengths, dense=dense)
+    default = unit_bytes(lengths, dense=dense, context_parallel_size=context_parallel_size)
     peaks = []
     for rank, actions in enumerate(schedule):
         release = "W" if any(a.is_weight for a in actions) else "B"

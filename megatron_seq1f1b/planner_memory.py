@@ -73,6 +73,7 @@ class MemoryModel:
     flash: bool = True
     bytes_per_token: float | None = None
     activation_scale: float = 1.0  # e.g. measured / estimated activations of a rehearsal
+    context_parallel_size: int = 1  # each rank holds 1/cp of the tokens, all of the K/V
 
     def chunk_pair_bytes(self, num_stages: int, num_model_chunks: int = 1
                          ) -> list[list[float]]:
@@ -87,7 +88,9 @@ class MemoryModel:
                               ) -> list[list[tuple[float, float]]]:
         """[rank][chunk] -> (bytes per token, of which keys and values); ``whole_qkv`` for
         unsegmented micro-batches (see :func:`activation_bytes_per_token`); ``seq_length``:
-        what a measured ``bytes_per_token`` was measured on (its pairs are taken out)."""
+        what a measured ``bytes_per_token`` was measured on (per token a rank holds: with
+        context parallelism ``seq_length / cp`` of them, and the whole sequence's K/V; the
+        unfused attention's pairs are taken out)."""
         p, v = num_stages, num_model_chunks
         layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
 
@@ -100,11 +103,15 @@ class MemoryModel:
         table = estimate(whole_qkv)
         scale = self.activation_scale
         if self.bytes_per_token:  # measured on a whole micro-batch (the calibration's k=1)
-            measured_kind = table if whole_qkv else estimate(True)
+            cp = self.context_parallel_size
+            measured_kind = table if whole_qkv or cp > 1 else estimate(True)
             pairs = [sum(rank) for rank in self.chunk_pair_bytes(p, v)]
             busiest = max(range(p), key=lambda r: sum(b for b, _ in measured_kind[r]))
+            all_bytes = sum(b for b, _ in measured_kind[busiest])
+            kv_bytes = sum(kv for _, kv in measured_kind[busiest])
             measured = self.bytes_per_token - (seq_length or 0) * pairs[busiest]
-            scale = max(measured, 0.0) / sum(b for b, _ in measured_kind[busiest])
+            estimated = all_bytes + (cp - 1) * kv_bytes  # per token held: K/V of cp tokens
+            scale = max(measured, 0.0) / estimated
         if scale != 1.0:
             table = [[(b * scale, kv * scale) for b, kv in rank] for rank in table]
         return table
@@ -126,13 +133,16 @@ class MemoryModel:
         microbatches = None
         if documents is not None:
             rows = microbatch_lengths or [lengths] * len(documents)
-            microbatches = [unit_bytes(list(row), docs, dense=not self.flash)
+            microbatches = [unit_bytes(list(row), docs, dense=not self.flash,
+                                       context_parallel_size=self.context_parallel_size)
                             for row, docs in zip(rows, documents)]
+        cp = self.context_parallel_size
         activations = stage_activation_bytes(
             schedule, lengths,
-            self.chunk_bytes_per_token(p, num_model_chunks, len(lengths) == 1, sum(lengths)),
+            self.chunk_bytes_per_token(p, num_model_chunks, len(lengths) == 1 and cp == 1,
+                                       sum(lengths)),
             micro_batch_size, pair_bytes=self.chunk_pair_bytes(p, num_model_chunks),
-            microbatches=microbatches, dense=not self.flash)
+            microbatches=microbatches, dense=not self.flash, context_parallel_size=cp)
         stages = []
         for static, act in zip(self.static_bytes(p, num_model_chunks), activations):
             entry = dict(static, activations=act)
@@ -147,15 +157,18 @@ def stage_memory(shape: ModelShape, training: Training, num_stages: int,
                  flash: bool = True, bytes_per_token: float | None = None,
                  costs: Sequence[tuple[float, float, float]] | None = None,
                  documents=None,
-                 microbatch_lengths: Sequence[Sequence[int]] | None = None) -> list[dict]:
+                 microbatch_lengths: Sequence[Sequence[int]] | None = None,
+                 context_parallel_size: int = 1) -> list[dict]:
     """Each pipeline rank's predicted bytes (weights, gradients, optimizer, activations,
     total) for one plan: ``schedule`` a name (built here; zero bubble placed with
     ``costs``, else unit costs) or every rank's action lists; ``documents`` and
-    ``microbatch_lengths`` as :meth:`MemoryModel.stage_bytes` takes them."""
+    ``microbatch_lengths`` as :meth:`MemoryModel.stage_bytes` takes them; with
+    ``context_parallel_size`` per rank of the CP group."""
     if isinstance(schedule, str):
         schedule = build_schedule(num_stages, num_microbatches, len(lengths), num_model_chunks,
                                   schedule=schedule, costs=costs)
-    model = MemoryModel(shape, training, flash, bytes_per_token)
+    model = MemoryModel(shape, training, flash, bytes_per_token,
+                        context_parallel_size=context_parallel_size)
     return model.stage_bytes(schedule, lengths, num_model_chunks, micro_batch_size,
                              documents=documents, microbatch_lengths=microbatch_lengths)
 

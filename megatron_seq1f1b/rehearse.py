@@ -358,6 +358,10 @@ def build_parser() -> ArgumentParser:
     par.add_argument("--pipeline-model-parallel-size", type=positive_int, required=True)
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None)
     par.add_argument("--rehearse-stage", type=non_negative_int, required=True)
+    par.add_argument("--context-parallel-size", type=positive_int, default=1,
+                     help="rehearse rank 0 of a context-parallel group of this size (its peers' "
+                          "keys and values made up; needs --seq1f1b-splits' segments to divide "
+                          "into 2 x this many chunks)")
     par.add_argument("--micro-batch-size", type=positive_int, default=1)
     par.add_argument("--num-microbatches", type=positive_int, required=True)
     par.add_argument("--seq1f1b-splits", type=positive_int, default=1)
@@ -417,9 +421,11 @@ def check_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Nam
                      f"--num-attention-heads {args.num_attention_heads}")
     try:
         split_sequence(args.seq_length, args.seq1f1b_splits,
-                       multiple_of=args.seq1f1b_segment_multiple or 1)
+                       multiple_of=args.seq1f1b_segment_multiple or 2 * args.context_parallel_size
+                       if args.context_parallel_size > 1 else args.seq1f1b_segment_multiple or 1)
     except ValueError as exc:
-        parser.error(f"--seq-length / --seq1f1b-splits / --seq1f1b-segment-multiple: {exc}")
+        parser.error(f"--seq-length / --seq1f1b-splits / --seq1f1b-segment-multiple / "
+                     f"--context-parallel-size: {exc}")
     if args.seq1f1b_partition == "documents" and args.document_length is None:
         parser.error("--seq1f1b-partition documents cuts by documents: add --document-length N")
     return args
@@ -477,7 +483,7 @@ def _config(args):
         bf16=args.bf16, use_cpu_initialization=not cuda,
         masked_softmax_fusion=False, bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        deallocate_pipeline_outputs=True)
+        deallocate_pipeline_outputs=True, context_parallel_size=args.context_parallel_size)
 
 
 def _chunks_count(args) -> int:
@@ -554,6 +560,10 @@ def prepare(args) -> tuple[list, Any, Any]:
     spec = get_gpt_layer_local_spec(normalization=args.normalization)
     if args.attention_backend == "flash":
         spec = flash_layer_spec(spec)
+    if args.context_parallel_size > 1:  # rank 0 of the CP group, its peers made up
+        from megatron_seq1f1b.context_parallel import context_parallel_layer_spec
+
+        spec = context_parallel_layer_spec(spec)
     chunks = build_stage_chunks(
         config, args.pipeline_model_parallel_size, args.rehearse_stage,
         vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
@@ -612,7 +622,8 @@ def predicted(args, rehearsal: Rehearsal, costs=None) -> dict:
                           num_model_chunks=rehearsal.num_model_chunks, schedule=schedule,
                           micro_batch_size=args.micro_batch_size,
                           flash=args.attention_backend == "flash",
-                          documents=None if args.document_length is None else [_documents(args)])
+                          documents=None if args.document_length is None else [_documents(args)],
+                          context_parallel_size=args.context_parallel_size)
     mine = [str(a) for a in schedule[args.rehearse_stage]]
     return dict(memory[args.rehearse_stage], same_actions=mine == rehearsal.actions)
 

@@ -230,23 +230,27 @@ def test_total_budget_needs_a_memory_model():
             memory_budget_total_bytes=1e9)
 
 
-@pytest.mark.parametrize("backend,k,documents", [
-    ("local", 1, False), ("local", 4, True), ("flash", 1, False), ("flash", 4, True),
+@pytest.mark.parametrize("backend,k,documents,cp", [
+    ("local", 1, False, 1), ("local", 4, True, 1), ("flash", 1, False, 1), ("flash", 4, True, 1),
+    ("local", 4, False, 2), ("flash", 4, False, 2),
 ])
 def test_predicted_activations_follow_the_attention_path_and_the_documents(ranks, backend, k,
-                                                                           documents):
-    """Per attention backend, with and without packed documents, the planner's activations
-    are within 10% of the bytes counted on the rehearsed stage: Megatron's unfused
-    attention keeps its [queries x keys] probabilities (for a whole micro-batch they were
-    a third of it), flash keeps none; with documents the K/V buffers and the segments'
-    lengths (the documents partition) follow the documents."""
+                                                                           documents, cp):
+    """Per attention backend, with and without packed documents and context parallelism,
+    the planner's activations are within 10% of the bytes counted on the rehearsed stage:
+    Megatron's unfused attention keeps its [queries x keys] probabilities (for a whole
+    micro-batch they were a third of it), flash keeps none; with documents the K/V buffers
+    and the segments' lengths (the documents partition) follow the documents; a
+    context-parallel rank holds half the tokens and queries but all keys and values."""
     argv = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "192", "--vocab-size", "64", "--pipeline-model-parallel-size", "4",
             "--rehearse-stage", "0", "--num-microbatches", "4", "--iters", "1", "--warmup", "0",
-            "--count-saved", "yes", "--attention-backend", backend, "--seq1f1b-splits", str(k)]
+            "--count-saved", "yes", "--attention-backend", backend, "--seq1f1b-splits", str(k),
+            "--context-parallel-size", str(cp)]
     if documents:
         argv += ["--document-length", "40", "--seq1f1b-partition", "documents"]
-    (out,) = ranks.run(1, cases.cli, case=f"rehearse-{backend}-k{k}-{documents}", argv=argv)
+    (out,) = ranks.run(1, cases.cli, case=f"rehearse-{backend}-k{k}-{documents}-cp{cp}",
+                       argv=argv)
     share = out["predicted"]["activations"] / out["rehearsal"]["activation_bytes"]
     assert 0.9 <= share <= 1.1, (share, out["rehearsal"]["lengths"])
     if documents:
