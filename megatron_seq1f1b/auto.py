@@ -104,7 +104,7 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
             multiple_of=multiple,
             send_slack=send_slack_of_runtime(),  # sends finish a step later, on NCCL too
             tie_tolerance=TIE_TOLERANCE,  # closer predictions are within its noise
-            documents=found,
+            documents=found, context_parallel_size=config.context_parallel_size or 1,
         )
     except BudgetError as exc:  # the same on every rank: all stop, none waits
         raise ConfigError([f"--seq1f1b-splits auto: {exc}"]) from None

@@ -163,6 +163,21 @@ class ExchangedBytes:
         self.bytes += int(count)
 
 
+def exchanged_bytes(lengths, num_layers: int, kv_bytes_per_token: float, cp_size: int,
+                    micro_batch_size: int = 1, units=None, forward_only: bool = False) -> float:
+    """Bytes one CP rank sends in its group per micro-batch of segments ``lengths`` on a
+    stage of ``num_layers`` layers: per layer and segment, the all-gather of its part of the
+    keys and values in the forward and the reduce-scatter of their gradients in the
+    backward, ``(cp - 1) / cp`` of the segment's K/V each, as :class:`ExchangedBytes`
+    counts them (``kv_bytes_per_token``: keys and values of one token of one layer;
+    ``units``: how many times each segment's forward runs, e.g. 2 with recomputation)."""
+    if cp_size <= 1:
+        return 0.0
+    per_pass = sum(lengths) / cp_size * micro_batch_size * kv_bytes_per_token * (cp_size - 1)
+    passes = (units or 1) + (0 if forward_only else 1)
+    return float(num_layers * per_pass * passes)
+
+
 def local_attention_class():
     """Megatron's ``DotProductAttention`` buildable with context parallelism (Megatron asserts
     it is 1: its local attention has no CP exchange). Under Seq1F1B the exchange is ours

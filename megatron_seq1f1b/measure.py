@@ -101,9 +101,15 @@ def time_segments(chunk, chunk_index: int, lengths: Sequence[int], data: Iterato
     from megatron_seq1f1b import wgrad
     from megatron_seq1f1b.segments import SegmentRun
 
+    from megatron.core import parallel_state
+
+    cp_group = (parallel_state.get_context_parallel_group()
+                if (config.context_parallel_size or 1) > 1 else None)
     run = SegmentRun(list(lengths), config=config,
-                     documents=None if documents is None else [documents])
-    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+                     documents=None if documents is None else [documents], cp_group=cp_group)
+    # this rank's part of a segment's tokens (context and sequence parallelism)
+    tp = (config.tensor_model_parallel_size if config.sequence_parallel else 1) * \
+        (config.context_parallel_size or 1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     shape = (micro_batch_size, config.hidden_size)
@@ -328,7 +334,8 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
                            group=parallel_state.get_pipeline_model_parallel_group())
     samples = {key: rows for part, _, _ in gathered for key, rows in part.items()}
     stage_floors = {key: f for _, _, part in gathered for key, f in part.items()}
-    bytes_per_token = max(h for _, h, _ in gathered) / (seq_length * micro_batch_size)
+    cp = config.context_parallel_size or 1  # per token this rank holds
+    bytes_per_token = max(h for _, h, _ in gathered) / (seq_length / cp * micro_batch_size)
     message = None
     if pp > 1:
         tokens = sorted({n for case in cases for n in case})

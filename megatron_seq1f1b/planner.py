@@ -124,6 +124,13 @@ def build_parser() -> ArgumentParser:
                              "calibration that has them")
     parser.add_argument("--bytes-per-token", type=positive_float,
                         help="activation bytes one token of one sample leaves on a stage")
+    parser.add_argument("--context-parallel-size", type=positive_int, default=1,
+                        help="context parallelism inside segments: each rank holds 1/N of a "
+                             "segment (FLOPs and activations per rank; keys and values whole)")
+    parser.add_argument("--cp-bandwidth-gbps", type=positive_float, default=100.0,
+                        metavar="GB/S",
+                        help="with --context-parallel-size and the FLOP model: what a rank's "
+                             "all-gather / reduce-scatter of keys and values moves per second")
     parser.add_argument("--min-segment-length", type=positive_int, default=128)
     parser.add_argument("--max-splits", type=positive_int, default=MAX_SPLITS)
     parser.add_argument("--multiple-of", type=positive_int, default=1,
@@ -258,7 +265,24 @@ def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
                         distributed_optimizer=args.use_distributed_optimizer,
                         data_parallel_size=args.data_parallel_size)
     return MemoryModel(shape, training, flash=not args.dense_attention,
-                       bytes_per_token=args.bytes_per_token)
+                       bytes_per_token=args.bytes_per_token,
+                       context_parallel_size=args.context_parallel_size)
+
+
+def _exchange_seconds_per_token(args: argparse.Namespace, config, stages: int) -> float:
+    """Seconds a stage's CP exchange takes per token of a segment, in one direction: a rank
+    sends ``(cp - 1) / cp`` of each layer's keys and values
+    (:func:`~megatron_seq1f1b.context_parallel.exchanged_bytes`) at ``--cp-bandwidth-gbps``."""
+    from megatron_seq1f1b.context_parallel import exchanged_bytes
+
+    cp = args.context_parallel_size
+    if cp == 1:
+        return 0.0
+    width = 2 if args.bf16 or args.fp16 else 4
+    head = config.kv_channels or config.hidden_size // config.num_attention_heads
+    kv = 2 * (config.num_query_groups or config.num_attention_heads) * head * width
+    sent = exchanged_bytes([1], config.num_layers / stages, kv, cp, forward_only=True)
+    return sent / (args.cp_bandwidth_gbps * 1e9)
 
 
 def main(argv=None) -> int:
@@ -279,7 +303,9 @@ def main(argv=None) -> int:
         calibration = Calibration.from_cost_model(
             CostModel.from_config(config, args.vocab_size, args.dense_attention), stages,
             flop_rate=args.flop_rate * 1e12,
-            host_seconds=args.host_ms_per_layer * 1e-3 * args.num_layers / stages)
+            host_seconds=args.host_ms_per_layer * 1e-3 * args.num_layers / stages,
+            context_parallel_size=args.context_parallel_size,
+            exchange_seconds_per_token=_exchange_seconds_per_token(args, config, stages))
     if args.memory_budget_gib is not None and not (args.bytes_per_token
                                                    or calibration.bytes_per_token):
         parser.error("--memory-budget-gib needs --bytes-per-token (or a calibration that has "
@@ -297,7 +323,8 @@ def main(argv=None) -> int:
             max_splits=args.max_splits, multiple_of=args.multiple_of, splits=args.splits,
             partitions=args.partitions, schedules=args.schedules, send_slack=args.send_slack,
             tie_tolerance=args.tie_tolerance, memory_model=memory_model,
-            memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None)
+            memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None,
+            context_parallel_size=args.context_parallel_size)
     except BudgetError as exc:  # the flags are fine; no plan fits them
         raise SystemExit(f"{parser.prog}: error: {exc}") from None
     except ValueError as exc:

@@ -177,27 +177,35 @@ class Calibration:
 
     @classmethod
     def from_cost_model(cls, model: CostModel, num_stages: int = 1, *,
-                        flop_rate: float | None = None, host_seconds: float = 0.0
-                        ) -> "Calibration":
+                        flop_rate: float | None = None, host_seconds: float = 0.0,
+                        context_parallel_size: int = 1,
+                        exchange_seconds_per_token: float = 0.0) -> "Calibration":
         """FLOPs when nothing is measured: the model split evenly over ``num_stages``;
         backward = input gradients + weight gradients (:meth:`CostModel.backward_parts`).
 
         With ``flop_rate`` (FLOP/s) the costs are seconds, and every unit pays
         ``host_seconds`` of fixed time on top (forward and backward half each): the
         host's dispatch, which FLOPs do not see, as a floor (:class:`Fit`): a unit whose
-        kernels take less than that waits for the host.
+        kernels take less than that waits for the host. With ``context_parallel_size``
+        each rank computes ``1 / cp`` of the work, and per token of a segment a stage
+        spends ``exchange_seconds_per_token`` in the CP group's exchange of keys and values
+        in its forward, and as much in its backward (seconds only).
         """
-        n = float(num_stages)
+        n = float(num_stages) * context_parallel_size
         a, c = model.per_token / n, model.per_pair / n
         quadratic = "rectangle" if model.dense_attention else "causal_pairs"
         if flop_rate is None:
             stage = StageCosts(Fit(a, c), Fit(2 * a, 2 * c), Fit(a, 0.0))
             return cls((stage,) * num_stages, quadratic, unit="FLOP", source="FLOP cost model")
         a, c, host = a / flop_rate, c / flop_rate, host_seconds / 2
-        stage = StageCosts(Fit(a, c, floor=host), Fit(2 * a, 2 * c, floor=host), Fit(a, 0.0))
+        x = exchange_seconds_per_token
+        stage = StageCosts(Fit(a + x, c, floor=host), Fit(2 * a + x, 2 * c, floor=host),
+                           Fit(a, 0.0))
+        cp = (f", context parallelism {context_parallel_size} "
+              f"({x * 1e9:.3g} ns exchange per token)" if context_parallel_size > 1 else "")
         return cls((stage,) * num_stages, quadratic, unit="s",
                    source=f"FLOP cost model at {flop_rate / 1e12:g} TFLOP/s, "
-                          f"{host_seconds * 1e3:.3g} ms host time per unit")
+                          f"{host_seconds * 1e3:.3g} ms host time per unit{cp}")
 
     @classmethod
     def from_fits(cls, ordered_fits: Sequence[dict], quadratic: str, source: str = "fits",

@@ -15,6 +15,8 @@ order) are left out.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 from typing import Sequence
 
@@ -91,6 +93,7 @@ def choose_plan(
     memory_model: MemoryModel | None = None,
     memory_budget_total_bytes: float | None = None,
     documents=None,
+    context_parallel_size: int = 1,
 ) -> PlanChoice:
     """The fastest (k, partition, schedule) within the memory budget, and all candidates.
 
@@ -115,6 +118,9 @@ def choose_plan(
     (:class:`~megatron_seq1f1b.documents.Documents`, e.g. the one measured): every
     candidate's attention costs count pairs within its documents, its memory follows
     them, and the ``"documents"`` partition (cut by them) is a candidate too.
+    ``context_parallel_size``: each rank holds ``1 / cp`` of a micro-batch's tokens
+    (``bytes_per_token`` is per token a rank holds; the FLOP model's work is split over the
+    group); segment lengths divide into ``2 * cp`` chunks.
     """
     if memory_budget_total_bytes is not None and memory_model is None:
         raise ValueError("memory_budget_total_bytes needs memory_model (weights, gradients, "
@@ -135,12 +141,15 @@ def choose_plan(
         if flops is None:
             raise ValueError("choose_plan needs costs: calibration=..., or config=... / "
                              "cost_model=... for FLOPs")
-        calibration = Calibration.from_cost_model(flops, p * v)
+        calibration = Calibration.from_cost_model(flops, p * v,
+                                                  context_parallel_size=context_parallel_size)
     if documents is not None:
         calibration = calibration.with_documents(documents)
     partitions, schedules = _options(partitions, schedules, flops is not None, v,
                                      documents is not None)
     multiple = multiple_of or (segment_multiple(config) if config is not None else 1)
+    if context_parallel_size > 1:
+        multiple = math.lcm(multiple, 2 * context_parallel_size)
     ks = sorted(set(splits)) if splits else split_counts(seq_length, multiple,
                                                          min_segment_length, max_splits)
     costs_of = {"balanced": flops, "measured": calibration,
@@ -166,8 +175,8 @@ def choose_plan(
                                  memory_model, micro_batch_size, documents)
                 if plan is None:
                     continue
-                memory_bytes = (plan.memory * seq_length * micro_batch_size * bytes_per_token
-                                if bytes_per_token else None)
+                memory_bytes = (plan.memory * seq_length / context_parallel_size
+                                * micro_batch_size * bytes_per_token if bytes_per_token else None)
                 fits = ((memory_budget is None or plan.memory <= memory_budget + 1e-9)
                         and (memory_budget_bytes is None or memory_bytes <= memory_budget_bytes)
                         and (memory_budget_total_bytes is None

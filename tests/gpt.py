@@ -475,6 +475,7 @@ def run_layout(
     forward_only: bool = False,
     ep: int = 1,
     cp: int = 1,
+    count_cp_bytes: bool = False,
 ) -> dict:
     """Reference vs. `forward_backward` on the layout; returns problems found on this rank.
 
@@ -488,6 +489,10 @@ def run_layout(
         from megatron_seq1f1b.trace import TimelineRecorder
 
         recorder = TimelineRecorder()
+        if count_cp_bytes:
+            from megatron_seq1f1b.context_parallel import ExchangedBytes
+
+            recorder.cp_bytes = ExchangedBytes()
         forward_backward = s1.get_forward_backward_func(**seq1f1b, recorder=recorder)
         prepare, slicer = s1.enable, s1.slice_batch
     world = torch.distributed.get_world_size()
@@ -547,6 +552,8 @@ def run_layout(
     if recorder is not None:
         result["peak_live_units"] = recorder.last.peak_live_units
         result["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
+        if count_cp_bytes:
+            result["cp_bytes"] = recorder.cp_bytes.bytes
     return result
 
 

@@ -315,7 +315,7 @@ def zero_bubble_with_costs(pp: int, k: int, costs, model: ModelSpec, data: DataS
 
 
 def auto_plan(pp: int, model: ModelSpec, data: DataSpec, vpp: int | None = None,
-              **budget) -> dict:
+              cp: int = 1, **budget) -> dict:
     """The auto forward-backward function (what Megatron-LM's --seq1f1b-splits auto installs):
     planned on its first call, then exact; or the error a budget nothing fits gives."""
     from megatron_seq1f1b.auto import auto_forward_backward_func
@@ -326,7 +326,7 @@ def auto_plan(pp: int, model: ModelSpec, data: DataSpec, vpp: int | None = None,
     func = auto_forward_backward_func(min_segment_length=4, log=logged.append, **budget)
     try:
         result = run_layout(model=model, data=data, pp=pp, vpp=vpp, forward_backward=func,
-                            prepare=s1.enable, slicer=s1.slice_batch)
+                            prepare=s1.enable, slicer=s1.slice_batch, cp=cp)
     except ConfigError as exc:
         return {"error": str(exc)}
     plan = func.choice.plan

@@ -66,3 +66,29 @@ def test_a_failing_context_parallel_peer_stops_the_other_in_time_naming_it(ranks
     assert waiting["error"].startswith("ContextParallelCommError"), waiting
     assert "rank 0: the context-parallel" in waiting["error"] and "ranks [1]" in waiting["error"]
     assert waiting["seconds"] < 6 * timeout_s, waiting
+
+
+def test_exchanged_bytes_are_what_the_planner_counts(ranks):
+    """The bytes a CP rank sends (counted at every all-gather and reduce-scatter) equal the
+    planner's count for the layout: pipeline 2 x CP 2, k=2, m=2."""
+    from megatron_seq1f1b.context_parallel import exchanged_bytes
+
+    model = ROPE
+    results = ranks.run(4, run_layout, case="cp-bytes", model=model, pp=2, cp=2,
+                        data=DataSpec(num_microbatches=2), count_cp_bytes=True,
+                        seq1f1b=dict(num_splits=2))
+    _check(results)
+    kv = 2 * model.hidden_size * 4  # keys and values of one token of one layer, fp32
+    expected = 2 * exchanged_bytes([16, 16], model.num_layers // 2, kv, 2)  # 2 micro-batches
+    assert all(r["cp_bytes"] == expected for r in results), [r["cp_bytes"] for r in results]
+
+
+def test_auto_plans_with_context_parallelism_and_trains_exactly(ranks):
+    import pipeline_cases as cases
+
+    results = ranks.run(2, cases.auto_plan, case="auto-cp", pp=1, cp=2, model=ROPE,
+                        data=DataSpec(num_microbatches=2))
+    problems = [p for r in results for p in r.get("problems", [r.get("error")])]
+    assert not problems, "\n".join(map(str, problems))
+    plans = [r["plan"] for r in results]
+    assert plans[0] == plans[1] and all(n % 4 == 0 for n in plans[0][2]), plans
