@@ -35,8 +35,17 @@ without building any ``[sq, sk]`` tensor itself:
   Megatron). Its random stream differs from Megatron's, so with dropout the
   two backends agree in distribution, not bit for bit.
 
-Causal masks only (``causal``, ``causal_bottom_right``); an explicit
-``attention_mask``, an ``attention_bias`` and packed sequences are refused
+* Packed documents (THD: ``packed_seq_params`` with ``qkv_format='thd'``,
+  ``cu_seqlens_q`` / ``cu_seqlens_kv``): causal attention per document,
+  aligned bottom-right where a document has more keys than queries
+  (``padding_causal_bottom_right``), through :func:`megatron_seq1f1b.varlen.attention`
+  (PyTorch's variable-length flash kernel on CUDA where it exists, one SDPA
+  call per document elsewhere); no mask tensor.
+* Context parallelism: only inside Seq1F1B's segments, which gather the keys
+  over the CP group (:mod:`megatron_seq1f1b.context_parallel`); elsewhere refused.
+
+Causal masks only (``causal``, ``causal_bottom_right``, and their padding forms
+for THD); an explicit ``attention_mask`` and an ``attention_bias`` are refused
 (Seq1F1B's trainer runs without them; Megatron-LM needs
 ``--no-create-attention-mask-in-dataloader``). The class declares
 ``bottom_right_causal``: :mod:`megatron_seq1f1b.attention` then gives it a
