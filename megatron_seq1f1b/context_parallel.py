@@ -32,15 +32,7 @@ from typing import Any
 
 import torch
 
-
-def rank_ranges(start: int, end: int, cp_size: int, cp_rank: int) -> tuple[tuple[int, int], ...]:
-    """The positions ``[a, b)`` of segment ``[start, end)`` this CP rank holds (two chunks)."""
-    if cp_size == 1:
-        return ((start, end),)
-    chunk = (end - start) // (2 * cp_size)
-    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
-    return ((start + first * chunk, start + (first + 1) * chunk),
-            (start + second * chunk, start + (second + 1) * chunk))
+from megatron_seq1f1b.documents import rank_ranges  # noqa: F401 - where a CP rank's chunks are
 
 
 @functools.lru_cache(maxsize=64)

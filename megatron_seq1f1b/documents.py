@@ -180,6 +180,17 @@ class Documents:
         return SegmentView.of(start, end, tuple(pieces), window)
 
 
+def rank_ranges(start: int, end: int, cp_size: int, cp_rank: int) -> tuple[tuple[int, int], ...]:
+    """The positions ``[a, b)`` of segment ``[start, end)`` a context-parallel rank holds: chunks
+    ``r`` and ``2cp - 1 - r`` of ``2 * cp`` (:mod:`megatron_seq1f1b.context_parallel`)."""
+    if cp_size == 1:
+        return ((start, end),)
+    chunk = (end - start) // (2 * cp_size)
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return ((start + first * chunk, start + (first + 1) * chunk),
+            (start + second * chunk, start + (second + 1) * chunk))
+
+
 def long_tailed(seq_length: int, mean_length: float, seed: int = 0,
                 micro_batch_size: int = 1) -> Documents:
     """Packed documents of log-normal lengths (sigma 1: a long tail; median ~0.6 x the mean),

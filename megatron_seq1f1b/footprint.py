@@ -262,8 +262,7 @@ def unit_bytes(lengths: Sequence[int], documents=None, dense: bool = False,
     segment's keys and values (gathered over the CP group) in the K/V buffers,
     or with a segment alone.
     """
-    from megatron_seq1f1b.context_parallel import rank_ranges
-    from megatron_seq1f1b.documents import HEAD, MEMBER, chains, roles, views_of
+    from megatron_seq1f1b.documents import HEAD, MEMBER, chains, rank_ranges, roles, views_of
 
     cp = context_parallel_size
     starts = [sum(lengths[:i]) for i in range(len(lengths))]

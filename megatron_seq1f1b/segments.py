@@ -17,8 +17,9 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from megatron_seq1f1b.checks import raise_if, segment_length_problems
-from megatron_seq1f1b.context_parallel import rank_ranges
-from megatron_seq1f1b.documents import Chain, Documents, SegmentView, chains, roles, views_of
+from megatron_seq1f1b.documents import (
+    Chain, Documents, SegmentView, chains, rank_ranges, roles, views_of,
+)
 from megatron_seq1f1b.kv_cache import KVStore
 from megatron_seq1f1b.varlen import Packed
 

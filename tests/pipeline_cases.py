@@ -239,12 +239,12 @@ def schedule_disagreement(model: ModelSpec) -> dict:
 
 def p2p_lost_message(model: ModelSpec, timeout_s: float) -> dict:
     """Stage 0 never sends one activation: both stages fail within the timeout."""
-    from megatron_seq1f1b import executor
+    from megatron_seq1f1b import executor, executor_setup  # noqa: F401
     from megatron_seq1f1b.plan import Step
 
     data = DataSpec(num_microbatches=2)
     _, _, models, batches = _layout(model, data, 2, enable=True, timeout_s=timeout_s)
-    original = executor.rank_steps
+    original = executor_setup.rank_steps
 
     def lossy(*args):
         steps = list(original(*args))
@@ -255,14 +255,14 @@ def p2p_lost_message(model: ModelSpec, timeout_s: float) -> dict:
                           st.recvs, st.actions) for st in steps]
         return tuple(steps)
 
-    executor.rank_steps = lossy
+    executor_setup.rank_steps = lossy
     start = time.monotonic()
     try:
         _run(s1.get_forward_backward_func(2), models, batches, model, data, slicer=s1.slice_batch)
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
     finally:
-        executor.rank_steps = original
+        executor_setup.rank_steps = original
     return {"error": None, "seconds": time.monotonic() - start}
 
 
@@ -295,22 +295,22 @@ def zero_bubble_defers(pp: int, k: int, drop_weight_grads: bool, model: ModelSpe
 def zero_bubble_with_costs(pp: int, k: int, costs, model: ModelSpec, data: DataSpec) -> dict:
     """A zero-bubble run given the planner's per-segment costs: the results, and the costs
     that placed the steps this rank ran."""
-    from megatron_seq1f1b import executor
+    from megatron_seq1f1b import executor, executor_setup  # noqa: F401
     from gpt import run_layout
 
-    original, used = executor.rank_steps, []
+    original, used = executor_setup.rank_steps, []
 
     def recording(*args):
         used.append(args[-1])  # costs
         return original(*args)
 
-    executor.rank_steps = recording
+    executor_setup.rank_steps = recording
     try:
         result = run_layout(model=model, data=data, pp=pp,
                             seq1f1b=dict(num_splits=k, partition="uniform", schedule="zb-h1",
                                          segment_costs=costs))
     finally:
-        executor.rank_steps = original
+        executor_setup.rank_steps = original
     return dict(result, costs_used=used)
 
 
@@ -511,9 +511,9 @@ def with_links_transport(**layout) -> dict:
 def with_setup_lengths(**layout) -> dict:
     """``run_layout``, plus the segment lengths the executor's setup used."""
     from gpt import run_layout
-    from megatron_seq1f1b import executor
+    from megatron_seq1f1b import executor, executor_setup  # noqa: F401
 
     executor.clear_setups()
     result = run_layout(**layout)
-    result["lengths"] = list(next(reversed(executor._SETUPS.values())).lengths)
+    result["lengths"] = list(next(reversed(executor_setup._SETUPS.values())).lengths)
     return result
