@@ -1,23 +1,31 @@
 """Segment-aware core attention and rotary embeddings (installed by ``enable``).
 
 Inside a segmented step, core attention gets this segment's queries against
-the keys/values of segments ``0..j`` of the same micro-batch (see
-:mod:`megatron_seq1f1b.kv_cache`), with the causal mask aligned to the bottom
-right: query ``i`` (position ``start + i``) sees keys ``0 .. start + i``.
-Outside a segmented step, or with a single segment, the original forward
-runs untouched.
+the keys/values it may see (see :mod:`megatron_seq1f1b.kv_cache`): without
+documents those of segments ``0..j`` of the same micro-batch, with the causal
+mask aligned to the bottom right (query ``i``, position ``start + i``, sees
+keys ``0 .. start + i``); with packed documents only the keys of each query's
+own document (:mod:`megatron_seq1f1b.documents`); with context parallelism
+this rank's two chunks of the segment as queries, over the segment's keys
+gathered from the CP group (:mod:`megatron_seq1f1b.context_parallel`).
+Outside a segmented step (or with a single segment and neither documents nor
+CP) the original forward runs untouched.
 
 Backends:
 
 * Megatron's local ``DotProductAttention``: it asserts equal query/key
   lengths when no mask is given, so we pass an explicit boolean mask
-  ``[1, 1, L, end]`` (True = masked), or the user's own mask already sliced by
-  :func:`~megatron_seq1f1b.segments.slice_batch` (Megatron uses a given mask
-  as is). Its softmax is switched to the masked (non-causal) kernel for the
-  call, because the fused causal kernel ignores masks and needs L == end.
-* Transformer Engine's ``TEDotProductAttention``: ``causal_bottom_right``
-  (TE's plain ``causal`` is aligned top-left when lengths differ); masks are
-  dropped, as TE ignores them for causal attention anyway.
+  ``[1 or b, 1, queries, keys]`` (True = masked), ORed with the user's own mask
+  sliced by :func:`~megatron_seq1f1b.segments.slice_batch`. Its softmax is
+  switched to the masked (non-causal) kernel for the call, because the fused
+  causal kernel ignores masks and needs as many keys as queries, and its own
+  window mask is kept from replacing ours.
+* Transformer Engine's ``TEDotProductAttention`` and our SDPA flash attention
+  (``bottom_right_causal``): ``causal_bottom_right`` over the K/V prefix (TE's
+  plain ``causal`` is aligned top-left when lengths differ), a given mask
+  along as unsegmented; with documents the segment packed as THD
+  (:mod:`megatron_seq1f1b.varlen`, ``padding_causal_bottom_right``); with CP
+  and no documents one call per chunk.
 
 Sliding windows (``window_size=(w, 0)``, per layer as Megatron decides with
 ``window_attn_skip_freq``): query ``i`` sees keys ``start + i - w .. start + i``,
