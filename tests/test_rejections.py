@@ -182,6 +182,8 @@ def _without_psutil(trigger: LocalTrigger) -> LocalTrigger:
     return run
 
 
+_CP2 = ("--context-parallel-size", "2", "--seq1f1b")
+
 TRAINER: dict[str, LocalTrigger] = {
     "trainer-world-size": _trainer("--tensor-model-parallel-size", "2", world_size=3),
     "trainer-layers-per-stage": _trainer("--pipeline-model-parallel-size", "3", world_size=3),
@@ -224,7 +226,16 @@ TRAINER: dict[str, LocalTrigger] = {
                                                               "documents"),
     "trainer-documents-mla": _trainer("--dataloader-inter-document-masking",
                                       "--multi-latent-attention"),
-    "trainer-unknown-flag": _trainer("--context-parallel-size", "2"),
+    "trainer-unknown-flag": _trainer("--hybrid-context-parallel"),
+    "trainer-context-parallel-without-seq1f1b": _trainer("--context-parallel-size", "2",
+                                                         world_size=2),
+    "trainer-context-parallel-auto": _trainer(*_CP2, "--seq1f1b-splits", "auto", world_size=2),
+    "trainer-context-parallel-packed-documents": _trainer(
+        *_CP2, "--attention-backend", "flash", "--reset-attention-mask", world_size=2),
+    "trainer-context-parallel-mla": _trainer(*_CP2, "--multi-latent-attention", world_size=2),
+    "trainer-context-parallel-moe": _trainer(*_CP2, "--num-experts", "4", world_size=2),
+    "trainer-segments-context-parallel": _trainer(*_CP2, "--seq1f1b-splits", "2",
+                                                  "--seq-length", "66", world_size=2),
 }
 
 # ------------------------------------------------------------------ triggers run on two gloo ranks
@@ -540,6 +551,7 @@ def test_valid_baselines_are_accepted():
     assert megatron_lm.args_problems(argparse.Namespace(**LM_VALID)) == []
     for world_size in (1, 2, 3):
         arguments.parse(TRAINER_VALID, world_size)
+    arguments.parse([*TRAINER_VALID, *_CP2], 2)  # context parallelism under Seq1F1B
 
 
 # Once rejected, now accepted: documents the schedule reads (packed batches, end-of-document
