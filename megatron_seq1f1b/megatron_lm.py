@@ -13,6 +13,11 @@ so that the logic lives, and is tested, here:
   tensor-parallel broadcast of the full micro-batch.
 * ``megatron/training/arguments.py``: ``validate_args`` ends with
   :func:`validate_args`, so bad combinations fail before anything is built.
+* Context parallelism (``--context-parallel-size``): the GPT builder
+  (``gpt_builders.py``; core_v0.19: ``megatron/training/models/gpt.py``) passes
+  its layer spec through :func:`layer_spec`, and ``pretrain_gpt.py`` rebinds
+  ``get_batch_on_this_cp_rank`` to :func:`context_parallel_cut`, so that
+  ``get_batch`` keeps the whole sequence for the segment cut.
 
 Megatron-LM changed two of these places between tags; each change has a small
 adapter here, and all adapters share one code path:
