@@ -13,6 +13,11 @@ so that the logic lives, and is tested, here:
   tensor-parallel broadcast of the full micro-batch.
 * ``megatron/training/arguments.py``: ``validate_args`` ends with
   :func:`validate_args`, so bad combinations fail before anything is built.
+* Context parallelism (``--context-parallel-size``): the GPT builder
+  (``gpt_builders.py``; core_v0.19: ``megatron/training/models/gpt.py``) passes
+  its layer spec through :func:`layer_spec`, and ``pretrain_gpt.py`` rebinds
+  ``get_batch_on_this_cp_rank`` to :func:`context_parallel_cut`, so that
+  ``get_batch`` keeps the whole sequence for the segment cut.
 
 Megatron-LM changed two of these places between tags; each change has a small
 adapter here, and all adapters share one code path:
@@ -218,12 +223,7 @@ def args_problems(args: Any) -> list[str]:
         )
 
     # Parallelism that cuts or reorders the sequence itself.
-    cp = _flag(args, "context_parallel_size", 1) or 1
-    if cp > 1:
-        problems.append(
-            f"--context-parallel-size {cp}: context parallelism splits the sequence across "
-            "ranks, Seq1F1B splits it in time; use --context-parallel-size 1"
-        )
+    problems += context_parallel_problems(args)
     if _flag(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel is not supported with --seq1f1b; remove it")
     if _flag(args, "rl_use_sequence_packing", False):
@@ -357,9 +357,10 @@ def args_problems(args: Any) -> list[str]:
         except ValueError:
             if multiple > 1:
                 where = (f"every segment must be a multiple of {multiple} tokens "
-                         "(--tensor-model-parallel-size with --sequence-parallel, times 8 with "
-                         "--fp8-format" + (f"; --seq1f1b-segment-multiple {requested}"
-                                           if requested is not None else "") + ")")
+                         "(--tensor-model-parallel-size with --sequence-parallel, 2 x "
+                         "--context-parallel-size chunks with context parallelism, times 8 "
+                         "with --fp8-format" + (f"; --seq1f1b-segment-multiple {requested}"
+                                                if requested is not None else "") + ")")
                 fix = (f"use --seq1f1b-splits <= {seq_length // multiple} and a --seq-length "
                        f"divisible by {multiple}")
             else:
@@ -370,6 +371,120 @@ def args_problems(args: Any) -> list[str]:
                 f"segments: {where}; {fix}"
             )
     return problems
+
+
+#: ``--cp-comm-type`` values segments run (they all-gather each segment's keys and values).
+CP_COMM_TYPES = ("p2p", "all_gather")
+
+
+def context_parallel_problems(args: Any) -> list[str]:
+    """``--context-parallel-size`` > 1 under ``--seq1f1b``: what runs and what does not.
+
+    Each segment is cut into ``2 x cp`` chunks over the CP group, which gathers its keys and
+    values (:mod:`megatron_seq1f1b.context_parallel`), with Megatron's local attention or
+    the flash one (``--transformer-impl local``). Refused: Transformer Engine's attention
+    (its CP path is not wired into segments yet), ``--cp-comm-type`` a2a / a2a+p2p, packed
+    (THD) documents, multi-latent attention, MoE (not tested with CP yet) and
+    ``--seq1f1b-splits auto``. Hybrid CP is refused on its own.
+    """
+    cp = _flag(args, "context_parallel_size", 1) or 1
+    if cp <= 1:
+        return []
+    flag = f"--context-parallel-size {cp}"
+    problems = []
+    if _flag(args, "transformer_impl", "transformer_engine") != "local":
+        problems.append(
+            f"{flag} with --transformer-impl {_flag(args, 'transformer_impl', 'transformer_engine')}"
+            ": Transformer Engine's context-parallel attention does not run inside Seq1F1B "
+            "segments yet; use --transformer-impl local (Megatron's local attention, or "
+            "--attention-backend flash --no-create-attention-mask-in-dataloader)")
+    kinds = _flag(args, "cp_comm_type", None)
+    kinds = kinds if isinstance(kinds, (list, tuple)) else [kinds]
+    odd = [str(k) for k in kinds if k is not None and k not in CP_COMM_TYPES]
+    if odd:
+        problems.append(
+            f"--cp-comm-type {' '.join(dict.fromkeys(odd))}: Seq1F1B's segments all-gather "
+            "their keys and values over the context-parallel group; use --cp-comm-type p2p "
+            "(the default) or all_gather")
+    packed = packed_documents_flag(args)
+    if packed is not None:
+        problems.append(
+            f"{flag} with {packed}: packed (THD) batches would need each document cut over "
+            "the context-parallel group; use --context-parallel-size 1, or keep documents "
+            "apart with --reset-attention-mask (end-of-document tokens)")
+    if _flag(args, "multi_latent_attention", False):
+        problems.append(f"{flag} with --multi-latent-attention is not supported with "
+                        "--seq1f1b; remove one of them")
+    if _flag(args, "num_experts"):
+        problems.append(f"{flag} with --num-experts: mixture of experts under context "
+                        "parallelism is not tested with Seq1F1B yet; remove one of them")
+    if _flag(args, "seq1f1b_splits", DEFAULT_SPLITS) == AUTO:
+        problems.append(f"{flag} with --seq1f1b-splits auto: the start-up measurement does "
+                        "not run context-parallel segments yet; give --seq1f1b-splits N")
+    return problems
+
+
+def _megatron_args_if_set() -> Any:
+    """Megatron-LM's parsed arguments, or None where they are not set (a builder used
+    outside Megatron-LM's training scripts)."""
+    try:
+        return _megatron_args()
+    except (AssertionError, ImportError):
+        return None
+
+
+def layer_spec(spec: Any, args: Any = None) -> Any:
+    """The layer (or block) spec Megatron-LM's GPT builder is about to build, made buildable
+    with ``--seq1f1b`` and ``--context-parallel-size`` > 1; otherwise `spec` itself.
+
+    Megatron's local ``DotProductAttention`` asserts CP 1 when it is built (it has no CP
+    exchange); under Seq1F1B the segments make the exchange, so its core attention becomes
+    :func:`megatron_seq1f1b.context_parallel.local_attention_class` (built as for one CP
+    rank, refusing to run outside Seq1F1B's schedule), or, with ``--attention-backend flash
+    --transformer-impl local``, :class:`~megatron_seq1f1b.flash_attention.FlashDotProductAttention`
+    (which takes CP). No parameters change. Called by the patch hunks in ``gpt_builders.py``
+    (core_v0.16-0.18) and ``megatron/training/models/gpt.py`` (core_v0.19) right before the
+    model is built.
+    """
+    if args is None:
+        args = _megatron_args_if_set()
+    if spec is None or args is None or not _flag(args, "seq1f1b", False) \
+            or (_flag(args, "context_parallel_size", 1) or 1) <= 1:
+        return spec
+    if flash_attention_requested(args):
+        from megatron_seq1f1b.flash_attention import flash_layer_spec
+
+        return flash_layer_spec(spec)
+    from megatron_seq1f1b.context_parallel import context_parallel_layer_spec
+
+    return context_parallel_layer_spec(spec)
+
+
+def context_parallel_cut(cut: Callable) -> Callable:
+    """``pretrain_gpt.py``'s ``get_batch_on_this_cp_rank``, which keeps the whole micro-batch
+    inside a Seq1F1B segment with context parallelism.
+
+    Megatron-LM's ``get_batch`` cuts the whole sequence into ``2 x cp`` chunks and keeps this
+    CP rank's two; under ``--seq1f1b`` the segment must be cut first and then this rank's part
+    of it (the patched ``forward_step`` does both, :func:`slice_gpt_batch`), so inside a
+    segment whose run has CP > 1 the batch passes unchanged. Elsewhere (no ``--seq1f1b``,
+    CP 1) `cut` runs as before. The patch rebinds the name in ``pretrain_gpt.py`` once, after
+    its imports; ``get_batch`` looks it up at call time.
+    """
+    if getattr(cut, "seq1f1b_cut", None) is not None:
+        return cut
+
+    def get_batch_on_this_cp_rank(batch, *args, **kwargs):
+        from megatron_seq1f1b.segments import active
+
+        current = active()
+        if current is not None and current.run.cp_size > 1:
+            return batch
+        return cut(batch, *args, **kwargs)
+
+    get_batch_on_this_cp_rank.seq1f1b_cut = cut
+    get_batch_on_this_cp_rank.__doc__ = context_parallel_cut.__doc__
+    return get_batch_on_this_cp_rank
 
 
 def validate_args(args: Any) -> None:
@@ -647,9 +762,14 @@ def use_flash_attention(model: Any, args: Any) -> Any:
     checkpoints are unchanged. Raises ``ConfigError`` for a mask from the data.
     """
     raise_if(flash_attention_problems(args))
+    from megatron_seq1f1b.flash_attention import FlashDotProductAttention
     from megatron_seq1f1b.flash_attention import use_flash_attention as swap
 
-    count = swap(model)
+    swap(model)
+    # (with context parallelism the layer spec built them already: layer_spec)
+    count = sum(isinstance(module, FlashDotProductAttention)
+                for chunk in (model if isinstance(model, (list, tuple)) else [model])
+                for module in chunk.modules())
     import torch
 
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

@@ -28,6 +28,9 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     With --num-experts, Megatron's decoder block spec (MoE layers by --moe-layer-freq). With
     --attention-backend flash, and always with --multi-latent-attention (Megatron's local
     DotProductAttention has one K/V width), the core attention is FlashDotProductAttention.
+    With --context-parallel-size > 1, Megatron's DotProductAttention (which asserts CP 1 when
+    built) becomes its subclass for Seq1F1B's segments, which gather keys and values over the
+    CP group; the flash attention takes CP as it is.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -36,6 +39,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         get_gpt_layer_local_spec,
     )
 
+    from megatron_seq1f1b.context_parallel import context_parallel_layer_spec
     from megatron_seq1f1b.flash_attention import flash_layer_spec
 
     mla = bool(args.multi_latent_attention)
@@ -46,6 +50,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
             vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
     if mla or args.attention_backend == "flash":
         spec = flash_layer_spec(spec)
+    if config.context_parallel_size > 1:
+        spec = context_parallel_layer_spec(spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

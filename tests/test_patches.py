@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import inspect
 import json
 import os
@@ -63,16 +64,22 @@ REPORTED = {"core_v0.16.1": (0, 16, 1), "core_v0.17.1": (0, 17, 1),
 REQUIRES_PYTHON = {"core_v0.16.1": (3, 10), "core_v0.17.1": (3, 12),
                    "core_v0.18.2": (3, 12), "core_v0.19.0": (3, 12)}
 # The shim functions each tag's hunks call (the adapters differ per tag).
+# (Every tag: context_parallel_cut, rebinding get_batch's CP cut, and layer_spec in the GPT
+# builder: gpt_builders.py to core_v0.18, megatron/training/models/gpt.py in core_v0.19.)
+_CP = {"context_parallel_cut", "layer_spec"}
 SHIM_CALLS = {
     "core_v0.16.1": {"extra_args_provider", "validate_args", "wrap_model_provider",
-                     "slice_gpt_batch"},
+                     "slice_gpt_batch", *_CP},
     "core_v0.17.1": {"extra_args_provider", "validate_args", "wrap_model_provider",
-                     "slice_gpt_batch"},
+                     "slice_gpt_batch", *_CP},
     "core_v0.18.2": {"extra_args_provider", "validate_args", "wrap_model_provider",
-                     "slice_gpt_batch_fields"},
+                     "slice_gpt_batch_fields", *_CP},
     "core_v0.19.0": {"extra_args_provider", "validate_args", "add_post_wrap_hook",
-                     "slice_gpt_batch_fields"},
+                     "slice_gpt_batch_fields", *_CP},
 }
+# The file whose GPT builder builds pretrain_gpt.py's model (layer_spec's hunk goes there).
+BUILDER = {"core_v0.16.1": "gpt_builders.py", "core_v0.17.1": "gpt_builders.py",
+           "core_v0.18.2": "gpt_builders.py", "core_v0.19.0": "megatron/training/models/gpt.py"}
 HAVE_PATCH = shutil.which("patch") is not None
 HAVE_GIT = shutil.which("git") is not None
 TOOLS = [pytest.param("patch", marks=pytest.mark.skipif(not HAVE_PATCH, reason="no patch")),
@@ -447,6 +454,33 @@ for segment in range(2):
         tokens_per_segment.append(int(loss_func(output)[1]))
 pretrain_gpt.forward_step(iter(()), model)
 
+# Context parallelism, CP rank 1 of 2: get_batch's CP cut is the shim's; inside a segment it
+# keeps the whole micro-batch, which forward_step then cuts to this rank's part of the segment.
+class Group:
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 1
+
+cp_cut = pretrain_gpt.get_batch_on_this_cp_rank
+cp_seen = []
+
+def model(tokens, position_ids, attention_mask, labels=None, loss_mask=None,
+          packed_seq_params=None):
+    cp_seen.append([tokens[0].tolist(), list(attention_mask.shape), position_ids[0].tolist()])
+    return torch.zeros(tokens.shape)
+
+run = SegmentRun([8, 8], cp_group=Group())
+cp_kept = []
+for segment in range(2):
+    with run.forward(0, segment):
+        whole = {"tokens": fields["tokens"]}
+        cp_kept.append(cp_cut(whole) is whole)
+        pretrain_gpt.forward_step(iter(()), model)
+cp = {"wrapped": getattr(cp_cut, "seq1f1b_cut", None) is not None, "kept": cp_kept,
+      "seen": cp_seen}
+
 # A packed (THD) micro-batch (--sft): documents [0, 5), [5, 12), [12, 16) in segments of 6, 10.
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_seq1f1b.documents import Documents
@@ -476,7 +510,7 @@ run = SegmentRun([6, 10], documents=[Documents(((0, 5, 12),), 16)])
 for segment in range(2):
     with run.forward(0, segment):
         pretrain_gpt.forward_step(iter(()), model)
-print(json.dumps({"seen": seen, "tokens": tokens_per_segment, "packed": packed,
+print(json.dumps({"seen": seen, "tokens": tokens_per_segment, "packed": packed, "cp": cp,
                   "flags": [args.seq1f1b, args.seq1f1b_splits, args.seq1f1b_partition]}))
 """
 
@@ -491,13 +525,9 @@ def requires_python(tree: Path, tag: str) -> tuple[int, int]:
     return REQUIRES_PYTHON[tag]
 
 
-def test_patched_forward_step(lm_checkout, tmp_path):
-    """The patched pretrain_gpt.forward_step cuts each segment's batch, packed (THD) ones too.
-
-    Needs the Python version the tag requires (3.12 from core_v0.17) and Megatron-LM's own
-    dependencies (its training package imports more than Megatron-Core: pydantic, ...).
-    """
-    lm = lm_checkout
+def run_probe(lm: Source, tmp_path: Path, probe: str) -> dict:
+    """Run `probe` in a patched copy of the checkout; its last line of JSON. Skips where the
+    tag needs a newer Python or Megatron-LM's own dependencies are missing."""
     needed = requires_python(lm.path, lm.tag)
     if sys.version_info[:2] < needed:
         pytest.skip(f"Megatron-LM {lm.tag} needs Python >= {needed[0]}.{needed[1]} "
@@ -511,18 +541,105 @@ def test_patched_forward_step(lm_checkout, tmp_path):
     pythonpath = os.pathsep.join(filter(None, [str(tree), str(ROOT),
                                                os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=pythonpath, WORLD_SIZE="1", RANK="0")
-    out = subprocess.run([sys.executable, "-c", FORWARD_STEP_PROBE], cwd=tree, env=env,
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tree, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if "missing" in result:
         pytest.skip(f"Megatron-LM {lm.tag}'s own dependencies are not installed here: "
                     f"{result['missing']}")
+    return result
+
+
+BUILDER_PROBE = r"""
+import json, socket, sys
+sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+            "--transformer-impl", "local", "--context-parallel-size", "2",
+            "--seq1f1b", "--seq1f1b-splits", "2"]
+try:
+    import pretrain_gpt  # noqa: F401 (the patched script's imports)
+    from gpt_builders import gpt_builder
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+except ImportError as exc:  # a missing dependency, or a Python older than the tag needs
+    if "seq1f1b" in str(exc):
+        raise
+    print(json.dumps({"missing": f"{exc} (Python {sys.version.split()[0]})"}))
+    sys.exit(0)
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer import TransformerConfig
+
+from megatron_seq1f1b import cpu, megatron_lm
+
+if not torch.cuda.is_available():
+    cpu.enable()
+args = parse_args(megatron_lm.extra_args_provider(None))
+args.padded_vocab_size = 128
+global_vars.set_args(args)
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
+# The model's config says CP 2 (this one process stands for a CP rank; building needs no peer).
+config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                           context_parallel_size=2, use_cpu_initialization=True)
+built = {}
+for backend in ("auto", "flash"):
+    args.attention_backend = backend
+    model = gpt_builder(args, True, True, None, config=config)
+    built[backend] = sorted({type(layer.self_attention.core_attention).__name__
+                             for layer in model.decoder.layers})
+args.seq1f1b = False
+try:
+    gpt_builder(args, True, True, None, config=config)
+    built["without --seq1f1b"] = "built"
+except AssertionError as exc:  # Megatron's own: local attention asserts CP 1
+    built["without --seq1f1b"] = "refused: " + str(exc).splitlines()[0][:60]
+print(json.dumps(built))
+"""
+
+
+def test_patched_builder_with_context_parallel(lm_checkout, tmp_path):
+    """The patched gpt_builder (core_v0.16-0.18) builds, with --seq1f1b
+    --context-parallel-size 2 --transformer-impl local, Megatron's local core attention as
+    Seq1F1B's CP subclass, or the flash attention with --attention-backend flash; without
+    --seq1f1b Megatron refuses as before. Same needs as test_patched_forward_step; core_v0.19
+    builds through GPTModelBuilder (its hunk: test_real_checkout_calls_exist, and layer_spec's
+    own tests)."""
+    if BUILDER[lm_checkout.tag] != "gpt_builders.py":
+        pytest.skip(f"{lm_checkout.tag} builds pretrain_gpt.py's model with "
+                    f"{BUILDER[lm_checkout.tag]}'s GPTModelBuilder, not gpt_builder")
+    result = run_probe(lm_checkout, tmp_path, BUILDER_PROBE)
+    assert result["auto"] == ["ContextParallelDotProductAttention"], result
+    assert result["flash"] == ["FlashDotProductAttention"], result
+    assert result["without --seq1f1b"].startswith("refused: Context parallelism"), result
+
+
+def test_patched_forward_step(lm_checkout, tmp_path):
+    """The patched pretrain_gpt.forward_step cuts each segment's batch, packed (THD) ones too,
+    and with context parallelism this CP rank's part of it (get_batch's own CP cut keeps the
+    whole micro-batch inside a segment).
+
+    Needs the Python version the tag requires (3.12 from core_v0.17) and Megatron-LM's own
+    dependencies (its training package imports more than Megatron-Core: pydantic, ...).
+    """
+    result = run_probe(lm_checkout, tmp_path, FORWARD_STEP_PROBE)
     assert result["flags"] == [True, 2, "uniform"]
     assert result["seen"] == [[[2, 8], [2, 1, 8, 8], 0, [2, 8]],
                               [[2, 8], [2, 1, 8, 16], 8, [2, 8]],
                               [[2, 16], [2, 1, 16, 16], 0, [2, 16]]]
     assert result["tokens"] == [16, 16]
+    # context parallelism: segment 0 is tokens 0..7, segment 1 tokens 8..15, each in 4 chunks
+    # of 2; CP rank 1 holds chunks 1 and 2 (its queries' mask rows, keys up to the segment end)
+    assert result["cp"] == {"wrapped": True, "kept": [True, True], "seen": [
+        [[2, 3, 4, 5], [2, 1, 4, 8], [2, 3, 4, 5]],
+        [[10, 11, 12, 13], [2, 1, 4, 16], [10, 11, 12, 13]]]}
     # packed batches: each segment's PackedSeqParams holds its own document pieces
     assert result["packed"] == [["thd", [0, 5, 6], [0, 5, 6], 5, [1, 6], 0],
                                 ["thd", [0, 6, 10], [0, 6, 10], 6, [1, 10], 6]]
@@ -561,6 +678,25 @@ def test_real_checkout_calls_exist(lm_checkout, tmp_path):
         assert "compose_hooks(self._model_config.post_wrap_hooks)" in gpt
     else:
         assert "partial(model_provider, gpt_builder)" in text
+        assert "from gpt_builders import gpt_builder" in text
+    # Context parallelism under --seq1f1b: get_batch's CP cut goes through the module-level
+    # name the patch rebinds (imported above model_provider's import, where the hunk adds
+    # the rebinding), and the spec that layer_spec changes is the one the model is built from.
+    assert text.count("batch = get_batch_on_this_cp_rank(") == 1
+    tree = ast.parse(text)
+    imported = [node.lineno for node in tree.body if isinstance(node, ast.ImportFrom)
+                and any(alias.name == "get_batch_on_this_cp_rank" for alias in node.names)]
+    provider = [node.lineno for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module == "model_provider"]
+    assert len(imported) == 1 and provider and imported[0] < provider[0]
+    builder = (source / BUILDER[tag]).read_text()
+    assert BUILDER[tag] in touched_files(PATCHES_OF[tag])
+    assert builder.count("model = GPTModel(") == 1 and builder.count(
+        "transformer_layer_spec=transformer_layer_spec,") == 1
+    assert builder.index("model = GPTModel(") < builder.index(
+        "transformer_layer_spec=transformer_layer_spec,")
+    if tag == "core_v0.19.0":  # --attention-backend local sets Megatron's attention first
+        assert builder.index("= MCoreDotProductAttention") < builder.index("model = GPTModel(")
 
     training = (source / "megatron" / "training" / "training.py").read_text()
     # install() patches this module-level name; train() and evaluate() look it up at call time.
@@ -967,6 +1103,15 @@ FLASH = {"transformer_impl": "local", "attention_backend": "flash",
     {"seq1f1b_schedule": "zb-h1", "virtual_pipeline_model_parallel_size": 2,
      "overlap_p2p_comm": True},
     {"seq1f1b_schedule": "zb-h2"},
+    # context parallelism with Megatron's local attention or the flash one, documents by
+    # end-of-document tokens (dense mask, or the flash attention's own)
+    {"context_parallel_size": 2},
+    {"context_parallel_size": 4, "cp_comm_type": ["all_gather"], "seq_length": 4096},
+    {"context_parallel_size": 2, "cp_comm_type": "p2p", "sequence_parallel": False,
+     "tensor_model_parallel_size": 1, "seq_length": 8, "seq1f1b_splits": 2},
+    {"context_parallel_size": 2, **FLASH, "reset_attention_mask": True},
+    {"context_parallel_size": 2, "reset_attention_mask": True, "seq1f1b_schedule": "zb-h1",
+     "virtual_pipeline_model_parallel_size": 2, "overlap_p2p_comm": True},
 ])
 def test_validate_accepts(overrides):
     megatron_lm.validate_args(megatron_args(**overrides))
@@ -994,7 +1139,21 @@ def test_validate_does_nothing_without_the_flag():
       "overlap_p2p_comm": True}, ["--seq1f1b-schedule zb-h2", "zb-h1"]),
     ({"seq1f1b_schedule": "zb-h1", "transformer_impl": "transformer_engine"},
      ["--seq1f1b-schedule zb-h1", "--transformer-impl local"]),
-    ({"context_parallel_size": 2}, ["--context-parallel-size"]),
+    # context parallelism: local attention (or the flash one) only, segments all-gather
+    ({"context_parallel_size": 2, "transformer_impl": "transformer_engine"},
+     ["--context-parallel-size 2", "--transformer-impl local"]),
+    ({"context_parallel_size": 2, "cp_comm_type": ["a2a+p2p"]}, ["--cp-comm-type a2a+p2p"]),
+    ({"context_parallel_size": 2, "cp_comm_type": ["p2p", "a2a"]}, ["--cp-comm-type a2a"]),
+    ({"context_parallel_size": 2, "sft": True, **PACKED}, ["--context-parallel-size 2", "--sft"]),
+    ({"context_parallel_size": 2, "dataloader_inter_document_masking": True, **PACKED},
+     ["--context-parallel-size 2", "--dataloader-inter-document-masking"]),
+    ({"context_parallel_size": 2, "multi_latent_attention": True},
+     ["--context-parallel-size 2", "--multi-latent-attention"]),
+    ({"context_parallel_size": 2, "num_experts": 8}, ["--context-parallel-size 2",
+                                                      "--num-experts"]),
+    ({"context_parallel_size": 2, "seq1f1b_splits": "auto"}, ["--seq1f1b-splits auto"]),
+    ({"context_parallel_size": 2, "seq_length": 4098},  # 2 x CP chunks, CP x TP with SP: 4
+     ["--seq-length 4098", "multiple of 4", "--context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel"]),
     ({"num_experts": 8, "moe_expert_capacity_factor": 1.25}, ["--moe-expert-capacity-factor"]),
     ({"overlap_moe_expert_parallel_comm": True}, ["--overlap-moe-expert-parallel-comm"]),
@@ -1057,7 +1216,7 @@ def test_validate_rejects_with_flag_names(overrides, flags):
 
 def test_validate_reports_everything_at_once():
     problems = megatron_lm.args_problems(
-        megatron_args(context_parallel_size=2, num_experts=4, moe_expert_capacity_factor=1.0,
+        megatron_args(hybrid_context_parallel=True, num_experts=4, moe_expert_capacity_factor=1.0,
                       seq1f1b_splits=-1))
     assert len(problems) == 3
 
@@ -1181,6 +1340,93 @@ def test_flash_reset_attention_mask_needs_seq1f1b(monkeypatch):
         megatron_lm.prepare_model(object(), args)
     assert megatron_lm.flash_attention_problems(megatron_args(reset_attention_mask=True,
                                                               **FLASH)) == []
+
+
+def _core_attentions(spec) -> list:
+    layers = getattr(spec, "layer_specs", None) or [spec]
+    found = []
+    for layer in layers:
+        core = layer.submodules.self_attention.submodules.core_attention
+        found.append(getattr(core, "module", core))
+    return found
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_layer_spec_for_context_parallel(block):
+    """What the builder hunks call: with --seq1f1b and CP > 1 Megatron's local core attention
+    becomes the CP-buildable subclass (the flash one with --attention-backend flash); the
+    same spec object otherwise, or where Megatron-LM's arguments are not set."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_seq1f1b.flash_attention import FlashDotProductAttention
+
+    spec = get_gpt_layer_local_spec()
+    if block:  # a block spec (MoE, --spec), as 0.19's --attention-backend local leaves it too
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        layer = copy.deepcopy(spec)
+        layer.submodules.self_attention.submodules.core_attention = DotProductAttention
+        spec = TransformerBlockSubmodules(layer_specs=[spec, layer])
+    assert set(_core_attentions(spec)) == {DotProductAttention}
+    for args in (megatron_args(), megatron_args(seq1f1b=False, context_parallel_size=2)):
+        assert megatron_lm.layer_spec(spec, args) is spec
+    cp = megatron_lm.layer_spec(spec, megatron_args(context_parallel_size=2))
+    (kind,) = set(_core_attentions(cp))
+    assert issubclass(kind, DotProductAttention) and kind.seq1f1b_context_parallel
+    assert set(_core_attentions(spec)) == {DotProductAttention}  # a copy was changed
+    flash = megatron_lm.layer_spec(spec, megatron_args(context_parallel_size=2, **FLASH))
+    assert set(_core_attentions(flash)) == {FlashDotProductAttention}
+    assert megatron_lm.layer_spec(None, megatron_args(context_parallel_size=2)) is None
+    assert isinstance(spec, ModuleSpec) != block
+
+
+def test_layer_spec_without_megatron_lm_arguments(monkeypatch):
+    """Megatron-LM's get_args() asserts when no script parsed arguments: unchanged spec."""
+    def unset():
+        raise AssertionError("args is not initialized.")
+
+    monkeypatch.setattr(megatron_lm, "_megatron_args", unset)
+    spec = object()
+    assert megatron_lm.layer_spec(spec) is spec
+
+
+def test_context_parallel_cut_keeps_the_sequence_inside_cp_segments():
+    """The rebound get_batch_on_this_cp_rank: Megatron's cut outside a segment (or with CP 1),
+    the whole micro-batch inside a Seq1F1B segment with CP > 1, which slice_gpt_batch then
+    cuts into this CP rank's part of the segment."""
+    import torch
+
+    from megatron_seq1f1b.segments import SegmentRun
+
+    calls = []
+
+    def megatrons(batch, **kwargs):  # keeps chunks r and 2cp-1-r of the whole sequence
+        calls.append(kwargs)
+        return {key: value[:, :2] for key, value in batch.items()}
+
+    cut = megatron_lm.context_parallel_cut(megatrons)
+    assert megatron_lm.context_parallel_cut(cut) is cut and cut.seq1f1b_cut is megatrons
+    tokens = torch.arange(16).view(1, 16)
+    assert cut({"tokens": tokens}, cp_group="g")["tokens"].shape == (1, 2)
+    with SegmentRun([8, 8]).forward(0, 1):  # no CP: Megatron's (identity there) runs
+        assert cut({"tokens": tokens})["tokens"].shape == (1, 2)
+    assert calls == [{"cp_group": "g"}, {}]
+
+    class Group:  # CP rank 1 of 2
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    with SegmentRun([8, 8], cp_group=Group()).forward(0, 1):
+        whole = cut({"tokens": tokens}, cp_group="g")
+        assert whole["tokens"] is tokens and len(calls) == 2
+        fields = megatron_lm.slice_gpt_batch(whole["tokens"], tokens + 1, None, None, None, None)
+    # segment 1 is tokens 8..15, in 4 chunks of 2: CP rank 1 holds chunks 1 and 2
+    assert fields[0].tolist() == [[10, 11, 12, 13]] and fields[1].tolist() == [[11, 12, 13, 14]]
 
 
 def test_wrap_model_provider(monkeypatch):

@@ -120,7 +120,13 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-zb-h2-interleaved": _lm(seq1f1b_schedule="zb-h2", virtual_pipeline_model_parallel_size=2),
     "lm-zero-bubble-transformer-engine": _lm(seq1f1b_schedule="zb-h1",
                                              transformer_impl="transformer_engine"),
-    "lm-context-parallel": _lm(context_parallel_size=2),
+    "lm-context-parallel-transformer-engine": _lm(context_parallel_size=2,
+                                                  transformer_impl="transformer_engine"),
+    "lm-context-parallel-comm-type": _lm(context_parallel_size=2, cp_comm_type=["a2a"]),
+    "lm-context-parallel-packed": _lm(context_parallel_size=2, sft=True, micro_batch_size=1),
+    "lm-context-parallel-mla": _lm(context_parallel_size=2, multi_latent_attention=True),
+    "lm-context-parallel-moe": _lm(context_parallel_size=2, num_experts=8),
+    "lm-context-parallel-auto": _lm(context_parallel_size=2, seq1f1b_splits="auto"),
     "lm-hybrid-context-parallel": _lm(hybrid_context_parallel=True),
     "lm-rl-sequence-packing": _lm(rl_use_sequence_packing=True),
     "lm-packed-micro-batch-size": _lm(sft=True, micro_batch_size=2),
@@ -159,6 +165,7 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-splits-exceed-sequence": _lm(seq_length=3, sequence_parallel=False),
     "lm-segments-sequence-parallel": _lm(seq_length=4097),
     "lm-segments-fp8": _lm(fp8="hybrid", seq_length=4100),
+    "lm-segments-context-parallel": _lm(context_parallel_size=2, seq_length=4098),
     "lm-segment-multiple": _lm(seq1f1b_segment_multiple=0),
     "lm-segments-segment-multiple": _lm(seq1f1b_segment_multiple=3000),
 }
@@ -181,6 +188,8 @@ def _without_psutil(trigger: LocalTrigger) -> LocalTrigger:
             return trigger()
     return run
 
+
+_CP2 = ("--context-parallel-size", "2", "--seq1f1b")
 
 TRAINER: dict[str, LocalTrigger] = {
     "trainer-world-size": _trainer("--tensor-model-parallel-size", "2", world_size=3),
@@ -224,7 +233,16 @@ TRAINER: dict[str, LocalTrigger] = {
                                                               "documents"),
     "trainer-documents-mla": _trainer("--dataloader-inter-document-masking",
                                       "--multi-latent-attention"),
-    "trainer-unknown-flag": _trainer("--context-parallel-size", "2"),
+    "trainer-unknown-flag": _trainer("--hybrid-context-parallel"),
+    "trainer-context-parallel-without-seq1f1b": _trainer("--context-parallel-size", "2",
+                                                         world_size=2),
+    "trainer-context-parallel-auto": _trainer(*_CP2, "--seq1f1b-splits", "auto", world_size=2),
+    "trainer-context-parallel-packed-documents": _trainer(
+        *_CP2, "--attention-backend", "flash", "--reset-attention-mask", world_size=2),
+    "trainer-context-parallel-mla": _trainer(*_CP2, "--multi-latent-attention", world_size=2),
+    "trainer-context-parallel-moe": _trainer(*_CP2, "--num-experts", "4", world_size=2),
+    "trainer-segments-context-parallel": _trainer(*_CP2, "--seq1f1b-splits", "2",
+                                                  "--seq-length", "66", world_size=2),
 }
 
 # ------------------------------------------------------------------ triggers run on two gloo ranks
@@ -540,6 +558,7 @@ def test_valid_baselines_are_accepted():
     assert megatron_lm.args_problems(argparse.Namespace(**LM_VALID)) == []
     for world_size in (1, 2, 3):
         arguments.parse(TRAINER_VALID, world_size)
+    arguments.parse([*TRAINER_VALID, *_CP2], 2)  # context parallelism under Seq1F1B
 
 
 # Once rejected, now accepted: documents the schedule reads (packed batches, end-of-document

@@ -152,6 +152,66 @@ def test_checkpoints_interchange_between_schedules(tmp_path):
     _same(resumed_1f1b["summary"]["losses"], straight["summary"]["losses"][2:])
 
 
+def _validation_loss(stdout: str) -> float:
+    found = re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+)", stdout)
+    assert found, stdout[-2000:]
+    return float(found[-1])
+
+
+# --context-parallel-size 2 runs only under --seq1f1b; its reference is the same model on the
+# same pipeline layout without CP (CP changes neither the weights nor their initialization:
+# Megatron's seeds depend on the tensor- and expert-parallel ranks, not on the CP rank; the
+# layout fixes them, and checkpoints do not cross layouts). One backend learns positions,
+# the other rotates them (RoPE) with grouped queries.
+CONTEXT_PARALLEL = {
+    "local": [],
+    "flash": ["--attention-backend", "flash", "--position-embedding-type", "rope",
+              "--num-query-groups", "2"],
+}
+
+
+@pytest.mark.parametrize("backend", list(CONTEXT_PARALLEL))
+def test_context_parallel_2_equals_the_same_model_without_it(tmp_path, backend):
+    """Issue 32's trainer line, fp32, losses within 1e-5 (training and validation):
+
+    * ``--context-parallel-size 2 --pipeline-model-parallel-size 2 --seq1f1b --seq1f1b-splits
+      2`` (4 ranks) == Megatron-Core's 1F1B at pipeline 2 (2 ranks): same pipeline layout,
+      hence the same initial weights;
+    * ``--context-parallel-size 2 --seq1f1b --seq1f1b-splits 2`` (2 ranks) == one rank without
+      pipelining (Megatron-Core's schedule): same weights and data.
+    """
+    common = ["--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
+              *CONTEXT_PARALLEL[backend]]
+    seq1f1b = ["--context-parallel-size", "2", "--seq1f1b", "--seq1f1b-splits", "2"]
+    for pp, ranks in ((2, 4), (1, 2)):
+        layout = [*common, "--pipeline-model-parallel-size", str(pp)]
+        ours, stdout = train(tmp_path, f"cp2-pp{pp}", ranks, *layout, *seq1f1b)
+        theirs, reference = train(tmp_path, f"pp{pp}", pp, *layout)
+        assert f"pp {pp}, vpp None, cp 2, dp 1" in stdout, stdout[-1500:]
+        _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+        _same([_validation_loss(stdout)], [_validation_loss(reference)])
+        assert ours["summary"]["attention_backend"] == backend
+
+
+@pytest.mark.parametrize("flags,form", [
+    (["--reset-attention-mask", "--reset-position-ids"], "end-of-document tokens"),
+    (["--dataloader-inter-document-masking"], "the dataset's cu_seqlens"),
+], ids=["reset-attention-mask", "inter-document-masking"])
+def test_context_parallel_keeps_documents_apart(tmp_path, flags, form):
+    """Documents at --context-parallel-size 2 on the local attention (Seq1F1B gets them from
+    the end-of-document tokens or the dataset's boundaries, every CP rank its part of each
+    segment) == one rank with Megatron's dense document mask, on short byte documents."""
+    base = [f for f in BASE if f != "--mock-data"]
+    common = ["--train-iters", "3", *flags, "--position-embedding-type", "rope",
+              *_short_documents(tmp_path)]
+    ours, stdout = train(tmp_path, "cp2", 2, *common, "--context-parallel-size", "2",
+                         "--seq1f1b", "--seq1f1b-splits", "2", base=base)
+    theirs, reference = train(tmp_path, "one", 1, *common, base=base)
+    assert f"documents from {form} as Seq1F1B's documents" in stdout, stdout[-1500:]
+    assert f"documents from {form} as a dense document mask" in reference
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+
+
 def _short_documents(tmp_path) -> list[str]:
     """--data-path flags of an indexed dataset of short byte documents (1 to 40 tokens with
     their end-of-document token): every 64-token sample holds several."""
@@ -300,6 +360,7 @@ def test_resume_is_bit_exact(tmp_path, name, nproc, flags):
 # The script itself, end to end (tests/test_rejections.py walks every rule in-process).
 @pytest.mark.parametrize("flags,message", [
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2 needs --seq1f1b"),
     (["--seq-length", "2", "--seq1f1b", "--seq1f1b-splits", "4"], "use at most 2 splits"),
 ])
 def test_bad_flags_fail_fast_with_their_message(flags, message):

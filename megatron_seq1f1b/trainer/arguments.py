@@ -11,6 +11,7 @@ import importlib.util
 import math
 import sys
 
+from megatron_seq1f1b.checks import segment_multiple
 from megatron_seq1f1b.flags import (
     ArgumentParser, fraction, non_negative_float, non_negative_int, positive_float,
     positive_int,
@@ -106,6 +107,11 @@ def build_parser() -> ArgumentParser:
     par.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
     par.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None)
+    par.add_argument("--context-parallel-size", type=positive_int, default=1,
+                     help="context parallelism (Megatron-LM's flag): every Seq1F1B segment is "
+                          "cut into 2 x N chunks over N ranks, which gather each other's keys "
+                          "and values; needs --seq1f1b (--seq1f1b-splits 1: whole "
+                          "micro-batches). World = TP x PP x CP x DP.")
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
@@ -184,10 +190,14 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Fill defaults and reject contradictions (each message names the flags)."""
     problems = []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    cp = args.context_parallel_size
+    if world_size % (tp * pp * cp):
         problems.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                        f"{tp} x --pipeline-model-parallel-size {pp}")
-    args.data_parallel_size = max(world_size // (tp * pp), 1)
+                        f"{tp} x --pipeline-model-parallel-size {pp}"
+                        + (f" x --context-parallel-size {cp}" if cp > 1 else ""))
+    # Data parallelism without context parallelism: every CP rank of a replica reads the
+    # same micro-batches (as in Megatron-LM); Seq1F1B's cut gives each its part.
+    args.data_parallel_size = max(world_size // (tp * pp * cp), 1)
     ep = args.expert_model_parallel_size
     if ep > 1 and (not args.num_experts or args.data_parallel_size * tp % ep
                    or args.num_experts % ep):
@@ -257,7 +267,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if requested is not None and not args.seq1f1b:
         problems.append("--seq1f1b-segment-multiple needs --seq1f1b")
     elif args.seq1f1b and not auto and args.seq1f1b_splits >= 1:
-        multiple = tp if args.sequence_parallel else 1
+        multiple = segment_multiple(args)  # TP with SP; 2 x CP chunks with CP
         if requested is not None:
             multiple = math.lcm(multiple, requested)
         try:
@@ -266,10 +276,40 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
             problems.append(f"--seq-length / --seq1f1b-splits: {exc}")
     if args.seq1f1b and args.num_experts:
         problems += moe_flag_problems(args)
+    if cp > 1:
+        problems += context_parallel_problems(args, auto)
     if problems:  # all at once, one line each, as argparse's own errors: status 2
         sys.stderr.write("".join(f"pretrain_gpt.py: error: {p}\n" for p in problems))
         raise SystemExit(2)
     return args
+
+
+def context_parallel_problems(args: argparse.Namespace, auto: bool) -> list[str]:
+    """--context-parallel-size > 1: what runs (Seq1F1B segments gather keys and values over
+    the CP group) and what does not (yet)."""
+    cp = args.context_parallel_size
+    flag = f"--context-parallel-size {cp}"
+    if not args.seq1f1b:
+        return [f"{flag} needs --seq1f1b: this trainer's core attentions exchange keys and "
+                "values over the context-parallel group only inside Seq1F1B's segments "
+                "(Megatron-Core's own schedules would give them none); add --seq1f1b "
+                "(--seq1f1b-splits 1 for whole micro-batches)"]
+    problems = []
+    if auto:
+        problems.append(f"{flag} with --seq1f1b-splits auto: the start-up measurement does not "
+                        "run context-parallel segments yet; give --seq1f1b-splits N")
+    if args.packed_documents:
+        problems.append(f"{flag} with documents on --attention-backend flash: this trainer "
+                        "packs them into THD batches (cu_seqlens), which context parallelism "
+                        "does not take; use --attention-backend local (documents from "
+                        "end-of-document tokens or the dataset's boundaries, cut per segment)")
+    if args.multi_latent_attention:
+        problems.append(f"{flag} with --multi-latent-attention is not supported; remove one "
+                        "of them")
+    if args.num_experts:
+        problems.append(f"{flag} with --num-experts: mixture of experts under context "
+                        "parallelism is not tested with Seq1F1B yet; remove one of them")
+    return problems
 
 
 def document_problems(args: argparse.Namespace, auto: bool) -> list[str]:

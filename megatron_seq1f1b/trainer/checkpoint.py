@@ -27,7 +27,7 @@ SHARDED = "sharded"  # the dist_checkpointing folder inside an iteration's folde
 
 
 def _layout(args) -> dict:
-    return {
+    layout = {
         "world_size": dist.get_world_size(),
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
@@ -35,6 +35,10 @@ def _layout(args) -> dict:
         "num_layers": args.num_layers,
         "hidden_size": args.hidden_size,
     }
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp > 1:  # (absent at 1: checkpoints from before the flag still match)
+        layout["context_parallel_size"] = cp
+    return layout
 
 
 def _file(directory: Path, iteration: int) -> Path:

@@ -89,14 +89,16 @@ def _moe_losses(args) -> dict:
 
 
 def _reduce_losses(store: list, device) -> tuple[float, float]:
-    """(loss, tokens) over the global batch: sum reports, all-reduce over data parallel."""
+    """(loss, tokens) over the global batch: sum reports, all-reduce over data x context
+    parallel ranks (as Megatron-LM: each context-parallel rank reports its tokens' part)."""
     from megatron.core import parallel_state
 
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for entry in store:
         total += entry["lm loss"].to(device=device, dtype=torch.float64)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
     # Everyone learns the loss (the last stage has it).
     last = parallel_state.get_pipeline_model_parallel_last_rank()
     dist.broadcast(total, src=last, group=parallel_state.get_pipeline_model_parallel_group())
@@ -158,7 +160,9 @@ def _print(message: str) -> None:
 def _iterators(args, dataset, model, consumed_microbatches: int):
     from megatron.core import parallel_state
 
-    dp_rank = parallel_state.get_data_parallel_rank()
+    # The data-parallel rank without context parallelism: every CP rank of a replica reads
+    # the same micro-batches, and Seq1F1B's cut (slice_batch) gives each its part.
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=False)
     dp = args.data_parallel_size
     first = dp_rank + dp * consumed_microbatches
     form = data.document_form(args, data.make_tokenizer(args).eod)
@@ -211,7 +215,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
                 f"{args.seq1f1b_schedule})" if args.seq1f1b else megatron)
     _print(f"> training with {schedule} schedule: world {world_size}, tp "
            f"{args.tensor_model_parallel_size}, pp {args.pipeline_model_parallel_size}, vpp "
-           f"{args.virtual_pipeline_model_parallel_size}, dp {args.data_parallel_size}, "
+           f"{args.virtual_pipeline_model_parallel_size}, cp {args.context_parallel_size}, dp "
+           f"{args.data_parallel_size}, "
            f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x "
            f"{args.seq_length} tokens{_documents_note(args)}")
     if memory.warning:
