@@ -418,9 +418,6 @@ def context_parallel_problems(args: Any) -> list[str]:
     if _flag(args, "num_experts"):
         problems.append(f"{flag} with --num-experts: mixture of experts under context "
                         "parallelism is not tested with Seq1F1B yet; remove one of them")
-    if _flag(args, "seq1f1b_splits", DEFAULT_SPLITS) == AUTO:
-        problems.append(f"{flag} with --seq1f1b-splits auto: the start-up measurement does "
-                        "not run context-parallel segments yet; give --seq1f1b-splits N")
     return problems
 
 

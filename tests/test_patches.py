@@ -1151,7 +1151,6 @@ def test_validate_does_nothing_without_the_flag():
      ["--context-parallel-size 2", "--multi-latent-attention"]),
     ({"context_parallel_size": 2, "num_experts": 8}, ["--context-parallel-size 2",
                                                       "--num-experts"]),
-    ({"context_parallel_size": 2, "seq1f1b_splits": "auto"}, ["--seq1f1b-splits auto"]),
     ({"context_parallel_size": 2, "seq_length": 4098},  # 2 x CP chunks, CP x TP with SP: 4
      ["--seq-length 4098", "multiple of 4", "--context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel"]),

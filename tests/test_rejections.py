@@ -126,7 +126,6 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-context-parallel-packed": _lm(context_parallel_size=2, sft=True, micro_batch_size=1),
     "lm-context-parallel-mla": _lm(context_parallel_size=2, multi_latent_attention=True),
     "lm-context-parallel-moe": _lm(context_parallel_size=2, num_experts=8),
-    "lm-context-parallel-auto": _lm(context_parallel_size=2, seq1f1b_splits="auto"),
     "lm-hybrid-context-parallel": _lm(hybrid_context_parallel=True),
     "lm-rl-sequence-packing": _lm(rl_use_sequence_packing=True),
     "lm-packed-micro-batch-size": _lm(sft=True, micro_batch_size=2),
@@ -236,7 +235,6 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-unknown-flag": _trainer("--hybrid-context-parallel"),
     "trainer-context-parallel-without-seq1f1b": _trainer("--context-parallel-size", "2",
                                                          world_size=2),
-    "trainer-context-parallel-auto": _trainer(*_CP2, "--seq1f1b-splits", "auto", world_size=2),
     "trainer-context-parallel-packed-documents": _trainer(
         *_CP2, "--attention-backend", "flash", "--reset-attention-mask", world_size=2),
     "trainer-context-parallel-mla": _trainer(*_CP2, "--multi-latent-attention", world_size=2),

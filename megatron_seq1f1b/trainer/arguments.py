@@ -277,14 +277,14 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if args.seq1f1b and args.num_experts:
         problems += moe_flag_problems(args)
     if cp > 1:
-        problems += context_parallel_problems(args, auto)
+        problems += context_parallel_problems(args)
     if problems:  # all at once, one line each, as argparse's own errors: status 2
         sys.stderr.write("".join(f"pretrain_gpt.py: error: {p}\n" for p in problems))
         raise SystemExit(2)
     return args
 
 
-def context_parallel_problems(args: argparse.Namespace, auto: bool) -> list[str]:
+def context_parallel_problems(args: argparse.Namespace) -> list[str]:
     """--context-parallel-size > 1: what runs (Seq1F1B segments gather keys and values over
     the CP group) and what does not (yet)."""
     cp = args.context_parallel_size
@@ -295,9 +295,6 @@ def context_parallel_problems(args: argparse.Namespace, auto: bool) -> list[str]
                 "(Megatron-Core's own schedules would give them none); add --seq1f1b "
                 "(--seq1f1b-splits 1 for whole micro-batches)"]
     problems = []
-    if auto:
-        problems.append(f"{flag} with --seq1f1b-splits auto: the start-up measurement does not "
-                        "run context-parallel segments yet; give --seq1f1b-splits N")
     if args.packed_documents:
         problems.append(f"{flag} with documents on --attention-backend flash: this trainer "
                         "packs them into THD batches (cu_seqlens), which context parallelism "
