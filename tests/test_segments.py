@@ -98,7 +98,7 @@ def test_no_growth_over_iterations(ranks):
 
 
 EXPECTED_ERRORS = {
-    "context_parallel": "context_parallel_size=1",
+    "context_parallel": "context_parallel_layer_spec(spec)",
     "sliding_window_ahead": "use window_size=(w, 0)",
     "moe_capacity": "dropless MoE",
     "mtp": "multi-token prediction",
