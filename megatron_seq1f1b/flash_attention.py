@@ -79,6 +79,15 @@ def _causal_lower_right(sq: int, sk: int):
     return causal_lower_right(sq, sk)
 
 
+
+def _unsupported_extras(attention_bias, kwargs: dict) -> list[str]:
+    """What neither the dense nor the packed path computes: a bias, or extra arguments."""
+    problems = ["an attention_bias"] if attention_bias is not None else []
+    given = sorted(name for name, value in kwargs.items() if value is not None)
+    if given:
+        problems.append(f"the arguments {', '.join(given)}")
+    return problems
+
 class FlashDotProductAttention(MegatronModule):
     """Causal core attention on PyTorch SDPA (see the module docstring for kernels and limits).
 
@@ -186,11 +195,7 @@ class FlashDotProductAttention(MegatronModule):
         if attention_mask is not None:
             problems.append("an attention_mask with packed sequences (documents come from "
                             "cu_seqlens)")
-        if attention_bias is not None:
-            problems.append("an attention_bias")
-        given = sorted(name for name, value in kwargs.items() if value is not None)
-        if given:
-            problems.append(f"the arguments {', '.join(given)}")
+        problems += _unsupported_extras(attention_bias, kwargs)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         name = getattr(mask_type, "name", mask_type)
         bottom_right = name in ("causal_bottom_right", "padding_causal_bottom_right")
@@ -233,13 +238,9 @@ class FlashDotProductAttention(MegatronModule):
             problems.append("an explicit attention_mask (it computes the causal mask itself; "
                             "Megatron-LM: add --no-create-attention-mask-in-dataloader, and no "
                             "--reset-attention-mask)")
-        if attention_bias is not None:
-            problems.append("an attention_bias")
         if packed_seq_params is not None:
             problems.append("packed sequences (packed_seq_params, THD)")
-        given = sorted(name for name, value in kwargs.items() if value is not None)
-        if given:
-            problems.append(f"the arguments {', '.join(given)}")
+        problems += _unsupported_extras(attention_bias, kwargs)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if mask_type not in _CAUSAL:
             problems.append(f"attn_mask_type={mask_type} (causal only)")

@@ -57,6 +57,17 @@ def _sp_reduce(model) -> dict:
     return grads
 
 
+
+def _gradient_problems(gpt, ref_grads: dict) -> list[str]:
+    """Every parameter gradient (summed over sequence-parallel ranks) against the reference."""
+    grads = _sp_reduce(gpt)
+    problems = []
+    for name, expected in ref_grads.items():
+        ok, rel = _close(grads[name], expected, RTOL)
+        if not ok:
+            problems.append(f"{name}: max rel err {rel:.2e}")
+    return problems
+
 def _full_sequence(model, batches):
     model.zero_grad(set_to_none=True)
     logits = [_forward(model, b, labels=False).detach() for b in batches]
@@ -373,11 +384,7 @@ def compare_documents_by_hand(
         ok, rel = _close(got, expected, RTOL)
         if not ok:
             problems.append(f"micro-batch {mb}: per-token losses max rel err {rel:.2e}")
-    grads = _sp_reduce(gpt)
-    for name, expected in ref_grads.items():
-        ok, rel = _close(grads[name], expected, RTOL)
-        if not ok:
-            problems.append(f"{name}: max rel err {rel:.2e}")
+    problems += _gradient_problems(gpt, ref_grads)
     if any(live_after):
         problems.append(f"caches alive after segment 0 backward: {live_after}")
     return {"problems": problems, "te_calls": list(TEDotProductAttention.calls)}
@@ -457,9 +464,5 @@ def flash_thd_full_sequence(model: ModelSpec, data: DataSpec) -> dict:
         ok, rel = _close(per_token.detach(), ref_losses[mb], RTOL)
         if not ok:
             problems.append(f"micro-batch {mb}: per-token losses max rel err {rel:.2e}")
-    grads = _sp_reduce(gpt)
-    for name, expected in ref_grads.items():
-        ok, rel = _close(grads[name], expected, RTOL)
-        if not ok:
-            problems.append(f"{name}: max rel err {rel:.2e}")
+    problems += _gradient_problems(gpt, ref_grads)
     return {"problems": problems}

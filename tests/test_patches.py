@@ -404,6 +404,18 @@ def test_real_checkout(lm_checkout, tmp_path, layout, tool):
         assert snapshot(tree) == patched
 
 
+def _guarded_imports(imports: str) -> str:
+    """A probe's imports: a missing Megatron-LM dependency (or too old a Python) prints
+    ``{"missing": ...}`` and exits 0, so the test can skip with the reason."""
+    body = "".join(f"    {line}\n" for line in imports.splitlines())
+    return "try:\n" + body + """except ImportError as exc:  # a missing dependency, or a Python older than the tag needs
+    if "seq1f1b" in str(exc):
+        raise
+    print(json.dumps({"missing": f"{exc} (Python {sys.version.split()[0]})"}))
+    sys.exit(0)
+"""
+
+
 FORWARD_STEP_PROBE = r"""
 import inspect, json, os, sys
 import torch
@@ -412,15 +424,9 @@ sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
             "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
             "--seq1f1b", "--seq1f1b-splits", "2", "--seq1f1b-partition", "uniform"]
-try:
-    import pretrain_gpt
-    from megatron.training import global_vars
-    from megatron.training.arguments import parse_args
-except ImportError as exc:  # a missing dependency, or a Python older than the tag needs
-    if "seq1f1b" in str(exc):
-        raise
-    print(json.dumps({"missing": f"{exc} (Python {sys.version.split()[0]})"}))
-    sys.exit(0)
+""" + _guarded_imports("""import pretrain_gpt
+from megatron.training import global_vars
+from megatron.training.arguments import parse_args""") + r"""
 from megatron_seq1f1b import megatron_lm
 from megatron_seq1f1b.segments import SegmentRun
 
@@ -559,16 +565,10 @@ sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
             "--transformer-impl", "local", "--context-parallel-size", "2",
             "--seq1f1b", "--seq1f1b-splits", "2"]
-try:
-    import pretrain_gpt  # noqa: F401 (the patched script's imports)
-    from gpt_builders import gpt_builder
-    from megatron.training import global_vars
-    from megatron.training.arguments import parse_args
-except ImportError as exc:  # a missing dependency, or a Python older than the tag needs
-    if "seq1f1b" in str(exc):
-        raise
-    print(json.dumps({"missing": f"{exc} (Python {sys.version.split()[0]})"}))
-    sys.exit(0)
+""" + _guarded_imports("""import pretrain_gpt  # noqa: F401 (the patched script's imports)
+from gpt_builders import gpt_builder
+from megatron.training import global_vars
+from megatron.training.arguments import parse_args""") + r"""
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
