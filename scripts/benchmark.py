@@ -16,6 +16,8 @@ alternately (A B C A B C ...) after warm-up runs:
 * ``seq1f1b-k1``          Seq1F1B with one segment (the cost of our executor)
 * ``seq1f1b-uniform``     Seq1F1B, k segments of equal length
 * ``seq1f1b-balanced``    Seq1F1B, k segments of equal estimated FLOPs
+* ``seq1f1b-documents``   Seq1F1B, k segments cut per micro-batch by its documents (equal
+  predicted cost; default with ``--document-length``; on unpacked data one document per sample)
 * ``1f1b-interleaved``    Megatron-Core interleaved 1F1B (with ``--vpp``)
 * ``seq1f1b-interleaved`` interleaved Seq1F1B (with ``--vpp``)
 * ``1f1b-interleaved-recompute`` Megatron interleaved 1F1B with full activation
@@ -25,6 +27,12 @@ alternately (A B C A B C ...) after warm-up runs:
   :func:`megatron_seq1f1b.planner.choose_plan` picks k, partition and schedule (its
   table is printed); reported against the best sweep row (target >= 0.97x its
   tokens/s) with the plan's prediction error
+
+``--attention-backend local|flash`` picks every row's core attention;
+``--document-length MEAN`` packs long-tailed documents into every micro-batch
+(:mod:`megatron_seq1f1b.bench.packing`, each schedule in its trainer form) and adds
+per row the predicted segment cost spread and the attention pairs documents skip
+(:mod:`megatron_seq1f1b.bench.document_stats`; results.md "Packed documents").
 
 Each run is one forward-backward over all micro-batches (no optimizer step;
 gradient buffers are zeroed between runs); the first run of every schedule

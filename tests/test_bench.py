@@ -417,3 +417,92 @@ def test_auto_vs_sweep_ratio_and_prediction_error():
     assert slow["ratio"] == pytest.approx(0.5) and slow["hit"] is False
     alone = auto_vs_sweep(summarize([row("seq1f1b-auto", 3, [2.0])], tokens_per_iter=8), plan)
     assert alone["best_key"] is None and alone["hit"] is None
+
+
+def _mock_batch(b: int, s: int, vocab: int, seed: int = 0) -> dict:
+    text = torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+    text[:, 5] = vocab - 1  # a stray end-of-document token the packing must remove
+    return {"tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": torch.ones(b, s),
+            "position_ids": torch.arange(s).repeat(b, 1)}
+
+
+def test_packing_places_documents_as_megatrons_data_loader_would():
+    from megatron_seq1f1b.bench import packing
+    from megatron_seq1f1b.documents import Documents, long_tailed
+
+    eod, s = 63, 200
+    batch = _mock_batch(2, s, 64)
+    documents = long_tailed(s, 30, seed=7, micro_batch_size=2)
+    out = packing.pack(batch, documents, eod)
+    assert Documents.from_eod(out["tokens"], eod) == documents
+    for sample in range(2):
+        ends = documents.bounds(sample)[1:-1]  # documents that end inside the sequence
+        assert (out["tokens"][sample] == eod).nonzero().flatten().tolist() == [e - 1 for e in ends]
+        assert out["position_ids"][sample].tolist() == documents.positions(sample, 0, s)
+        assert out["loss_mask"][sample].tolist() == [0.0 if t == eod else 1.0
+                                                     for t in out["tokens"][sample].tolist()]
+    assert torch.equal(out["labels"][:, :-1], out["tokens"][:, 1:])  # shifted tokens
+    assert (out["labels"][:, -1] != eod).all()
+    # micro-batch i draws with seed --seed + i
+    args = SimpleNamespace(document_length=30, seed=7)
+    packed = packing.pack_all([batch, batch], args, eod)
+    assert [Documents.from_eod(p["tokens"], eod) for p in packed] == [
+        long_tailed(s, 30, seed=7 + i, micro_batch_size=2) for i in range(2)]
+
+
+def test_packing_forms_follow_the_trainers_table():
+    from megatron_seq1f1b.bench import packing
+
+    assert packing.form_of(True, "local", True) == "megatron-local"
+    assert packing.form_of(False, "local", True) == "seq1f1b-local"
+    assert packing.form_of(True, "flash", True) == packing.form_of(False, "flash", True) == "packed"
+    assert packing.form_of(True, "local", False) == "plain"
+    eod = 63
+    batch = packing.pack_all([_mock_batch(1, 64, 64)], SimpleNamespace(document_length=10,
+                                                                     seed=1), eod)[0]
+    mask = packing.form(batch, "megatron-local", eod)["attention_mask"]
+    assert mask.shape == (1, 1, 64, 64) and mask.dtype == torch.bool
+    thd = packing.form(batch, "packed", eod)
+    assert thd["tokens"].shape == (1, 64) and thd["cu_seqlens"][0, -1] == 64
+    assert packing.form(batch, "seq1f1b-local", eod) is batch
+
+
+def test_document_cost_spread_and_pairs_skipped():
+    from megatron_seq1f1b.bench.document_stats import attention_pairs, cost_spread, row_stats
+    from megatron_seq1f1b.documents import Documents, long_tailed
+    from megatron_seq1f1b.partition import MAX_SPREAD, CostModel, split_sequence
+
+    s, k = 256, 4
+    cost = CostModel(100.0, 1.0)
+    found = [long_tailed(s, 40, seed=i) for i in range(4)]
+    balanced = split_sequence(s, k, "balanced", cost=cost)
+    fixed, cut = row_stats(balanced, found, k, cost, 1), row_stats(None, found, k, cost, 1)
+    assert cut["cost_spread"] <= MAX_SPREAD < fixed["cost_spread"]
+    assert fixed["segments_per_microbatch"] == [balanced] * 4
+    assert all(sum(seg) == s for seg in cut["segments_per_microbatch"])
+    whole = Documents.whole(s)
+    assert cost_spread(balanced, whole, cost) < 1.05  # balanced is balanced without documents
+    assert cost_spread([s], found[0], cost) == 1.0
+    # flash-like: each document's causal pairs; a dense causal run: the whole triangle
+    computed, causal = attention_pairs([s], found[0], dense=False)
+    assert causal == s * (s + 1) / 2 and computed == found[0].pairs(0, s)
+    assert 0 < fixed["attention_pairs_skipped"] < 1
+    # local (dense scores): one segment skips nothing; later segments skip earlier documents
+    assert attention_pairs([s], found[0], dense=True) == (s * s, s * s)
+    dense = row_stats(balanced, found, k, CostModel(100.0, 1.0, dense_attention=True), 1)
+    assert 0 < dense["attention_pairs_skipped"] < fixed["attention_pairs_skipped"]
+
+
+def test_document_length_adds_the_documents_row():
+    from megatron_seq1f1b.bench.cli import parse_args
+
+    args = parse_args(["--document-length", "100", "--attention-backend", "flash"])
+    assert "seq1f1b-documents" in args.schedules and args.attention_backend == "flash"
+    assert "seq1f1b-documents" not in parse_args([]).schedules
+    assert parse_args(["--schedules", "1f1b", "seq1f1b-documents"]).schedules[-1] == \
+        "seq1f1b-documents"  # unpacked: the executor cuts one document per sample
+    for bad in (["--document-length", "0"], ["--document-length", "2000"],
+                ["--document-length", "100", "--attention-backend", "flash",
+                 "--micro-batch-size", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

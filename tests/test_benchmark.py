@@ -151,3 +151,42 @@ def test_benchmark_auto_plan_beside_a_sweep(tmp_path):
     assert "## Automatic plan vs a sweep of k" in text and "prediction error" in text
     assert "Confirmation (2 of at most 2 more rounds" in text and "| decided |" in text
     assert "Automatic plan vs a sweep of k" in done.stdout  # results.md is printed
+
+
+@pytest.mark.parametrize("backend", ["flash", "local"])
+def test_benchmark_packed_documents(tmp_path, backend):
+    """--document-length: every schedule trains the same long-tailed packed documents in its
+    backend's form (losses agree); the documents row evens out segment costs."""
+    out = tmp_path / backend
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               SEQ1F1B_TIMEOUT_MINUTES="2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           f"--master-port={_port()}", str(SCRIPT),
+           "--pp", "2", "--microbatches", "2", "--splits", "2", "--seq-length", "64",
+           "--hidden-size", "16", "--num-layers", "2", "--num-attention-heads", "2",
+           "--vocab-size", "64", "--iters", "2", "--warmup", "1", "--timeline-runs", "1",
+           "--no-calibration", "--attention-backend", backend, "--document-length", "12",
+           "--schedules", "1f1b", "seq1f1b-balanced", "seq1f1b-documents", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "first-iteration loss" in done.stdout and "OK)" in done.stdout, done.stdout[-3000:]
+
+    result = json.loads((out / "results.json").read_text())
+    assert result["meta"]["attention_backend"] == backend
+    assert result["meta"]["document_length"] == 12
+    rows = {row["key"]: row for row in result["schedules"]}
+    assert list(rows) == ["1f1b", "seq1f1b-balanced", "seq1f1b-documents"]
+    forms = {"flash": ("packed", "packed"), "local": ("megatron-local", "seq1f1b-local")}[backend]
+    assert (rows["1f1b"]["form"], rows["seq1f1b-documents"]["form"]) == forms
+    for key, row in rows.items():
+        docs = row["documents"]
+        assert docs["cost_spread"] >= 1 and 0 <= docs["attention_pairs_skipped"] < 1, key
+        assert len(docs["segments_per_microbatch"]) == 2, key
+        assert row["tokens_per_s"] > 0 and row["timeline"]["bubble_fraction"] >= 0, key
+    assert rows["seq1f1b-documents"]["documents"]["cost_spread"] <= \
+        rows["seq1f1b-balanced"]["documents"]["cost_spread"]
+    assert rows["1f1b"]["documents"]["cost_spread"] == 1.0
+    assert (rows["1f1b"]["documents"]["attention_pairs_skipped"] > 0) == (backend == "flash")
+    text = (out / "results.md").read_text()
+    assert f"{backend} attention, packed documents (mean 12 tokens)" in text
+    assert "## Packed documents" in text

@@ -6,6 +6,8 @@ Data flows one way, runner -> measurements -> reports:
 * :mod:`.cli`          flags, and ``main`` wiring the phases below in order
 * :mod:`.layouts`      one model per layout (plain, interleaved), same weights; the batches
 * :mod:`.lineup`       the schedules compared, and each one's measurements
+* :mod:`.packing`      ``--document-length``: long-tailed packed documents, each schedule's form
+* :mod:`.document_stats` per row: predicted segment cost spread, attention pairs skipped (pure)
 * :mod:`.ranks`        rank-0 printing, device sync, values gathered per pipeline stage
 * :mod:`.runner`       one timed forward-backward; warm-up, loss check, alternating rounds
 * :mod:`.timelines`    per-action timings of real iterations (Megatron's and ours)

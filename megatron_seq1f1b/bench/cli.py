@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_seq1f1b.bench import autoplan
+from megatron_seq1f1b.bench import packing
 from megatron_seq1f1b.bench.calibration import calibrate
+from megatron_seq1f1b.bench.document_stats import row_stats
 from megatron_seq1f1b.bench.confirm import Race, closest_rivals, confirmation, sweep_twin
 from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
 from megatron_seq1f1b.compat import megatron_core_version
@@ -29,7 +31,7 @@ from megatron_seq1f1b.flags import (
     positive_float, positive_int,
 )
 from megatron_seq1f1b.bench.lineup import (
-    ALL_SCHEDULES, AUTO_KEY, INTERLEAVED, OPT_IN, make_schedules, sweep_key,
+    ALL_SCHEDULES, AUTO_KEY, DOCUMENTS_KEY, INTERLEAVED, OPT_IN, make_schedules, sweep_key,
 )
 from megatron_seq1f1b.bench.markdown import markdown
 from megatron_seq1f1b.bench.pictures import (
@@ -106,6 +108,18 @@ def build_parser() -> ArgumentParser:
                         "linear layers, all-to-all dispatcher)")
     p.add_argument("--moe-router-topk", type=positive_int, default=2)
     p.add_argument("--moe-aux-loss-coeff", type=non_negative_float, default=0.01)
+    p.add_argument("--attention-backend", choices=("local", "flash"), default="local",
+                   help="core attention of every schedule (Megatron's and Seq1F1B's alike): "
+                        "local (Megatron's DotProductAttention, computes masked scores too) or "
+                        "flash (skips masked blocks; packed documents as THD)")
+    p.add_argument("--document-length", type=positive_float, default=None, metavar="MEAN",
+                   help="pack every micro-batch with documents of mean MEAN tokens, log-normal "
+                        "(sigma 1, long-tailed; seed --seed + micro-batch index), each ended by "
+                        "the end-of-document token, position ids restarting per document, no "
+                        "loss on end-of-document tokens; every schedule gets them in the form "
+                        "the trainer gives its backend (dense mask for Megatron on local, the "
+                        "end-of-document id for Seq1F1B on local, THD on flash); adds row "
+                        "seq1f1b-documents (default: unpacked)")
     p.add_argument("--bf16", action="store_true", help="GPU only")
     p.add_argument("--iters", type=positive_int, default=6, help="measured runs per schedule")
     p.add_argument("--warmup", type=non_negative_int, default=2,
@@ -140,6 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.schedules is None:
         args.schedules = [s for s in ALL_SCHEDULES
                           if (args.vpp or s not in INTERLEAVED) and s not in OPT_IN]
+        if args.document_length is not None and args.splits != 1:
+            at = args.schedules.index("seq1f1b-balanced") + 1
+            args.schedules.insert(at, DOCUMENTS_KEY)
         if args.splits in (1, AUTO):  # auto: the sweep rows are the fixed-k ones
             args.schedules = [s for s in args.schedules
                               if s not in ("seq1f1b-uniform", "seq1f1b-balanced")]
@@ -150,6 +167,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(s.startswith("1f1b-interleaved") for s in args.schedules) and \
             args.microbatches % args.pp:
         p.error("Megatron's interleaved schedule needs --microbatches divisible by --pp")
+    if args.document_length is not None and args.attention_backend == "flash" \
+            and args.micro_batch_size > 1:
+        p.error("--document-length on --attention-backend flash packs THD batches: use "
+                "--micro-batch-size 1 (the benchmark does not flatten b > 1 samples)")
+    if args.document_length is not None and args.document_length >= args.seq_length:
+        p.error(f"--document-length {args.document_length:g} must be below --seq-length "
+                f"{args.seq_length} (documents would not pack)")
     if args.window_attn_skip_freq is not None and args.window_size is None:
         p.error("--window-attn-skip-freq needs --window-size")
     if args.splits != AUTO and args.splits > args.seq_length:
@@ -198,6 +222,34 @@ def _write_outputs(out: Path, args: argparse.Namespace, meta: dict, rows: list[d
     print(f"> wrote {out}/results.json, results.md, benchmark.png", flush=True)
 
 
+def _give_forms(schedules: list, batches: list[dict], args: argparse.Namespace,
+                eod: int) -> None:
+    """Each schedule's micro-batches in the form its backend and schedule take (packing.py)."""
+    packed = args.document_length is not None
+    for s in schedules:
+        s.form = packing.form_of(s.megatron, args.attention_backend, packed)
+    forms = packing.batches_by_form(batches, {s.form for s in schedules}, eod)
+    for s in schedules:
+        s.batches = forms[s.form]
+
+
+def _document_stats(schedules: list, batches: list[dict], args: argparse.Namespace,
+                    layout, eod: int) -> None:
+    """Per row the predicted segment cost spread and attention pairs skipped on these
+    micro-batches' documents (with --document-length, or when the documents row runs)."""
+    if args.document_length is None and DOCUMENTS_KEY not in args.schedules:
+        return
+    from megatron_seq1f1b.documents import Documents
+    from megatron_seq1f1b.executor_setup import document_cut
+
+    cost, multiple = document_cut(layout.model, layout.config, args.vocab_size)
+    found = [data.batch_documents(b, eod) if args.document_length is not None
+             else Documents.whole(args.seq_length, args.micro_batch_size) for b in batches]
+    for s in schedules:
+        lengths = None if s.partition == "documents" else s.lengths
+        s.document_stats = row_stats(lengths, found, s.k, cost, multiple)
+
+
 def main(argv: list[str] | None = None, *, model_provider: Callable,
          forward_step: Callable) -> int:
     """Run the whole benchmark in this torchrun process; 0 on success, 2 on a loss mismatch."""
@@ -217,6 +269,9 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
 
     layouts = build_layouts(args, plain_args, model_provider, world)
     batches = microbatches(plain_args, args)
+    eod = data.make_tokenizer(plain_args).eod
+    if args.document_length is not None:
+        batches = packing.pack_all(batches, args, eod)  # calibration: the tokens alone
     threads = torch.get_num_threads()
     cpu_count = os.cpu_count() or 1
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -227,7 +282,10 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         plan, plan_record = autoplan.choose(samples, args, layouts["plain"].config,
                                             shared_cores,
                                             dense_attention(layouts["plain"].model))
-    schedules = make_schedules(args, layouts, args.vocab_size, plan)
+    schedules = make_schedules(args, layouts, args.vocab_size, plan,
+                               documents=packing.documents_source(plain_args, eod))
+    _give_forms(schedules, batches, args, eod)
+    _document_stats(schedules, batches, args, layouts["plain"], eod)
     memory = PeakMemory(device)
     dp = plain_args.data_parallel_size
     tokens_per_iter = args.microbatches * args.micro_batch_size * args.seq_length * dp
@@ -239,7 +297,9 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         say(f"> note: {world} ranks x {threads} thread(s) oversubscribe {cpu_count} cores: "
             "compute is slowed when ranks overlap, which also hides part of the bubbles")
     for s in schedules:
-        say(f">   {s.key:<20} {s.label}" + ("" if s.megatron else f"  segments {s.lengths}"))
+        segments = "per micro-batch" if s.partition == "documents" else s.lengths
+        say(f">   {s.key:<20} {s.label}" + ("" if s.megatron else f"  segments {segments}")
+            + (f"  (form {s.form})" if args.document_length is not None else ""))
 
     loadavg_start = os.getloadavg()[0]
     if not measure_rounds(schedules, batches, args, forward_step, memory, tokens_per_iter):
@@ -284,6 +344,7 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         "cpu_count": cpu_count, "threads_per_rank": threads,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "memory_valid": on_gpu or "MALLOC_MMAP_THRESHOLD_" in os.environ,
+        "attention_backend": args.attention_backend, "document_length": args.document_length,
         "tokens_per_iteration": tokens_per_iter, "torch": torch.__version__,
         "megatron_core": megatron_core_version(), "command": " ".join(sys.argv),
     }

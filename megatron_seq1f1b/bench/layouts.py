@@ -52,7 +52,12 @@ def trainer_argv(args: argparse.Namespace, interleaved: bool) -> list[str]:
         "--pipeline-model-parallel-size", str(args.pp),
         "--seed", str(args.seed), "--train-iters", "1",
         "--seq1f1b", "--seq1f1b-splits", str(args.splits),  # build_model enables segments
+        "--attention-backend", getattr(args, "attention_backend", "local"),
     ]
+    if getattr(args, "document_length", None) is not None:
+        # packed documents (bench/packing.py): the trainer then says which form each
+        # schedule takes and where Seq1F1B finds the documents
+        argv += ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
     if args.sequence_parallel:
         argv.append("--sequence-parallel")
     if args.bf16:

@@ -15,13 +15,16 @@ if TYPE_CHECKING:
     from megatron_seq1f1b.planner import Plan
 
 ALL_SCHEDULES = ("1f1b", "seq1f1b-k1", "seq1f1b-uniform", "seq1f1b-balanced",
-                 "seq1f1b-zb-h1", "seq1f1b-zb-h2", "1f1b-interleaved", "seq1f1b-interleaved",
+                 "seq1f1b-documents", "seq1f1b-zb-h1", "seq1f1b-zb-h2", "1f1b-interleaved", "seq1f1b-interleaved",
                  "seq1f1b-interleaved-zb-h1", "1f1b-interleaved-recompute")
 INTERLEAVED = ("1f1b-interleaved", "seq1f1b-interleaved", "seq1f1b-interleaved-zb-h1",
                "1f1b-interleaved-recompute")
 # Zero-bubble rows (balanced partition) and the memory-matched baseline run when named.
 OPT_IN = ("seq1f1b-zb-h1", "seq1f1b-zb-h2", "seq1f1b-interleaved-zb-h1",
-          "1f1b-interleaved-recompute")
+          "1f1b-interleaved-recompute", "seq1f1b-documents")
+# Segment lengths chosen per micro-batch by the executor from its documents (default with
+# --document-length; on unpacked data it cuts as balanced does).
+DOCUMENTS_KEY = "seq1f1b-documents"
 ZERO_BUBBLE = ("zb-h1", "zb-h2")
 # Added by flags, not named in --schedules: the planner's choice (--splits auto) and a sweep of
 # k, balanced 1F1B (--sweep-splits; "seq1f1b-k1" is the default k=1 row).
@@ -54,6 +57,26 @@ class BenchSchedule:
     recompute: bool = False  # full activation recompute (Megatron's, one layer at a time)
     schedule: str = "1f1b"  # Seq1F1B's variant: "1f1b", or zero bubble "zb-h1" / "zb-h2"
     segment_costs: tuple | None = None  # W placement (the auto plan's); None: the FLOP model
+    documents: object = None  # Seq1F1B's documents source (DocumentSource), or None
+    batches: list | None = None  # the micro-batches in this schedule's form (packing.py)
+    form: str = "plain"  # which form (packing.FORMS)
+    document_stats: dict | None = None  # document_stats.row_stats
+
+    @property
+    def split_lengths(self) -> list[int] | None:
+        """What the executor is given: None for the documents partition (it cuts each
+        micro-batch itself); ``lengths`` are then its nominal (uniform) ones."""
+        return None if self.partition == "documents" else self.lengths
+
+    def forward_backward(self, recorder=None) -> Callable:
+        """Seq1F1B's forward-backward for this row (with ``recorder``: timed actions)."""
+        import megatron_seq1f1b as s1
+
+        return s1.get_forward_backward_func(self.k, self.partition,
+                                            split_lengths=self.split_lengths,
+                                            recorder=recorder, schedule=self.schedule,
+                                            segment_costs=self.segment_costs,
+                                            documents=self.documents)
 
     @contextlib.contextmanager
     def options(self) -> Iterator[None]:
@@ -89,15 +112,17 @@ def segment_lengths(args: argparse.Namespace, k: int, partition: str, layout: La
 
 
 def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout], vocab_size: int,
-                   plan: Plan | None = None) -> list[BenchSchedule]:
+                   plan: Plan | None = None, documents: object = None) -> list[BenchSchedule]:
     """The schedules named by --schedules, in that order, each with its forward-backward.
 
     ``plan`` (a :class:`megatron_seq1f1b.planner.Plan`, with ``--splits auto``) is what the
     ``seq1f1b-auto`` row runs, and its k is the k of the fixed-k rows (uniform, balanced, ...).
+    ``documents``: every Seq1F1B row's documents source, as the trainer passes it (None:
+    unpacked data; the documents row then sees one document per sample).
     """
-    from megatron.core.pipeline_parallel import schedules as msched
+    from megatron_seq1f1b.bench.packing import whole_documents
 
-    import megatron_seq1f1b as s1
+    from megatron.core.pipeline_parallel import schedules as msched
 
     if args.splits == AUTO and plan is None:
         raise ValueError("--splits auto: make_schedules needs the planner's plan")
@@ -128,19 +153,25 @@ def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout], vocab_s
                 k, partition = fixed_k, "balanced"
             else:
                 k, partition = fixed_k, key.split("-")[1]
+            # the documents partition's nominal lengths are the executor's (uniform)
+            nominal = "uniform" if partition == "documents" else partition
             lengths = (list(plan.lengths) if key == AUTO_KEY
-                       else segment_lengths(args, k, partition, layout, vocab_size))
+                       else segment_lengths(args, k, nominal, layout, vocab_size))
             if key == AUTO_KEY:
                 label = f"Seq1F1B auto (k={k}, {partition}, {variant})"
+            elif key == DOCUMENTS_KEY:
+                label = f"Seq1F1B k={k} documents (cut per micro-batch)"
             else:
                 name = "interleaved Seq1F1B" if interleaved else "Seq1F1B"
                 label = f"{name} k={k}" + (f" {partition}" if k > 1 else "") + v
                 label += f" {variant.upper()}" if variant != "1f1b" else ""
+            source = documents
+            if source is None and key == DOCUMENTS_KEY:
+                source = whole_documents  # unpacked: one document per sample
             sched = BenchSchedule(key, label, layout, False, k, partition, lengths,
                                   schedule=variant,
-                                  segment_costs=plan.segment_costs if key == AUTO_KEY else None)
-            sched.fb = s1.get_forward_backward_func(k, partition, split_lengths=lengths,
-                                                    schedule=variant,
-                                                    segment_costs=sched.segment_costs)
+                                  segment_costs=plan.segment_costs if key == AUTO_KEY else None,
+                                  documents=source)
+            sched.fb = sched.forward_backward()
         made.append(sched)
     return made

@@ -13,8 +13,12 @@ def _num(value, spec: str) -> str:
 
 
 def _header(args: argparse.Namespace, meta: dict) -> list[str]:
+    backend = meta.get("attention_backend", getattr(args, "attention_backend", "local"))
+    length = meta.get("document_length", getattr(args, "document_length", None))
     lines = [f"# Benchmark: p={args.pp}, m={args.microbatches}, k={args.splits}"
-             + (f", v={args.vpp}" if args.vpp else ""), ""]
+             + (f", v={args.vpp}" if args.vpp else "") + f", {backend} attention"
+             + (f", packed documents (mean {length:g} tokens)" if length is not None
+                else ", unpacked"), ""]
     lines.append(
         f"Model: {args.num_layers} layers, hidden {args.hidden_size}, "
         f"{args.num_attention_heads} heads, vocabulary {args.vocab_size}, "
@@ -49,7 +53,8 @@ def _schedule_table(rows: list[dict], meta: dict) -> list[str]:
             else "vs_1f1b"
         mem = (r.get(f"peak_ratio_{ref}") or [None])[0]
         pred = r.get("prediction") or {}
-        segs = "-" if r["megatron"] else "/".join(str(n) for n in r["lengths"])
+        segs = ("-" if r["megatron"] else "per micro-batch" if r["partition"] == "documents"
+                else "/".join(str(n) for n in r["lengths"]))
         paired = "-"
         if r.get(f"paired_speedup_{ref}") is not None:
             low, high = r[f"paired_speedup_{ref}_range"]
@@ -172,6 +177,34 @@ def _zero_bubble_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _documents_table(rows: list[dict], meta: dict) -> list[str]:
+    """Per row: predicted segment cost spread and attention work skipped on the packed
+    documents (bench/document_stats.py), beside tokens/s, speedup, memory and bubble."""
+    have = [r for r in rows if r.get("documents")]
+    if not have:
+        return []
+    backend = meta.get("attention_backend", "local")
+    lines = ["", "## Packed documents", "",
+             f"{backend} attention. Cost spread: max / min predicted segment cost (the cost "
+             "model the documents partition cuts with, on each micro-batch's documents), "
+             "worst micro-batch (mean); 1.00 with one segment. Pairs skipped: the share of "
+             "a dense causal run's attention pairs (same segments, one document per sample) "
+             "that documents let this row skip.", "",
+             "| schedule | segments (first micro-batch) | cost spread worst (mean) | "
+             "attention pairs per sample | pairs skipped | tokens/s | × 1F1B | stage-0 peak "
+             "MiB | bubble |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in have:
+        d = r["documents"]
+        bubble = (r.get("timeline") or {}).get("bubble_fraction")
+        lines.append(
+            f"| {r['label']} | {'/'.join(map(str, d['segments_per_microbatch'][0]))} | "
+            f"{d['cost_spread']:.2f} ({d['cost_spread_mean']:.2f}) | "
+            f"{d['attention_pairs']:.0f} | {d['attention_pairs_skipped']:.1%} | "
+            f"{r['tokens_per_s']:.0f} | {_num(r.get('speedup_vs_1f1b'), '.3f')} | "
+            f"{fmt_mib(r['peak_bytes_per_stage'][0])} | {_num(bubble, '.1%')} |")
+    return lines
+
+
 def auto_plan_lines(auto: dict) -> list[str]:
     """The planner's choice against the measured sweep: ratio (hit/miss) and prediction error."""
     plan = auto["plan"]
@@ -235,6 +268,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, meta: dict, calibration
         lines += auto_plan_lines(auto)
     lines += _zero_bubble_table(rows)
     lines += _timeline_table(rows, args.timeline_runs)
+    lines += _documents_table(rows, meta)
     if calibration:
         lines += _calibration_section(rows, calibration)
     if predictions:

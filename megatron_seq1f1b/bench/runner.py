@@ -40,8 +40,14 @@ def run_once(sched: BenchSchedule, batches: list, args: argparse.Namespace,
              forward_step: Callable, memory: PeakMemory, *, fb: Callable | None = None,
              profile: cProfile.Profile | None = None,
              on_start: Callable[[], object] | None = None) -> dict:
-    """One forward-backward of all micro-batches; collective; returns time, peaks, loss."""
+    """One forward-backward of all micro-batches; collective; returns time, peaks, loss.
+
+    The schedule's own micro-batches (``sched.batches``: its form of packed documents)
+    take the place of ``batches`` where it has them.
+    """
     layout = sched.layout
+    if sched.batches is not None:
+        batches = sched.batches
     layout.activate()
     for chunk in layout.model:
         chunk.zero_grad_buffer()

@@ -33,6 +33,8 @@ def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict
             "cpu_s_per_stage": cpu_median, "cpu_s_total": sum(cpu_median),
             "first_iteration_loss": s.first_loss,
             "timeline": s.timeline, "prediction": s.prediction,
+            "form": getattr(s, "form", "plain"),
+            "documents": getattr(s, "document_stats", None),  # bench/document_stats.py
         })
     by_key = {r["key"]: r for r in rows}
     for r in rows:

@@ -23,7 +23,6 @@ from megatron_seq1f1b.trace import megatron_step_timer, timeline_stats
 def record_timeline(sched: BenchSchedule, batches: list, args: argparse.Namespace,
                     forward_step: Callable, memory: PeakMemory, group) -> Timeline:
     """One extra iteration with per-action timing; returns the gathered Timeline (all ranks)."""
-    import megatron_seq1f1b as s1
     from megatron_seq1f1b.trace import TimelineRecorder
 
     recorder = TimelineRecorder()
@@ -32,10 +31,8 @@ def record_timeline(sched: BenchSchedule, batches: list, args: argparse.Namespac
             run_once(sched, batches, args, forward_step, memory,
                      on_start=lambda: recorder.begin(dist.get_rank()))
     else:
-        fb = s1.get_forward_backward_func(sched.k, sched.partition, split_lengths=sched.lengths,
-                                          recorder=recorder, schedule=sched.schedule,
-                                          segment_costs=sched.segment_costs)
-        run_once(sched, batches, args, forward_step, memory, fb=fb)
+        run_once(sched, batches, args, forward_step, memory,
+                 fb=sched.forward_backward(recorder=recorder))
     return recorder.gather(-1, group=group)
 
 
