@@ -463,7 +463,8 @@ def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of:
     starts with a new document and needs no earlier keys). If moved cuts would
     leave a spread (max / min segment cost) above ``max_spread`` (or above the
     equal-cost positions' own), the tolerance halves until they do not (at
-    last 0: the equal-cost positions). Lengths come in sequence order.
+    last 0: the equal-cost positions). Lengths come in sequence order. A micro-batch of one
+    document per sample gets exactly ``balanced``'s lengths.
     """
     import bisect
 
@@ -472,6 +473,9 @@ def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of:
     if seq_length % multiple_of or units < num_splits:
         raise ValueError(f"cannot cut {seq_length} tokens into {num_splits} segments of "
                          f"multiples of {multiple_of}")
+    if all(starts == (0,) for starts in documents.starts):  # unpacked: balanced's own cuts
+        return _round_boundaries(_equal_cost_ends(seq_length, num_splits, cost), units,
+                                 multiple_of)
     segment_cost = document_segment_cost(documents, cost)
     if cost.dense_attention:
         ends = _equal_cost_ends(seq_length, num_splits,

@@ -482,6 +482,8 @@ def test_document_cost_spread_and_pairs_skipped():
     assert all(sum(seg) == s for seg in cut["segments_per_microbatch"])
     whole = Documents.whole(s)
     assert cost_spread(balanced, whole, cost) < 1.05  # balanced is balanced without documents
+    unpacked = row_stats(None, [whole] * 4, k, cost, 1)  # the documents row cuts as balanced
+    assert unpacked["segments_per_microbatch"] == [balanced] * 4
     assert cost_spread([s], found[0], cost) == 1.0
     # flash-like: each document's causal pairs; a dense causal run: the whole triangle
     computed, causal = attention_pairs([s], found[0], dense=False)

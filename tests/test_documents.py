@@ -155,11 +155,12 @@ def test_documents_partition_balances_what_the_backend_computes(dense):
                 balanced = split_sequence(4096, k, "balanced", cost=cost, multiple_of=8)
                 assert _spread(documents, balanced, cost) > 1.5
     # Unpacked data: one document per sample is the causal triangle balanced assumes.
-    whole = Documents.whole(4096)
-    for k in (2, 4, 8):
-        ours = split_documents(whole, k, cost, multiple_of=8)
-        theirs = split_sequence(4096, k, "balanced", cost=cost, multiple_of=8)
-        assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 8, (ours, theirs)
+    for length, multiple in ((4096, 8), (64, 1), (256, 1)):
+        whole = Documents.whole(length, micro_batch_size=2)
+        for k in (2, 4, 8):
+            ours = split_documents(whole, k, cost, multiple_of=multiple)
+            assert ours == split_sequence(length, k, "balanced", cost=cost,
+                                          multiple_of=multiple), (length, k)
 
 
 def test_documents_partition_cuts_at_document_ends_when_close():
