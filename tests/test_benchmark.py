@@ -211,3 +211,25 @@ def test_benchmark_context_parallel_lineup():
     assert not any(s.startswith("1f1b") for s in args.schedules)
     assert "seq1f1b-k1" in args.schedules and "seq1f1b-interleaved" in args.schedules
     assert parse_args([]).context_parallel_size == 1
+
+
+def test_compare_benchmarks_stage0_ratio(tmp_path, capsys):
+    """scripts/compare_benchmarks.py: RUN / BASE stage-0 peak per shared row, --max-ratio."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compare_benchmarks
+    finally:
+        sys.path.pop(0)
+
+    def write(name: str, cp: int, peak: int) -> str:
+        row = {"key": "seq1f1b-k4", "peak_bytes_per_stage": [peak, 1],
+               "stage0_prediction_ratio": 1.02, "cp_bytes_ratio": 1.0 if cp > 1 else None}
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": {"context_parallel_size": cp, "world_size": 2 * cp},
+                                    "schedules": [row]}))
+        return str(path)
+
+    base, run = write("cp1.json", 1, 100 * 2**20), write("cp2.json", 2, 55 * 2**20)
+    assert compare_benchmarks.main([base, run, "--max-ratio", "0.6"]) == 0
+    assert "| seq1f1b-k4 | 100.0 (1.020) | 55.0 (1.020) | 0.550 | 1.000 |" in capsys.readouterr().out
+    assert compare_benchmarks.main([base, run, "--max-ratio", "0.5"]) == 1
