@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
     dp = plain_args.data_parallel_size  # without CP: a CP group shares one sequence
     tokens_per_iter = args.microbatches * args.micro_batch_size * args.seq_length * dp
     say(f"> benchmark: world {world} ({'GPU/NCCL' if on_gpu else 'CPU/gloo'}), tp {args.tp}, "
-        f"pp {args.pp}, vpp {args.vpp}, cp {args.context_parallel_size}, dp {dp}; m={args.microbatches} x {args.micro_batch_size}"
+        f"pp {args.pp}, vpp {args.vpp}, cp {args.context_parallel_size}, dp {dp}; "
+        f"m={args.microbatches} x {args.micro_batch_size}"
         f" x {args.seq_length} tokens, k={args.splits}; {args.num_layers} layers, hidden "
         f"{args.hidden_size}; {threads} thread(s) per rank on {cpu_count} CPU cores")
     if not on_gpu and world * threads > cpu_count:
