@@ -190,3 +190,86 @@ def test_benchmark_packed_documents(tmp_path, backend):
     text = (out / "results.md").read_text()
     assert f"{backend} attention, packed documents (mean 12 tokens)" in text
     assert "## Packed documents" in text
+
+
+def test_benchmark_context_parallel(tmp_path):
+    """--pp 2 --cp 2 on 4 ranks: Seq1F1B rows only, seq1f1b-k1 the reference; the CP bytes
+    the executor counted equal the planner's count, and every row has a predicted stage-0
+    memory."""
+    out = tmp_path / "cp"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               SEQ1F1B_TIMEOUT_MINUTES="2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
+           f"--master-port={_port()}", str(SCRIPT),
+           "--pp", "2", "--cp", "2", "--microbatches", "2", "--splits", "2",
+           "--seq-length", "64", "--hidden-size", "16", "--num-layers", "4",
+           "--num-attention-heads", "2", "--vocab-size", "64", "--iters", "1", "--warmup", "1",
+           "--no-timelines", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "--cp 2: Seq1F1B rows only, reference seq1f1b-k1" in done.stdout
+
+    result = json.loads((out / "results.json").read_text())
+    assert result["meta"]["context_parallel_size"] == 2 and result["meta"]["dp"] == 1
+    assert result["meta"]["reference"] == "seq1f1b-k1"
+    assert result["meta"]["tokens_per_iteration"] == 2 * 64  # the sequence once per CP group
+    rows = {row["key"]: row for row in result["schedules"]}
+    assert list(rows) == ["seq1f1b-k1", "seq1f1b-uniform", "seq1f1b-balanced"]
+    assert rows["seq1f1b-k1"]["speedup_vs_1f1b"] == 1.0
+    # keys and values of 2 layers x 64 tokens / 2 ranks x (cp - 1), forward and backward,
+    # x 2 micro-batches, fp32: 2 x 2 heads x 8 channels x 4 bytes per token and layer
+    expected = 2 * 64 / 2 * 1 * (2 * 2 * 8 * 4) * 2 * 2
+    for key, row in rows.items():
+        assert row["cp_bytes_predicted"] == expected, key
+        assert row["cp_bytes_measured"] == pytest.approx(expected, rel=0.05), key
+        assert row["stage0_predicted_bytes"] > 0, key
+    text = (out / "results.md").read_text()
+    assert "## Context parallelism" in text and "reference row seq1f1b-k1" in text
+
+
+@pytest.mark.parametrize("schedules", [["1f1b"], ["seq1f1b-k1", "1f1b-interleaved"]])
+def test_benchmark_context_parallel_refuses_megatron_rows(schedules, capsys):
+    from megatron_seq1f1b.bench.cli import parse_args
+
+    extra = ["--vpp", "2"] if "1f1b-interleaved" in schedules else []
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--cp", "2", *extra, "--schedules", *schedules])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot run with context parallelism" in err[-1]
+    assert "seq1f1b-k1 is the reference row" in err[-1]
+
+
+def test_benchmark_context_parallel_lineup():
+    """--cp 2 drops Megatron's rows from the default lineup and turns the calibration off;
+    --context-parallel-size is the same flag."""
+    from megatron_seq1f1b.bench.cli import parse_args
+
+    args = parse_args(["--context-parallel-size", "2", "--vpp", "2"])
+    assert args.context_parallel_size == 2 and args.no_calibration
+    assert not any(s.startswith("1f1b") for s in args.schedules)
+    assert "seq1f1b-k1" in args.schedules and "seq1f1b-interleaved" in args.schedules
+    assert parse_args([]).context_parallel_size == 1
+
+
+def test_compare_benchmarks_stage0_ratio(tmp_path, capsys):
+    """scripts/compare_benchmarks.py: RUN / BASE stage-0 peak per shared row, --max-ratio."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compare_benchmarks
+    finally:
+        sys.path.pop(0)
+
+    def write(name: str, cp: int, peak: int) -> str:
+        row = {"key": "seq1f1b-k4", "peak_bytes_per_stage": [peak, 1],
+               "stage0_prediction_ratio": 1.02, "cp_bytes_ratio": 1.0 if cp > 1 else None}
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": {"context_parallel_size": cp, "world_size": 2 * cp},
+                                    "schedules": [row]}))
+        return str(path)
+
+    base, run = write("cp1.json", 1, 100 * 2**20), write("cp2.json", 2, 55 * 2**20)
+    assert compare_benchmarks.main([base, run, "--max-ratio", "0.6"]) == 0
+    printed = capsys.readouterr().out
+    assert "| seq1f1b-k4 | 100.0 (1.020) | 55.0 (1.020) | 0.550 | 1.000 |" in printed
+    assert compare_benchmarks.main([base, run, "--max-ratio", "0.5"]) == 1

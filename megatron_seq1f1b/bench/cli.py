@@ -19,10 +19,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_seq1f1b.bench import autoplan
-from megatron_seq1f1b.bench import packing
+from megatron_seq1f1b.bench import autoplan, cp_report, packing
 from megatron_seq1f1b.bench.calibration import calibrate
 from megatron_seq1f1b.bench.document_stats import row_stats
+from megatron_seq1f1b.bench.cp_bytes import attach_meters, measured_bytes
 from megatron_seq1f1b.bench.confirm import Race, closest_rivals, confirmation, sweep_twin
 from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
 from megatron_seq1f1b.compat import megatron_core_version
@@ -40,7 +40,7 @@ from megatron_seq1f1b.bench.pictures import (
 from megatron_seq1f1b.bench.predict import calibrated_predictions, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.ranks import rank0, say
 from megatron_seq1f1b.bench.runner import confirm_rounds, measure_rounds, profile_runs
-from megatron_seq1f1b.bench.summary import auto_vs_sweep, summarize
+from megatron_seq1f1b.bench.summary import auto_vs_sweep, reference_key, summarize
 from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm import AUTO, splits_value
 from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT, PeakMemory
@@ -60,6 +60,12 @@ def build_parser() -> ArgumentParser:
                    help="model chunks per rank (virtual pipeline size); adds the interleaved "
                         "schedules")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    p.add_argument("--cp", "--context-parallel-size", type=positive_int, default=1,
+                   dest="context_parallel_size", metavar="N",
+                   help="context-parallel size: every Seq1F1B segment spread over N ranks "
+                        "(world = tp x pp x cp x dp). N > 1 runs Seq1F1B rows only "
+                        "(Megatron's schedules have no CP exchange for its attentions); "
+                        "seq1f1b-k1 is then the reference row, and the calibration is off")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--microbatches", type=positive_int, default=4,
                    help="micro-batches per iteration (m)")
@@ -147,10 +153,30 @@ def build_parser() -> ArgumentParser:
     return p
 
 
+def cp_checks(p: ArgumentParser, args: argparse.Namespace) -> None:
+    """--cp > 1: only Seq1F1B's segments exchange keys and values over the CP group, so a
+    named Megatron row is refused; the calibration times segments without the CP group, so
+    it is off (and --splits auto, which plans from it, is refused)."""
+    cp = args.context_parallel_size
+    if cp <= 1:
+        return
+    megatron = [s for s in args.schedules or () if s.startswith("1f1b")]
+    if megatron:
+        p.error(f"--cp {cp}: {' '.join(megatron)} cannot run with context parallelism "
+                "(Megatron's schedules give its local and flash attentions no exchange of "
+                "keys and values; only Seq1F1B's segments make one): drop "
+                f"{'it' if len(megatron) == 1 else 'them'}; seq1f1b-k1 is the reference row")
+    if args.splits == AUTO:
+        p.error(f"--cp {cp}: --splits auto plans from the calibration, which does not run "
+                "with context parallelism: give a fixed --splits")
+    args.no_calibration = True
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked together: a problem is one line on stderr and exit status 2."""
     p = build_parser()
     args = p.parse_args(argv)
+    cp_checks(p, args)
     if args.schedules is None:
         args.schedules = [s for s in ALL_SCHEDULES
                           if (args.vpp or s not in INTERLEAVED) and s not in OPT_IN]
@@ -160,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.splits in (1, AUTO):  # auto: the sweep rows are the fixed-k ones
             args.schedules = [s for s in args.schedules
                               if s not in ("seq1f1b-uniform", "seq1f1b-balanced")]
+        if args.context_parallel_size > 1:
+            args.schedules = [s for s in args.schedules if not s.startswith("1f1b")]
     if any(s in INTERLEAVED for s in args.schedules) and not args.vpp:
         p.error("the interleaved schedules need --vpp")
     if args.vpp and args.num_layers % (args.pp * args.vpp):
@@ -286,16 +314,22 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
                                documents=packing.documents_source(plain_args, eod))
     _give_forms(schedules, batches, args, eod)
     _document_stats(schedules, batches, args, layouts["plain"], eod)
+    meters = attach_meters(schedules)  # CP bytes of the Seq1F1B rows
     memory = PeakMemory(device)
-    dp = plain_args.data_parallel_size
+    dp = plain_args.data_parallel_size  # without CP: a CP group shares one sequence
     tokens_per_iter = args.microbatches * args.micro_batch_size * args.seq_length * dp
     say(f"> benchmark: world {world} ({'GPU/NCCL' if on_gpu else 'CPU/gloo'}), tp {args.tp}, "
-        f"pp {args.pp}, vpp {args.vpp}, dp {dp}; m={args.microbatches} x {args.micro_batch_size}"
+        f"pp {args.pp}, vpp {args.vpp}, cp {args.context_parallel_size}, dp {dp}; "
+        f"m={args.microbatches} x {args.micro_batch_size}"
         f" x {args.seq_length} tokens, k={args.splits}; {args.num_layers} layers, hidden "
         f"{args.hidden_size}; {threads} thread(s) per rank on {cpu_count} CPU cores")
     if not on_gpu and world * threads > cpu_count:
         say(f"> note: {world} ranks x {threads} thread(s) oversubscribe {cpu_count} cores: "
             "compute is slowed when ranks overlap, which also hides part of the bubbles")
+    if args.context_parallel_size > 1:
+        say(f"> note: --cp {args.context_parallel_size}: Seq1F1B rows only, reference "
+            f"{reference_key(schedules)}; no calibration (it times segments without the CP "
+            "group), so no calibrated predictions")
     for s in schedules:
         segments = "per micro-batch" if s.partition == "documents" else s.lengths
         say(f">   {s.key:<20} {s.label}" + ("" if s.megatron else f"  segments {segments}")
@@ -336,11 +370,13 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
                                      calibration["prediction_variant"], out)
 
     rows = summarize(schedules, tokens_per_iter)
+    cp_report.add_fields(rows, schedules, measured_bytes(meters), args, layouts["plain"].config)
     # printed with results.md (section "Automatic plan vs a sweep of k")
     auto = auto_vs_sweep(rows, plan_record, confirmed=confirmed) if plan_record else None
     meta = {
         "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()[0],
-        "world_size": world, "dp": dp, "device": "GPU/NCCL" if on_gpu else "CPU/gloo",
+        "world_size": world, "dp": dp, "context_parallel_size": args.context_parallel_size,
+        "reference": reference_key(schedules), "device": "GPU/NCCL" if on_gpu else "CPU/gloo",
         "cpu_count": cpu_count, "threads_per_rank": threads,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "memory_valid": on_gpu or "MALLOC_MMAP_THRESHOLD_" in os.environ,

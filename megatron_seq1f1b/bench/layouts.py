@@ -40,7 +40,8 @@ class Layout:
 def trainer_argv(args: argparse.Namespace, interleaved: bool) -> list[str]:
     """The standalone trainer's flags for one layout (reuses its validation and setup)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = max(world // (args.tp * args.pp), 1)
+    cp = getattr(args, "context_parallel_size", 1)
+    dp = max(world // (args.tp * args.pp * cp), 1)  # CP ranks of a replica share its batch
     argv = [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", str(args.num_attention_heads),
@@ -58,6 +59,8 @@ def trainer_argv(args: argparse.Namespace, interleaved: bool) -> list[str]:
         # packed documents (bench/packing.py): the trainer then says which form each
         # schedule takes and where Seq1F1B finds the documents
         argv += ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+    if cp > 1:
+        argv += ["--context-parallel-size", str(cp)]
     if args.sequence_parallel:
         argv.append("--sequence-parallel")
     if args.bf16:

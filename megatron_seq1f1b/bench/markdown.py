@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_seq1f1b.bench import cp_report
 from megatron_seq1f1b.bench.units import fmt_mib
 from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT
 
@@ -69,8 +70,12 @@ def _schedule_table(rows: list[dict], meta: dict) -> list[str]:
             f"{_num(pred.get('makespan_s') and pred['makespan_s'] * 1e3, '.0f')} | "
             f"{_num(pred.get('rel_error'), '+.1%')} |")
     lines.append("")
+    reference = meta.get("reference", "1f1b")
     lines.append("Ratios of interleaved schedules are against Megatron interleaved 1F1B when it "
-                 "ran, of the others against Megatron 1F1B. Paired: median over rounds of the "
+                 "ran, of the others against "
+                 + ("Megatron 1F1B" if reference == "1f1b" else
+                    f"the reference row {reference} (× 1F1B columns; Megatron 1F1B did not run)")
+                 + ". Paired: median over rounds of the "
                  "ratio of the two schedules' times in the same round. CPU s: process CPU time "
                  "of the forward-backward per stage (insensitive to other processes' load; "
                  "includes p2p threads). Peak memory: real allocations above the resident set at "
@@ -267,6 +272,9 @@ def markdown(rows: list[dict], args: argparse.Namespace, meta: dict, calibration
     if auto:
         lines += auto_plan_lines(auto)
     lines += _zero_bubble_table(rows)
+    if meta.get("context_parallel_size", 1) > 1 or any(
+            r.get("stage0_predicted_bytes") is not None for r in rows):
+        lines += cp_report.table(rows, meta)
     lines += _timeline_table(rows, args.timeline_runs)
     lines += _documents_table(rows, meta)
     if calibration:

@@ -12,9 +12,19 @@ from megatron_seq1f1b.bench.confirm import AUTO_TARGET
 from megatron_seq1f1b.bench.lineup import AUTO_KEY, SWEEP_KEY, BenchSchedule
 
 
+def reference_key(schedules: list[BenchSchedule]) -> str | None:
+    """The row the ``*_vs_1f1b`` ratios are against: Megatron 1F1B, or where it did not run
+    (context parallelism) Seq1F1B k=1, the same schedule with the whole sequence as one
+    segment."""
+    keys = [s.key for s in schedules]
+    return next((k for k in ("1f1b", "seq1f1b-k1") if k in keys), None)
+
+
 def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict]:
-    """One row per schedule, with ratios against Megatron 1F1B (and interleaved 1F1B)."""
-    base = next((s for s in schedules if s.key == "1f1b"), None)
+    """One row per schedule, with ratios against the reference row (:func:`reference_key`)
+    and Megatron interleaved 1F1B."""
+    ref_key = reference_key(schedules)
+    base = next((s for s in schedules if s.key == ref_key), None)
     base_i = next((s for s in schedules if s.key == "1f1b-interleaved"), None)
     rows = []
     for s in schedules:

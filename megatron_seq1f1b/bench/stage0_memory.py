@@ -1,0 +1,49 @@
+"""The planner's stage-0 activation memory for a benchmark row, to set beside the measured peak.
+
+The benchmark measures each run's peak above the memory resident at its start (weights
+and gradient buffers already allocated), that is the activations a stage holds at its
+busiest; the planner predicts the same quantity per rank with
+:func:`megatron_seq1f1b.planner.stage_memory` (its ``activations`` entry), from the model's
+shape, the schedule's action lists, the segment lengths, the attention kernel and the
+context-parallel size, as :func:`megatron_seq1f1b.rehearse.predicted` asks it for a
+rehearsed stage. Rows whose action lists the planner does not build the same way
+(Megatron's interleaved schedule, full recompute, zero bubble placed by the executor's FLOP
+model) and layouts it does not model (tensor parallelism, experts) get no prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_seq1f1b.bench.lineup import BenchSchedule
+
+
+def predictable(sched: BenchSchedule, args: argparse.Namespace) -> bool:
+    """Whether the planner builds this row's action lists and models its layout."""
+    if args.tp > 1 or args.num_experts or sched.recompute:
+        return False
+    if sched.megatron:
+        return sched.layout.chunks == 1  # Megatron's 1F1B is Seq1F1B's with one segment
+    return sched.schedule == "1f1b" or sched.segment_costs is not None
+
+
+def predicted_stage0_bytes(sched: BenchSchedule, args: argparse.Namespace,
+                           config) -> float | None:
+    """Predicted peak activation bytes of one stage-0 rank for this row (None: not modelled)."""
+    from megatron_seq1f1b.footprint import ModelShape, Training
+    from megatron_seq1f1b.planner import stage_memory
+
+    if not predictable(sched, args):
+        return None
+    shape = ModelShape.from_config(
+        config, args.vocab_size, tied_embeddings=True,  # the trainer's default
+        position_embedding_type=args.position_embedding_type,
+        max_sequence_length=args.seq_length)
+    training = Training(dtype="bf16" if args.bf16 else "fp32", optimizer=None)
+    memory = stage_memory(
+        shape, training, args.pp, args.microbatches, sched.lengths,
+        num_model_chunks=sched.layout.chunks, schedule=sched.schedule,
+        micro_batch_size=args.micro_batch_size,
+        flash=getattr(args, "attention_backend", "local") == "flash",
+        costs=sched.segment_costs, context_parallel_size=args.context_parallel_size)
+    return float(memory[0]["activations"])
