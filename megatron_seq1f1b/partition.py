@@ -449,6 +449,48 @@ def document_segment_cost(documents, cost: CostModel) -> Callable[[int, int], fl
     return dense
 
 
+def _spread(cuts: list[int], segment_cost: Callable[[int, int], float], seq_length: int) -> float:
+    bounds = [0] + list(cuts) + [seq_length]
+    values = [segment_cost(a, b) for a, b in zip(bounds, bounds[1:])]
+    return max(values) / max(min(values), 1e-30)
+
+
+def _balance_neighbours(cuts: list[int], segment_cost: Callable[[int, int], float],
+                        seq_length: int, multiple_of: int) -> list[int]:
+    """Cuts moved until each pair of neighbouring segments costs about the same.
+
+    Local attention's dense cost (``[b - a] x [b - doc(a)]``) jumps where a segment's first
+    document changes, which the continuous equal-cost solve can miss by more than the
+    spread allows. ``cost(a, x)`` grows and ``cost(x, c)`` shrinks with ``x``, so each cut's
+    best place between its neighbours is found by bisection; a move must lower the larger
+    of the two costs (so passes end), and the result is kept only if the spread falls.
+    """
+    moved = list(cuts)
+    for _ in range(2 * len(moved) + 2):
+        changed = False
+        for j, current in enumerate(moved):
+            a = moved[j - 1] if j else 0
+            c = moved[j + 1] if j + 1 < len(moved) else seq_length
+            low, high = a // multiple_of + 1, c // multiple_of - 1  # in units of multiple_of
+            if low > high:
+                continue
+            while low < high:
+                mid = (low + high) // 2
+                x = mid * multiple_of
+                low, high = (mid + 1, high) if segment_cost(a, x) < segment_cost(x, c) else \
+                    (low, mid)
+            options = {low * multiple_of, max(low - 1, a // multiple_of + 1) * multiple_of}
+            pair = lambda x: max(segment_cost(a, x), segment_cost(x, c))  # noqa: E731
+            best = min(sorted(options), key=pair)
+            if pair(best) < pair(current):
+                moved[j], changed = best, True
+        if not changed:
+            break
+    if _spread(moved, segment_cost, seq_length) < _spread(cuts, segment_cost, seq_length):
+        return moved
+    return list(cuts)
+
+
 def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of: int = 1,
                     tolerance: float = DOCUMENT_END_TOLERANCE,
                     max_spread: float = MAX_SPREAD) -> list[int]:
@@ -494,6 +536,8 @@ def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of:
         pick = below if abs(below - x) <= abs(above - x) else above
         positions.append(pick)
         previous = pick
+    if cost.dense_attention:
+        positions = _balance_neighbours(positions, segment_cost, seq_length, multiple_of)
     share = segment_cost(0, seq_length) / num_splits
     doc_ends = [e for e in documents.ends() if e % multiple_of == 0 and 0 < e < seq_length]
 
@@ -517,9 +561,7 @@ def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of:
         return cuts
 
     def spread(cuts: list[int]) -> float:
-        bounds = [0] + cuts + [seq_length]
-        values = [segment_cost(a, b) for a, b in zip(bounds, bounds[1:])]
-        return max(values) / max(min(values), 1e-30)
+        return _spread(cuts, segment_cost, seq_length)
 
     tol, allowed = tolerance, max(max_spread, spread(positions))
     cuts = cuts_for(tol)

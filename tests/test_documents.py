@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from gpt import DataSpec, ModelSpec
-from megatron_seq1f1b.documents import Documents, chains, views_of
+from megatron_seq1f1b.documents import Documents, chains, long_tailed, views_of
 from segment_cases import compare_documents_by_hand
 
 ROPE = ModelSpec()
@@ -161,6 +161,17 @@ def test_documents_partition_balances_what_the_backend_computes(dense):
             ours = split_documents(whole, k, cost, multiple_of=multiple)
             assert ours == split_sequence(length, k, "balanced", cost=cost,
                                           multiple_of=multiple), (length, k)
+
+
+def test_documents_partition_on_local_attention_balances_across_cost_jumps():
+    """Local attention's cost jumps where a segment starts inside another document; the
+    continuous equal-cost solve lands beside the jump (spread 1.08 here) and the cuts then
+    move until neighbouring segments cost the same."""
+    cost = CostModel(per_token=2 * 12 * 256 * 256 * 4, per_pair=4 * 256 * 4,
+                     dense_attention=True)
+    documents = long_tailed(4096, 256, seed=1237)
+    lengths = split_documents(documents, 4, cost)
+    assert sum(lengths) == 4096 and _spread(documents, lengths, cost) <= 1.05
 
 
 def test_documents_partition_cuts_at_document_ends_when_close():
