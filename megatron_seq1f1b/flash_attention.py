@@ -16,8 +16,9 @@ without building any ``[sq, sk]`` tensor itself:
   :class:`~torch.nn.attention.bias.CausalBias` that PyTorch serves with its
   flash kernel on CUDA (or the efficient one, e.g. fp32 or MLA's narrower
   values), aligned bottom-right: query ``i`` sees keys ``0 .. sk - sq + i``.
-  (Where neither kernel applies, e.g. on CPU, PyTorch itself materializes
-  the mask.)
+  On CPU, where PyTorch would materialize that mask (and autograd keep it),
+  two mask-free flash calls merged by log-sum-exp compute it instead
+  (:mod:`megatron_seq1f1b.prefix_attention`).
 * Sliding windows (``config.window_size=(w, 0)`` on the layers
   ``is_layer_window_attention`` picks): SDPA's flash kernel has no window,
   so these layers pass a boolean ``[sq, sk]`` mask of the queries x keys
@@ -66,6 +67,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_seq1f1b import varlen
 from megatron_seq1f1b.context_parallel import refuse_outside_segments
+from megatron_seq1f1b.prefix_attention import bottom_right_causal
 from megatron_seq1f1b.varlen import window_mask
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
@@ -73,11 +75,9 @@ _TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])
 HAS_ENABLE_GQA = _TORCH >= (2, 5)  # scaled_dot_product_attention(enable_gqa=...)
 
 
-def _causal_lower_right(sq: int, sk: int):
-    from torch.nn.attention.bias import causal_lower_right
-
-    return causal_lower_right(sq, sk)
-
+#: ``_mask``'s answer for keys that outnumber queries: causal, aligned bottom-right, computed
+#: by :func:`~megatron_seq1f1b.prefix_attention.bottom_right_causal` (no mask tensor on CPU).
+BOTTOM_RIGHT = "bottom-right"
 
 
 def _unsupported_extras(attention_bias, kwargs: dict) -> list[str]:
@@ -87,6 +87,7 @@ def _unsupported_extras(attention_bias, kwargs: dict) -> list[str]:
     if given:
         problems.append(f"the arguments {', '.join(given)}")
     return problems
+
 
 class FlashDotProductAttention(MegatronModule):
     """Causal core attention on PyTorch SDPA (see the module docstring for kernels and limits).
@@ -176,9 +177,13 @@ class FlashDotProductAttention(MegatronModule):
                 value = value.repeat_interleave(heads // groups, dim=1)
         dropout = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout):
-            context = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
-                scale=self.softmax_scale, **extra)
+            if mask is BOTTOM_RIGHT:
+                context = bottom_right_causal(query, key, value, scale=self.softmax_scale,
+                                              dropout=dropout, **extra)
+            else:
+                context = torch.nn.functional.scaled_dot_product_attention(
+                    query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                    scale=self.softmax_scale, **extra)
         # [b, h, sq, dv] -> [sq, b, h * dv]
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * context.shape[-1])
 
@@ -255,7 +260,7 @@ class FlashDotProductAttention(MegatronModule):
             return window_mask(sq, sk, self.window_size[0], device), False
         if sq == sk:
             return None, True
-        return _causal_lower_right(sq, sk), False
+        return BOTTOM_RIGHT, False
 
     def _dropout_rng(self, dropout: float):
         """Megatron's model-parallel RNG for attention dropout, forked where its attention forks."""

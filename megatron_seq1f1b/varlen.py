@@ -14,8 +14,8 @@ exists anywhere.
   with more samples they are gathered (one copy of the segment's Q, K, V).
 * :func:`attention`: the kernel. On CUDA PyTorch's ``varlen_attn`` (its flash
   kernel, torch >= 2.9) where it exists; elsewhere one SDPA call per piece,
-  causal (``is_causal``) or ``causal_lower_right`` for the piece that crosses
-  into the segment.
+  causal (``is_causal``), or bottom-right for the piece that crosses into the
+  segment (:func:`~megatron_seq1f1b.prefix_attention.bottom_right_causal`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_seq1f1b.documents import SegmentView
+from megatron_seq1f1b.prefix_attention import bottom_right_causal
 
 
 class MaskType(NamedTuple):
@@ -192,14 +193,11 @@ def _per_piece(query, key, value, cu_q, cu_k, *, scale: float, window: int | Non
             k = k.repeat_interleave(heads // groups, dim=0)
             v = v.repeat_interleave(heads // groups, dim=0)
         if window is not None:
-            mask, causal = window_mask(sq, sk, window, q.device), False
-        elif sq == sk:
-            mask, causal = None, True
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=window_mask(sq, sk, window, q.device), dropout_p=dropout,
+                scale=scale)
         else:
-            from torch.nn.attention.bias import causal_lower_right
-
-            mask, causal = causal_lower_right(sq, sk), False
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale)
+            out = bottom_right_causal(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                      scale=scale, dropout=dropout).squeeze(0)
         outputs.append(out.transpose(0, 1))
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]

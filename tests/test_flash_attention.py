@@ -206,3 +206,36 @@ def test_megatron_lm_asks_for_it_with_attention_backend_flash_and_local_impl():
     assert config.post_wrap_hooks == [megatron_lm.prepare_model]
     with pytest.raises(ValueError, match="add --no-create-attention-mask-in-dataloader"):
         megatron_lm.prepare_model([], args(attention_backend=AttnBackend.flash))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_bottom_right_causal_on_cpu_is_exact_and_keeps_no_mask(dtype):
+    """A segment over its prefix on CPU: two mask-free flash calls merged by log-sum-exp equal
+    SDPA with causal_lower_right (output and every gradient), and autograd keeps no
+    [queries, keys] tensor (PyTorch's own CPU path materializes and keeps the mask)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from megatron_seq1f1b.prefix_attention import bottom_right_causal
+
+    b, h, sq, sk, d = 2, 3, 24, 80, 16
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(b, n, h, d, dtype=dtype, generator=generator) for n in (sq, sk, sk)]
+    weights = torch.randn(b, h, sq, d, dtype=dtype, generator=generator)
+
+    def run(attention):
+        q, k, v = (t.clone().permute(0, 2, 1, 3).requires_grad_() for t in inputs)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            out = attention(q, k, v)
+        (out * weights).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad], saved
+
+    expected, theirs = run(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(sq, sk), scale=0.25))
+    got, ours = run(lambda q, k, v: bottom_right_causal(q, k, v, scale=0.25))
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    for name, e, g in zip(("out", "dq", "dk", "dv"), expected, got):
+        assert ((e - g).abs().max() / e.abs().max()).item() < tolerance, name
+    assert any(shape[-2:] == (sq, sk) for shape in theirs)  # the test would see a mask
+    assert not any(shape[-2:] == (sq, sk) for shape in ours), ours
