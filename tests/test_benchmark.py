@@ -204,7 +204,7 @@ def test_benchmark_context_parallel(tmp_path):
            "--pp", "2", "--cp", "2", "--microbatches", "2", "--splits", "2",
            "--seq-length", "64", "--hidden-size", "16", "--num-layers", "4",
            "--num-attention-heads", "2", "--vocab-size", "64", "--iters", "1", "--warmup", "1",
-           "--no-timelines", "--out", str(out)]
+           "--no-timelines", "--count-saved", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "--cp 2: Seq1F1B rows only, reference seq1f1b-k1" in done.stdout
@@ -223,6 +223,8 @@ def test_benchmark_context_parallel(tmp_path):
         assert row["cp_bytes_predicted"] == expected, key
         assert row["cp_bytes_measured"] == pytest.approx(expected, rel=0.05), key
         assert row["stage0_predicted_bytes"] > 0, key
+        assert len(row["saved_bytes_per_stage"]) == 2 and row["saved_bytes_per_stage"][0] > 0
+        assert row["stage0_saved_prediction_ratio"] > 0, key
     text = (out / "results.md").read_text()
     assert "## Context parallelism" in text and "reference row seq1f1b-k1" in text
 
@@ -262,6 +264,7 @@ def test_compare_benchmarks_stage0_ratio(tmp_path, capsys):
 
     def write(name: str, cp: int, peak: int) -> str:
         row = {"key": "seq1f1b-k4", "peak_bytes_per_stage": [peak, 1],
+               "saved_bytes_per_stage": [peak // 2, 1], "stage0_saved_prediction_ratio": 0.99,
                "stage0_prediction_ratio": 1.02, "cp_bytes_ratio": 1.0 if cp > 1 else None}
         path = tmp_path / name
         path.write_text(json.dumps({"meta": {"context_parallel_size": cp, "world_size": 2 * cp},
@@ -273,3 +276,7 @@ def test_compare_benchmarks_stage0_ratio(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| seq1f1b-k4 | 100.0 (1.020) | 55.0 (1.020) | 0.550 | 1.000 |" in printed
     assert compare_benchmarks.main([base, run, "--max-ratio", "0.5"]) == 1
+    capsys.readouterr()
+    assert compare_benchmarks.main([base, run, "--measure", "saved", "--max-ratio", "0.6"]) == 0
+    assert "| seq1f1b-k4 | 50.0 (0.990) | 27.5 (0.990) | 0.550 | 1.000 |" in \
+        capsys.readouterr().out

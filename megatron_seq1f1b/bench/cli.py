@@ -39,7 +39,9 @@ from megatron_seq1f1b.bench.pictures import (
 )
 from megatron_seq1f1b.bench.predict import calibrated_predictions, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.ranks import rank0, say
-from megatron_seq1f1b.bench.runner import confirm_rounds, measure_rounds, profile_runs
+from megatron_seq1f1b.bench.runner import (
+    confirm_rounds, count_saved_runs, measure_rounds, profile_runs,
+)
 from megatron_seq1f1b.bench.summary import auto_vs_sweep, reference_key, summarize
 from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm import AUTO, splits_value
@@ -145,6 +147,10 @@ def build_parser() -> ArgumentParser:
                         "concurrent: all stages at once")
     p.add_argument("--predict-pp", type=positive_int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--predict-microbatches", type=positive_int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--count-saved", action="store_true",
+                   help="one extra, untimed run of every schedule counting the bytes autograd "
+                        "keeps for backward per stage (activations without one layer's "
+                        "temporaries)")
     p.add_argument("--profile", action="store_true",
                    help="cProfile one extra run of every schedule on --profile-rank")
     p.add_argument("--profile-rank", type=non_negative_int, default=0)
@@ -262,11 +268,12 @@ def _give_forms(schedules: list, batches: list[dict], args: argparse.Namespace,
 
 
 def _document_stats(schedules: list, batches: list[dict], args: argparse.Namespace,
-                    layout, eod: int) -> None:
+                    layout, eod: int) -> list | None:
     """Per row the predicted segment cost spread and attention pairs skipped on these
-    micro-batches' documents (with --document-length, or when the documents row runs)."""
+    micro-batches' documents (with --document-length, or when the documents row runs);
+    returns the packed micro-batches' documents (None: unpacked)."""
     if args.document_length is None and DOCUMENTS_KEY not in args.schedules:
-        return
+        return None
     from megatron_seq1f1b.documents import Documents
     from megatron_seq1f1b.executor_setup import document_cut
 
@@ -276,6 +283,7 @@ def _document_stats(schedules: list, batches: list[dict], args: argparse.Namespa
     for s in schedules:
         lengths = None if s.partition == "documents" else s.lengths
         s.document_stats = row_stats(lengths, found, s.k, cost, multiple)
+    return found if args.document_length is not None else None
 
 
 def main(argv: list[str] | None = None, *, model_provider: Callable,
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
     schedules = make_schedules(args, layouts, args.vocab_size, plan,
                                documents=packing.documents_source(plain_args, eod))
     _give_forms(schedules, batches, args, eod)
-    _document_stats(schedules, batches, args, layouts["plain"], eod)
+    packed_documents = _document_stats(schedules, batches, args, layouts["plain"], eod)
     meters = attach_meters(schedules)  # CP bytes of the Seq1F1B rows
     memory = PeakMemory(device)
     dp = plain_args.data_parallel_size  # without CP: a CP group shares one sequence
@@ -352,6 +360,8 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         times = confirm_rounds(auto_row, ([twin] if twin else []) + rivals, race,
                                batches, args, forward_step, memory, tokens_per_iter)
         confirmed = confirmation(times, race)
+    if args.count_saved:
+        count_saved_runs(schedules, batches, args, forward_step, memory)
     if args.profile:
         profile_runs(schedules, batches, args, forward_step, memory, out)
     if not args.no_timelines:
@@ -370,7 +380,8 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
                                      calibration["prediction_variant"], out)
 
     rows = summarize(schedules, tokens_per_iter)
-    cp_report.add_fields(rows, schedules, measured_bytes(meters), args, layouts["plain"].config)
+    cp_report.add_fields(rows, schedules, measured_bytes(meters), args, layouts["plain"].config,
+                         packed_documents)
     # printed with results.md (section "Automatic plan vs a sweep of k")
     auto = auto_vs_sweep(rows, plan_record, confirmed=confirmed) if plan_record else None
     meta = {

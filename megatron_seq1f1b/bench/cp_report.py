@@ -22,8 +22,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def add_fields(rows: list[dict], schedules: list[BenchSchedule], measured: dict[str, float],
-               args: argparse.Namespace, config) -> None:
-    """Add the CP byte counts and the predicted stage-0 memory to every result row."""
+               args: argparse.Namespace, config, documents: list | None = None) -> None:
+    """Add the CP byte counts and the predicted stage-0 memory to every result row
+    (``documents``: each packed micro-batch's, for the memory the planner predicts)."""
     by_key = {s.key: s for s in schedules}
     for row in rows:
         sched = by_key[row["key"]]
@@ -31,9 +32,12 @@ def add_fields(rows: list[dict], schedules: list[BenchSchedule], measured: dict[
         row["cp_bytes_predicted"] = (None if sched.megatron
                                      else predicted_bytes(sched, args, config))
         row["cp_bytes_ratio"] = _ratio(row["cp_bytes_measured"], row["cp_bytes_predicted"])
-        row["stage0_predicted_bytes"] = predicted_stage0_bytes(sched, args, config)
+        row["stage0_predicted_bytes"] = predicted_stage0_bytes(sched, args, config, documents)
         row["stage0_prediction_ratio"] = _ratio(row["stage0_predicted_bytes"],
                                                 row["peak_bytes_per_stage"][0])
+        saved = row.get("saved_bytes_per_stage")
+        row["stage0_saved_prediction_ratio"] = _ratio(row["stage0_predicted_bytes"],
+                                                      saved[0] if saved else None)
 
 
 def _num(value, spec: str) -> str:
@@ -53,15 +57,20 @@ def table(rows: list[dict], meta: dict) -> list[str]:
              "mean over runs, the most any rank sent), measured by the executor and counted "
              "by the planner (context_parallel.exchanged_bytes). Stage-0 memory: measured "
              "peak (median over runs, above the memory resident at the run's start) and the "
-             "planner's activations of one stage-0 rank (planner.stage_memory).", "",
+             "planner's activations of one stage-0 rank (planner.stage_memory); with "
+             "--count-saved also what autograd kept for backward (the activations without "
+             "one layer's temporaries, such as the collectives' buffers).", "",
              "| schedule | CP MiB measured | CP MiB predicted | measured ÷ predicted | "
-             "stage-0 peak MiB | predicted MiB | predicted ÷ measured |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "stage-0 peak MiB | stage-0 saved MiB | predicted MiB | predicted ÷ peak | "
+             "predicted ÷ saved |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        saved = r.get("saved_bytes_per_stage")
         cells = [
             _mib(r.get("cp_bytes_measured")), _mib(r.get("cp_bytes_predicted")),
             _num(r.get("cp_bytes_ratio"), ".3f"), _mib(r["peak_bytes_per_stage"][0]),
-            _mib(r.get("stage0_predicted_bytes")),
-            _num(r.get("stage0_prediction_ratio"), ".3f")]
+            _mib(saved[0] if saved else None), _mib(r.get("stage0_predicted_bytes")),
+            _num(r.get("stage0_prediction_ratio"), ".3f"),
+            _num(r.get("stage0_saved_prediction_ratio"), ".3f")]
         lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     return lines

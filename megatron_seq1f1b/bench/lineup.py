@@ -61,6 +61,7 @@ class BenchSchedule:
     batches: list | None = None  # the micro-batches in this schedule's form (packing.py)
     form: str = "plain"  # which form (packing.FORMS)
     document_stats: dict | None = None  # document_stats.row_stats
+    saved_peaks: list[float] | None = None  # --count-saved: bytes kept for backward per stage
 
     @property
     def split_lengths(self) -> list[int] | None:

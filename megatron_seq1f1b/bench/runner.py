@@ -151,6 +151,25 @@ def profile_runs(schedules: list[BenchSchedule], batches: list, args: argparse.N
             print(f"> cProfile of {s.key} on rank {args.profile_rank}: {path}", flush=True)
 
 
+def count_saved_runs(schedules: list[BenchSchedule], batches: list, args: argparse.Namespace,
+                     forward_step: Callable, memory: PeakMemory) -> None:
+    """One extra, untimed run of every schedule counting what autograd keeps for backward
+    (:class:`~megatron_seq1f1b.memory.SavedActivations`: the activations themselves, without
+    the one-layer temporaries, e.g. collectives' buffers, that the resident peak also holds);
+    ``saved_bytes_per_stage`` of each row, the most any rank of a stage kept."""
+    from megatron_seq1f1b.memory import SavedActivations
+    from megatron_seq1f1b.model import unwrap
+
+    for s in schedules:
+        params = [p for chunk in s.layout.model for p in unwrap(chunk).parameters()]
+        meter = SavedActivations(exclude=params)
+        with meter:
+            run_once(s, batches, args, forward_step, memory)
+        (s.saved_peaks,) = per_stage(meter.peak_bytes)
+        say(f"  [saved] {s.label:<40} kept for backward, MiB per stage "
+            + " ".join(fmt_mib(x) for x in s.saved_peaks))
+
+
 def confirm_rounds(auto: BenchSchedule, rivals: list[BenchSchedule], race: Race,
                    batches: list, args: argparse.Namespace, forward_step: Callable,
                    memory: PeakMemory, tokens_per_iter: int) -> dict[str, list[float]]:

@@ -27,14 +27,23 @@ def predictable(sched: BenchSchedule, args: argparse.Namespace) -> bool:
     return sched.schedule == "1f1b" or sched.segment_costs is not None
 
 
-def predicted_stage0_bytes(sched: BenchSchedule, args: argparse.Namespace,
-                           config) -> float | None:
-    """Predicted peak activation bytes of one stage-0 rank for this row (None: not modelled)."""
+def predicted_stage0_bytes(sched: BenchSchedule, args: argparse.Namespace, config,
+                           documents: list | None = None) -> float | None:
+    """Predicted peak activation bytes of one stage-0 rank for this row (None: not modelled).
+
+    ``documents``: each packed micro-batch's documents; the planner then counts what each
+    segment keeps for them (the documents row with its own cuts per micro-batch). Megatron's
+    schedules on local attention keep a dense ``[s, s]`` mask and scores instead: not modelled.
+    """
     from megatron_seq1f1b.footprint import ModelShape, Training
     from megatron_seq1f1b.planner import stage_memory
 
-    if not predictable(sched, args):
+    flash = getattr(args, "attention_backend", "local") == "flash"
+    if not predictable(sched, args) or (documents is not None and sched.megatron and not flash):
         return None
+    per_microbatch = None
+    if documents is not None and sched.partition == "documents" and sched.document_stats:
+        per_microbatch = sched.document_stats["segments_per_microbatch"]
     shape = ModelShape.from_config(
         config, args.vocab_size, tied_embeddings=True,  # the trainer's default
         position_embedding_type=args.position_embedding_type,
@@ -44,6 +53,6 @@ def predicted_stage0_bytes(sched: BenchSchedule, args: argparse.Namespace,
         shape, training, args.pp, args.microbatches, sched.lengths,
         num_model_chunks=sched.layout.chunks, schedule=sched.schedule,
         micro_batch_size=args.micro_batch_size,
-        flash=getattr(args, "attention_backend", "local") == "flash",
-        costs=sched.segment_costs, context_parallel_size=args.context_parallel_size)
+        flash=flash, costs=sched.segment_costs, context_parallel_size=args.context_parallel_size,
+        documents=documents, microbatch_lengths=per_microbatch)
     return float(memory[0]["activations"])

@@ -41,7 +41,7 @@ def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict
             "tokens_per_s": tokens_per_iter / median,
             "peak_bytes_per_stage": peak_median, "peak_bytes_per_stage_max": peak_max,
             "cpu_s_per_stage": cpu_median, "cpu_s_total": sum(cpu_median),
-            "first_iteration_loss": s.first_loss,
+            "first_iteration_loss": s.first_loss, "saved_bytes_per_stage": s.saved_peaks,
             "timeline": s.timeline, "prediction": s.prediction,
             "form": getattr(s, "form", "plain"),
             "documents": getattr(s, "document_stats", None),  # bench/document_stats.py
