@@ -179,7 +179,7 @@ def _measured(key, times, peaks, vpp=None):
                            partition=None, lengths=[8], layout=SimpleNamespace(vpp=vpp),
                            times=times, peaks=[peaks] * len(times), cpu=[[1.0, 1.0]] * len(times),
                            first_loss=1.0, timeline=None, prediction=None, schedule="1f1b",
-                           recompute=False)
+                           saved_peaks=None, recompute=False)
 
 
 def test_summarize_ratios_against_megatron():
