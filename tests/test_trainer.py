@@ -12,6 +12,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
+FULL = os.environ.get("SEQ1F1B_FULL") == "1"
+# Runs whose features CI covers elsewhere (pp4 and MLA in test_pipeline / test_segments,
+# checkpoints in the resume test, TP + SP and MoE in test_pipeline / test_moe, indexed data
+# in the documents tests): SEQ1F1B_FULL=1 runs them too.
+full_only = pytest.mark.skipif(not FULL, reason="SEQ1F1B_FULL=1 runs it (CI covers its parts "
+                               "elsewhere)")
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
         "--mock-data", "--vocab-size", "128", "--lr", "1e-3", "--lr-decay-style", "constant",
@@ -41,6 +47,7 @@ def _same(a, b, rtol=1e-5):
         assert abs(x - y) <= rtol * abs(y), (a, b)
 
 
+@full_only
 def test_seq1f1b_and_1f1b_loss_curves_are_equal_pp4_mla(tmp_path):
     """Megatron-LM's MLA flags (YaRN; the trainer's torch core attention for MLA)."""
     common = ["--pipeline-model-parallel-size", "4", "--train-iters", "5",
@@ -55,6 +62,7 @@ def test_seq1f1b_and_1f1b_loss_curves_are_equal_pp4_mla(tmp_path):
     assert len(ours["summary"]["peak_gib_per_stage"]) == 4
 
 
+@full_only
 def test_tensor_parallel_sequence_parallel_moe_and_eval(tmp_path):
     """TP2 + SP through the script's flags with Megatron-LM's MoE flags (every 2nd layer MoE,
     aux loss + z-loss), segments without pipelining (pp=1), evaluation. (TP2 + SP with
@@ -139,6 +147,7 @@ def test_auto_plan_measures_chooses_within_budget_and_trains_like_1f1b(tmp_path)
     assert chosen and int(chosen.group(1)) >= 3, ours["summary"]["schedule"]
 
 
+@full_only
 def test_checkpoints_interchange_between_schedules(tmp_path):
     """A Seq1F1B checkpoint resumes under Megatron's 1F1B (the files do not depend on the
     schedule: ``enable`` keeps parameter names; the other direction is the same code)."""
@@ -171,7 +180,7 @@ CONTEXT_PARALLEL = {
 # CI runs the flash backend (the one long-context training uses; the local backend's CP path
 # is the same code with a mask, proven against one rank in tests/test_context_parallel.py);
 # SEQ1F1B_FULL=1 runs both.
-CONTEXT_PARALLEL_RUN = (list(CONTEXT_PARALLEL) if os.environ.get("SEQ1F1B_FULL") == "1"
+CONTEXT_PARALLEL_RUN = (list(CONTEXT_PARALLEL) if FULL
                         else ["flash"])
 
 
@@ -201,7 +210,7 @@ def test_context_parallel_2_equals_the_same_model_without_it(tmp_path, backend):
 CONTEXT_PARALLEL_DOCUMENTS = [
     (["--reset-attention-mask", "--reset-position-ids"], "end-of-document tokens"),
     (["--dataloader-inter-document-masking"], "the dataset's cu_seqlens"),
-][: None if os.environ.get("SEQ1F1B_FULL") == "1" else 1]  # CI: end-of-document tokens
+][: None if FULL else 1]  # CI: end-of-document tokens
 
 
 @pytest.mark.parametrize("flags,form", CONTEXT_PARALLEL_DOCUMENTS,
@@ -335,7 +344,7 @@ def test_document_boundaries_before_0_19_equal_megatrons(tmp_path):
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--seq1f1b", "--seq1f1b-splits", "3",
                "--num-layers-per-virtual-pipeline-stage", "1"]
 RESUME_CASES = [("interleaved-distopt", 2, [*INTERLEAVED, "--use-distributed-optimizer"])]
-if os.environ.get("SEQ1F1B_FULL") == "1":
+if FULL:
     RESUME_CASES += [
         ("seq1f1b", 2, ["--pipeline-model-parallel-size", "2", "--seq1f1b", "--seq1f1b-splits",
                         "4"]),
@@ -379,6 +388,7 @@ def test_bad_flags_fail_fast_with_their_message(flags, message):
     assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
 
 
+@full_only
 def test_real_text_from_pydoc_trains(tmp_path):
     prefix = tmp_path / "pydoc"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_dataset.py"),
