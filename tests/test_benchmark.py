@@ -19,21 +19,26 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
+def run_benchmark(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """scripts/benchmark.py under torchrun on ``nproc`` CPU ranks; it must succeed."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               SEQ1F1B_TIMEOUT_MINUTES="2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={_port()}", str(SCRIPT), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def test_benchmark_reports_every_schedule(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench"
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               SEQ1F1B_TIMEOUT_MINUTES="2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={_port()}", str(SCRIPT),
-           "--pp", "2", "--vpp", "2", "--microbatches", "2", "--splits", "2",
-           "--seq-length", "32", "--hidden-size", "16", "--num-layers", "4",
-           "--num-attention-heads", "2", "--vocab-size", "64",
-           "--iters", "2", "--warmup", "1", "--timeline-runs", "2", "--calib-reps", "1",
-           "--calib-mode", "isolated",
-           "--predict-pp", "2", "4", "--predict-microbatches", "4", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_benchmark(2, "--pp", "2", "--vpp", "2", "--microbatches", "2", "--splits", "2",
+                         "--seq-length", "32", "--hidden-size", "16", "--num-layers", "4",
+                         "--num-attention-heads", "2", "--vocab-size", "64", "--iters", "2",
+                         "--warmup", "1", "--timeline-runs", "2", "--calib-reps", "1",
+                         "--calib-mode", "isolated", "--predict-pp", "2", "4",
+                         "--predict-microbatches", "4", "--out", str(out))
     assert "first-iteration loss" in done.stdout and "OK" in done.stdout, done.stdout[-3000:]
 
     result = json.loads((out / "results.json").read_text())
@@ -68,19 +73,13 @@ def test_benchmark_zero_bubble_rows(tmp_path):
     (on a sliding-window MoE model: every schedule's loss must agree with Megatron's)."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "zb"
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               SEQ1F1B_TIMEOUT_MINUTES="2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={_port()}", str(SCRIPT),
-           "--pp", "2", "--microbatches", "2", "--splits", "2", "--seq-length", "32",
-           "--hidden-size", "16", "--num-layers", "2", "--num-attention-heads", "2",
-           "--vocab-size", "64", "--iters", "2", "--warmup", "1", "--timeline-runs", "1",
-           "--calib-reps", "1", "--calib-mode", "isolated", "--predict-pp", "4",
-           "--predict-microbatches", "4", "--schedules", "1f1b", "seq1f1b-balanced",
-           "seq1f1b-zb-h1", "seq1f1b-zb-h2", "--window-size", "10", "--num-experts", "4",
-           "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_benchmark(2, "--pp", "2", "--microbatches", "2", "--splits", "2", "--seq-length",
+                  "32", "--hidden-size", "16", "--num-layers", "2", "--num-attention-heads",
+                  "2", "--vocab-size", "64", "--iters", "2", "--warmup", "1",
+                  "--timeline-runs", "1", "--calib-reps", "1", "--calib-mode", "isolated",
+                  "--predict-pp", "4", "--predict-microbatches", "4", "--schedules", "1f1b",
+                  "seq1f1b-balanced", "seq1f1b-zb-h1", "seq1f1b-zb-h2", "--window-size",
+                  "10", "--num-experts", "4", "--out", str(out))
     result = json.loads((out / "results.json").read_text())
     assert "sliding window 10, MoE 4 experts" in (out / "results.md").read_text()
     rows = {row["key"]: row for row in result["schedules"]}
@@ -103,18 +102,13 @@ def test_benchmark_auto_plan_beside_a_sweep(tmp_path):
     """--splits auto: calibrate first, run the planner's choice beside k=1, 2; report the
     ratio against the best k and the plan's prediction error."""
     out = tmp_path / "auto"
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               SEQ1F1B_TIMEOUT_MINUTES="2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={_port()}", str(SCRIPT),
-           "--pp", "2", "--microbatches", "2", "--splits", "auto", "--sweep-splits", "1", "2",
-           "--min-segment-length", "16", "--seq-length", "64", "--hidden-size", "16",
-           "--num-layers", "2", "--num-attention-heads", "2", "--vocab-size", "64",
-           "--iters", "2", "--warmup", "1", "--no-timelines", "--calib-reps", "1",
-           "--calib-mode", "concurrent", "--predict-pp", "2", "--predict-microbatches", "2",
-           "--confirm-rounds", "2", "--confirm-rivals", "1", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_benchmark(2, "--pp", "2", "--microbatches", "2", "--splits", "auto",
+                         "--sweep-splits", "1", "2", "--min-segment-length", "16", "--seq-length",
+                         "64", "--hidden-size", "16", "--num-layers", "2", "--num-attention-heads",
+                         "2", "--vocab-size", "64", "--iters", "2", "--warmup", "1",
+                         "--no-timelines", "--calib-reps", "1", "--calib-mode", "concurrent",
+                         "--predict-pp", "2", "--predict-microbatches", "2", "--confirm-rounds",
+                         "2", "--confirm-rivals", "1", "--out", str(out))
     assert "first-iteration loss" in done.stdout and "OK)" in done.stdout, done.stdout[-3000:]
     assert "> auto plan from the concurrent calibration" in done.stdout  # the planner's table
     assert " wins: " in done.stdout
@@ -158,17 +152,12 @@ def test_benchmark_packed_documents(tmp_path, backend):
     """--document-length: every schedule trains the same long-tailed packed documents in its
     backend's form (losses agree); the documents row evens out segment costs."""
     out = tmp_path / backend
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               SEQ1F1B_TIMEOUT_MINUTES="2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           f"--master-port={_port()}", str(SCRIPT),
-           "--pp", "2", "--microbatches", "2", "--splits", "2", "--seq-length", "64",
-           "--hidden-size", "16", "--num-layers", "2", "--num-attention-heads", "2",
-           "--vocab-size", "64", "--iters", "2", "--warmup", "1", "--timeline-runs", "1",
-           "--no-calibration", "--attention-backend", backend, "--document-length", "12",
-           "--schedules", "1f1b", "seq1f1b-balanced", "seq1f1b-documents", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_benchmark(2, "--pp", "2", "--microbatches", "2", "--splits", "2", "--seq-length",
+                         "64", "--hidden-size", "16", "--num-layers", "2", "--num-attention-heads",
+                         "2", "--vocab-size", "64", "--iters", "2", "--warmup", "1",
+                         "--timeline-runs", "1", "--no-calibration", "--attention-backend",
+                         backend, "--document-length", "12", "--schedules", "1f1b",
+                         "seq1f1b-balanced", "seq1f1b-documents", "--out", str(out))
     assert "first-iteration loss" in done.stdout and "OK)" in done.stdout, done.stdout[-3000:]
 
     result = json.loads((out / "results.json").read_text())
@@ -197,16 +186,10 @@ def test_benchmark_context_parallel(tmp_path):
     the executor counted equal the planner's count, and every row has a predicted stage-0
     memory."""
     out = tmp_path / "cp"
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               SEQ1F1B_TIMEOUT_MINUTES="2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
-           f"--master-port={_port()}", str(SCRIPT),
-           "--pp", "2", "--cp", "2", "--microbatches", "2", "--splits", "2",
-           "--seq-length", "64", "--hidden-size", "16", "--num-layers", "4",
-           "--num-attention-heads", "2", "--vocab-size", "64", "--iters", "1", "--warmup", "1",
-           "--no-timelines", "--count-saved", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_benchmark(4, "--pp", "2", "--cp", "2", "--microbatches", "2", "--splits", "2",
+                         "--seq-length", "64", "--hidden-size", "16", "--num-layers", "4",
+                         "--num-attention-heads", "2", "--vocab-size", "64", "--iters", "1",
+                         "--warmup", "1", "--no-timelines", "--count-saved", "--out", str(out))
     assert "--cp 2: Seq1F1B rows only, reference seq1f1b-k1" in done.stdout
 
     result = json.loads((out / "results.json").read_text())
