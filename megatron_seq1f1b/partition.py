@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 METHODS = ("uniform", "balanced", "measured", "documents")
 
@@ -449,7 +449,9 @@ def document_segment_cost(documents, cost: CostModel) -> Callable[[int, int], fl
     return dense
 
 
-def _spread(cuts: list[int], segment_cost: Callable[[int, int], float], seq_length: int) -> float:
+def cut_spread(cuts: Sequence[int], segment_cost: Callable[[int, int], float],
+               seq_length: int) -> float:
+    """max / min of ``segment_cost`` over the segments that ``cuts`` make of ``seq_length``."""
     bounds = [0] + list(cuts) + [seq_length]
     values = [segment_cost(a, b) for a, b in zip(bounds, bounds[1:])]
     return max(values) / max(min(values), 1e-30)
@@ -486,7 +488,7 @@ def _balance_neighbours(cuts: list[int], segment_cost: Callable[[int, int], floa
                 moved[j], changed = best, True
         if not changed:
             break
-    if _spread(moved, segment_cost, seq_length) < _spread(cuts, segment_cost, seq_length):
+    if cut_spread(moved, segment_cost, seq_length) < cut_spread(cuts, segment_cost, seq_length):
         return moved
     return list(cuts)
 
@@ -561,7 +563,7 @@ def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of:
         return cuts
 
     def spread(cuts: list[int]) -> float:
-        return _spread(cuts, segment_cost, seq_length)
+        return cut_spread(cuts, segment_cost, seq_length)
 
     tol, allowed = tolerance, max(max_spread, spread(positions))
     cuts = cuts_for(tol)

@@ -15,7 +15,9 @@ import statistics
 from typing import Sequence
 
 from megatron_seq1f1b.documents import Documents
-from megatron_seq1f1b.partition import CostModel, document_segment_cost, split_documents
+from megatron_seq1f1b.partition import (
+    CostModel, cut_spread, document_segment_cost, split_documents,
+)
 
 
 def _bounds(lengths: Sequence[int]) -> list[int]:
@@ -27,13 +29,12 @@ def _bounds(lengths: Sequence[int]) -> list[int]:
 
 def cost_spread(lengths: Sequence[int], documents: Documents, cost: CostModel) -> float:
     """max / min predicted cost of the segments ``lengths`` on this micro-batch's documents."""
-    segment = document_segment_cost(documents, cost)
-    bounds = _bounds(lengths)
-    values = [segment(a, b) for a, b in zip(bounds, bounds[1:])]
-    return max(values) / max(min(values), 1e-30)
+    return cut_spread(_bounds(lengths)[1:-1], document_segment_cost(documents, cost),
+                      documents.seq_length)
 
 
-def attention_pairs(lengths: Sequence[int], documents: Documents, dense: bool) -> tuple[float, float]:
+def attention_pairs(lengths: Sequence[int], documents: Documents,
+                    dense: bool) -> tuple[float, float]:
     """(pairs computed with documents, pairs of the same segments on one causal document per
     sample), per sample. ``dense``: the backend computes every score of a segment's keys
     (Megatron's local attention), so only keys before a document crossing in are skipped."""

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from megatron_seq1f1b.planner import Plan
 
 ALL_SCHEDULES = ("1f1b", "seq1f1b-k1", "seq1f1b-uniform", "seq1f1b-balanced",
-                 "seq1f1b-documents", "seq1f1b-zb-h1", "seq1f1b-zb-h2", "1f1b-interleaved", "seq1f1b-interleaved",
-                 "seq1f1b-interleaved-zb-h1", "1f1b-interleaved-recompute")
+                 "seq1f1b-documents", "seq1f1b-zb-h1", "seq1f1b-zb-h2", "1f1b-interleaved",
+                 "seq1f1b-interleaved", "seq1f1b-interleaved-zb-h1", "1f1b-interleaved-recompute")
 INTERLEAVED = ("1f1b-interleaved", "seq1f1b-interleaved", "seq1f1b-interleaved-zb-h1",
                "1f1b-interleaved-recompute")
 # Zero-bubble rows (balanced partition) and the memory-matched baseline run when named.
@@ -121,9 +121,9 @@ def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout], vocab_s
     ``documents``: every Seq1F1B row's documents source, as the trainer passes it (None:
     unpacked data; the documents row then sees one document per sample).
     """
-    from megatron_seq1f1b.bench.packing import whole_documents
-
     from megatron.core.pipeline_parallel import schedules as msched
+
+    from megatron_seq1f1b.bench.packing import whole_documents
 
     if args.splits == AUTO and plan is None:
         raise ValueError("--splits auto: make_schedules needs the planner's plan")
