@@ -288,16 +288,21 @@ def te_attention_forward(core_attention, original):
                             attention_bias=None, packed_seq_params=None, **kwargs)
         if current.run.documents_of(info.microbatch) is None and attention_mask is None:
             # Context parallelism without documents: this rank's chunks are causal spans over
-            # views of the keys (no packed copy of them): one bottom-right call per chunk.
-            outputs, row = [], 0
+            # views of the keys (no packed copy of them): in one call where the attention
+            # takes spans, else one bottom-right call per chunk.
+            spans, row = [], 0
             for piece in mine.pieces[0]:
-                low, high = piece.k0 - view.key_start, piece.q1 - view.key_start
-                outputs.append(original(
-                    query[row:row + piece.queries], keys[low:high], values[low:high], None,
-                    attn_mask_type=AttnMaskType.causal_bottom_right, attention_bias=None,
-                    packed_seq_params=None, **kwargs))
+                spans.append((row, piece.queries, piece.k0 - view.key_start,
+                              piece.q1 - view.key_start))
                 row += piece.queries
-            return torch.cat(outputs)
+            attend_spans = getattr(core_attention, "attend_spans", None)
+            out = None if attend_spans is None else attend_spans(query, keys, values, spans)
+            if out is not None:
+                return out
+            return torch.cat([original(
+                query[row:row + rows], keys[low:high], values[low:high], None,
+                attn_mask_type=AttnMaskType.causal_bottom_right, attention_bias=None,
+                packed_seq_params=None, **kwargs) for row, rows, low, high in spans])
         packed = current.run.packed(info, mine, query.device, view.key_start)
         q, k, v = packed.pack(query, keys, values)
         params = PackedSeqParams(

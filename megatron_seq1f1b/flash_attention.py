@@ -67,7 +67,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_seq1f1b import varlen
 from megatron_seq1f1b.context_parallel import refuse_outside_segments
-from megatron_seq1f1b.prefix_attention import bottom_right_causal
+from megatron_seq1f1b.prefix_attention import bottom_right_causal, causal_spans, cpu_kernels_fit
 from megatron_seq1f1b.varlen import window_mask
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
@@ -185,6 +185,22 @@ class FlashDotProductAttention(MegatronModule):
                     query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                     scale=self.softmax_scale, **extra)
         # [b, h, sq, dv] -> [sq, b, h * dv]
+        return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * context.shape[-1])
+
+    def attend_spans(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     spans) -> Optional[torch.Tensor]:
+        """A context-parallel rank's chunks of a segment in one call: query rows
+        ``[row, row + rows)`` over keys ``[low, high)``, causal bottom-right, for each span
+        ``(row, rows, low, high)`` (:func:`~megatron_seq1f1b.prefix_attention.causal_spans`:
+        one output and one key gradient, nothing padded per chunk); out ``[sq, b, h * dv]``.
+        ``None`` where those CPU kernels do not serve this layer (a window, dropout, grouped
+        or MLA-shaped keys, CUDA): the caller then attends chunk by chunk."""
+        sq, batch, heads, _ = query.shape
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout = self.dropout_p if self.training else 0.0
+        if self.window_size[0] >= 0 or not cpu_kernels_fit(query, key, value, dropout):
+            return None
+        context = causal_spans(query, key, value, spans, scale=self.softmax_scale)
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * context.shape[-1])
 
     def _thd(self, query, key, value, attention_mask, attn_mask_type, attention_bias,

@@ -11,7 +11,8 @@ from gpt import DataSpec, ModelSpec, run_layout
 ROPE = ModelSpec()
 LEARNED = ModelSpec(position_embedding_type="learned_absolute")
 GQA = ModelSpec(num_attention_heads=4, num_query_groups=2)
-FLASH_GQA = dataclasses.replace(GQA, attention="flash")
+FLASH = dataclasses.replace(ROPE, attention="flash")  # CPU: the chunks in one call (spans)
+FLASH_GQA = dataclasses.replace(GQA, attention="flash")  # CPU: one call per chunk
 EOD = ROPE.vocab_size - 1
 DOCUMENTS = (((0, 5, 20),), ((0, 3, 11, 12, 27),))
 
@@ -35,7 +36,7 @@ LAYOUTS = {
     "cp2_k2_window_local": dict(model=dataclasses.replace(GQA, extra=(("window_size", (6, 0)),)),
                                 seq1f1b=dict(num_splits=2, partition="uniform")),
     # pipeline 2 x CP 2, tensor 2 x CP 2 (4 ranks)
-    "pp2_cp2_k3_flash": dict(model=FLASH_GQA, pp=2,
+    "pp2_cp2_k3_flash": dict(model=FLASH, pp=2,
                              seq1f1b=dict(num_splits=3, partition="balanced")),
     "pp2_cp2_k2_zero_bubble_local": dict(model=ROPE, pp=2,
                                          seq1f1b=dict(num_splits=2, schedule="zb-h1")),

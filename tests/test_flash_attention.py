@@ -239,3 +239,34 @@ def test_bottom_right_causal_on_cpu_is_exact_and_keeps_no_mask(dtype):
         assert ((e - g).abs().max() / e.abs().max()).item() < tolerance, name
     assert any(shape[-2:] == (sq, sk) for shape in theirs)  # the test would see a mask
     assert not any(shape[-2:] == (sq, sk) for shape in ours), ours
+
+
+def test_causal_spans_equal_masked_attention_with_one_key_gradient():
+    """A context-parallel rank's two chunks of a segment (rows over keys up to their own end,
+    after a prefix) in one call: output and every gradient equal SDPA with the explicit mask,
+    and no saved or gradient tensor is padded to the keys per chunk."""
+    from megatron_seq1f1b.prefix_attention import causal_spans
+
+    b, h, d, prefix, chunk = 1, 2, 8, 16, 6  # segment of 4 chunks; this rank: chunks 0 and 3
+    sk = prefix + 4 * chunk
+    spans = [(0, chunk, 0, prefix + chunk), (chunk, chunk, 0, sk)]
+    rows = list(range(prefix, prefix + chunk)) + list(range(sk - chunk, sk))
+    mask = torch.tensor([[key <= pos for key in range(sk)] for pos in rows])
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(b, h, n, d, dtype=torch.float64, generator=generator)
+              for n in (2 * chunk, sk, sk)]
+    weights = torch.randn(b, h, 2 * chunk, d, dtype=torch.float64, generator=generator)
+
+    def run(attention):
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        out = attention(q, k, v)
+        (out * weights).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    expected = run(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.3))
+    got = run(lambda q, k, v: causal_spans(q, k, v, spans, scale=0.3))
+    for name, e, g in zip(("out", "dq", "dk", "dv"), expected, got):
+        assert ((e - g).abs().max() / e.abs().max()).item() < 1e-12, name
+    with pytest.raises(ValueError, match="span"):
+        causal_spans(*inputs, [(0, chunk, 0, chunk - 1)], scale=0.3)
