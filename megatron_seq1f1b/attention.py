@@ -42,7 +42,7 @@ import torch
 from megatron_seq1f1b import segments
 from megatron_seq1f1b.context_parallel import GatherKV
 from megatron_seq1f1b.documents import ALONE, HEAD
-from megatron_seq1f1b.kv_cache import KVAppend
+from megatron_seq1f1b.kv_cache import GradientSink, KVAppend
 from megatron_seq1f1b.varlen import PADDING_CAUSAL_BOTTOM_RIGHT
 
 _ORIGINAL = "_seq1f1b_original_forward"
@@ -132,6 +132,7 @@ def segment_kv(layer, key, value, current, window: int | None = None):
             raise RuntimeError(f"Seq1F1B: {_where(info)} recomputed without a cached forward")
         write = False
     keys, values = KVAppend.apply(key, value, run.kv, entry, info, write, view.key_start)
+    keys.seq1f1b_grad_sink = GradientSink(entry, info, view.key_start)
     return keys, values, view, mine
 
 

@@ -45,17 +45,12 @@ def _natural_order(cp_size: int) -> tuple[int, ...]:
     return tuple(place[chunk] for chunk in range(2 * cp_size))
 
 
-def _index(cp_size: int, inverse: bool, device) -> torch.Tensor:
-    order = _natural_order(cp_size)
-    if inverse:
-        order = tuple(order.index(i) for i in range(2 * cp_size))
-    return torch.tensor(order, dtype=torch.long, device=device)
-
-
-def _reorder(tensor: torch.Tensor, cp_size: int, inverse: bool) -> torch.Tensor:
-    """Chunks of ``tensor`` (dim 0 in ``2 * cp`` chunks) rank-major <-> sequence order."""
-    chunks = tensor.view(2 * cp_size, tensor.shape[0] // (2 * cp_size), *tensor.shape[1:])
-    return chunks.index_select(0, _index(cp_size, inverse, tensor.device)).view(tensor.shape)
+def _chunk_rows(cp_size: int, rows: int):
+    """For each chunk in sequence order: (its rows in sequence order, its rows in the
+    rank-major gathered tensor), ``rows`` in all (``2 * cp`` chunks)."""
+    size = rows // (2 * cp_size)
+    return [(slice(chunk * size, (chunk + 1) * size), slice(place * size, (place + 1) * size))
+            for chunk, place in enumerate(_natural_order(cp_size))]
 
 
 class StandInGroup:
@@ -122,8 +117,15 @@ class GatherKV(torch.autograd.Function):
                        lambda: dist.all_gather_into_tensor(gathered, local, group=group))
         if meter is not None:
             meter.add(local.numel() * local.element_size() * (cp - 1))
-        ordered = _reorder(gathered, cp, inverse=False)
-        return ordered[..., :ctx.split].contiguous(), ordered[..., ctx.split:].contiguous()
+        del local
+        # Chunk by chunk into sequence order, keys and values apart: no reordered copy of
+        # the gathered tensor besides the two results (one segment's temporaries).
+        keys = key.new_empty((gathered.shape[0],) + tuple(key.shape[1:]))
+        values = value.new_empty((gathered.shape[0],) + tuple(value.shape[1:]))
+        for ordered, ranked in _chunk_rows(cp, gathered.shape[0]):
+            keys[ordered].copy_(gathered[ranked, ..., :ctx.split])
+            values[ordered].copy_(gathered[ranked, ..., ctx.split:])
+        return keys, values
 
     @staticmethod
     def backward(ctx, grad_key, grad_value):
@@ -131,8 +133,12 @@ class GatherKV(torch.autograd.Function):
 
         group = ctx.group
         cp = group.size()
-        grads = torch.cat([grad_key, grad_value], dim=-1)
-        ranked = _reorder(grads, cp, inverse=True).contiguous()
+        split = ctx.split
+        ranked = grad_key.new_empty(tuple(grad_key.shape[:-1])
+                                    + (split + grad_value.shape[-1],))
+        for ordered, place in _chunk_rows(cp, ranked.shape[0]):
+            ranked[place, ..., :split].copy_(grad_key[ordered])
+            ranked[place, ..., split:].copy_(grad_value[ordered])
         local = ranked.new_empty((ranked.shape[0] // cp,) + tuple(ranked.shape[1:]))
         if is_stand_in(group):  # a rehearsal: this rank's part, unreduced
             local.copy_(ranked[: local.shape[0]])

@@ -166,6 +166,7 @@ class FlashDotProductAttention(MegatronModule):
         sk, groups = key.shape[0], key.shape[2]
         mask, is_causal = self._mask(attention_mask, attn_mask_type, attention_bias,
                                      packed_seq_params, kwargs, sq, sk, query.device)
+        sink = getattr(key, "seq1f1b_grad_sink", None)  # a Seq1F1B segment's carry-over
         # [s, b, h, d] -> [b, h, s, d] (views; SDPA takes strided inputs)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         extra = {}
@@ -179,7 +180,7 @@ class FlashDotProductAttention(MegatronModule):
         with self._dropout_rng(dropout):
             if mask is BOTTOM_RIGHT:
                 context = bottom_right_causal(query, key, value, scale=self.softmax_scale,
-                                              dropout=dropout, **extra)
+                                              dropout=dropout, sink=sink, **extra)
             else:
                 context = torch.nn.functional.scaled_dot_product_attention(
                     query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
@@ -196,11 +197,12 @@ class FlashDotProductAttention(MegatronModule):
         ``None`` where those CPU kernels do not serve this layer (a window, dropout, grouped
         or MLA-shaped keys, CUDA): the caller then attends chunk by chunk."""
         sq, batch, heads, _ = query.shape
+        sink = getattr(key, "seq1f1b_grad_sink", None)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout = self.dropout_p if self.training else 0.0
         if self.window_size[0] >= 0 or not cpu_kernels_fit(query, key, value, dropout):
             return None
-        context = causal_spans(query, key, value, spans, scale=self.softmax_scale)
+        context = causal_spans(query, key, value, spans, scale=self.softmax_scale, sink=sink)
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * context.shape[-1])
 
     def _thd(self, query, key, value, attention_mask, attn_mask_type, attention_bias,

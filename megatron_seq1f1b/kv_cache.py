@@ -27,6 +27,12 @@ crosses. Per (micro-batch, model chunk, attention layer, chain) one entry holds:
   segments out of reach hold nothing, and a share lives only between its
   first contributor and its owner.
 
+An attention whose backward adds key gradients itself (the CPU flash kernels of
+:mod:`megatron_seq1f1b.prefix_attention`) can add them straight into ``prefix``
+(:class:`GradientSink`): for every segment but the first contributor the
+buffer already covers the rows it attends to, so the backward allocates no
+gradient as large as its keys, and :class:`KVAppend` finds its rows summed.
+
 A segment that reads nothing earlier and is read by nothing later needs no
 entry at all. The entry is dropped when the head's backward passes through
 the layer (or, forward-only, after the micro-batch's last segment); the
@@ -64,6 +70,7 @@ class KVEntry:
         self.pending: dict[int, list[torch.Tensor]] = {}  # windows: segment -> its share
         self.owed: set[int] = set()  # segments with gradient waiting for them
         self.forwarded: set[int] = set()
+        self.sunk: tuple | None = None  # (segment, rows) whose attention added into prefix
         self.store_key: tuple = ()
 
     @staticmethod
@@ -85,11 +92,7 @@ class KVEntry:
                    grad_values: torch.Tensor) -> None:
         """Add gradient for rows ``[first_row, first_row + len(grad_keys))`` to their segments."""
         last_row = first_row + grad_keys.shape[0]
-        for index, (start, length) in enumerate(zip(self.starts, self.lengths)):
-            if start >= last_row:
-                break
-            if start + length > first_row:
-                self.owed.add(index)
+        self._owe(first_row, last_row)
         if not self.windowed:
             if self.prefix is None:  # the first contributor reaches furthest: rows [base, R)
                 dtype = self._accumulation_dtype(grad_keys)
@@ -112,6 +115,47 @@ class KVEntry:
                     self.pending[index] = shares
                 shares[0][low - start : high - start] += grad_keys[low - first_row : high - first_row]
                 shares[1][low - start : high - start] += grad_values[low - first_row : high - first_row]
+
+    def _owe(self, first_row: int, last_row: int) -> None:
+        """Segments with rows in ``[first_row, last_row)`` have gradient waiting."""
+        for index, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            if start >= last_row:
+                break
+            if start + length > first_row:
+                self.owed.add(index)
+
+    def sink_rows(self, index: int, first_row: int, end: int, dtype: torch.dtype):
+        """Views of ``prefix`` rows ``[first_row, end)`` for segment ``index``'s attention to
+        add its key and value gradients into, or ``None`` (no buffer yet, a window, or
+        another accumulation dtype): :class:`GradientSink`."""
+        if self.windowed or self.prefix is None or self.prefix[0].dtype != dtype \
+                or end - self.base > self.prefix[0].shape[0] or first_row < self.base:
+            return None
+        self.sunk = (index, first_row, end)
+        low, high = first_row - self.base, end - self.base
+        return self.prefix[0][low:high], self.prefix[1][low:high]
+
+    def take_sunk(self, index: int, start: int, first_row: int, end: int,
+                  grad_keys: torch.Tensor, grad_values: torch.Tensor):
+        """Segment `index`'s gradient when its attention added into ``prefix``
+        (:meth:`sink_rows`): the rows ``[start, end)`` hold its own and what later segments
+        left; earlier rows are owed to earlier segments. ``grad_keys`` must be those
+        rows (nothing added on the way), else the sum would count them twice."""
+        low, high = first_row - self.base, end - self.base
+        for grad, buffer in ((grad_keys, self.prefix[0]), (grad_values, self.prefix[1])):
+            if grad.data_ptr() != buffer[low:high].data_ptr() or grad.shape != buffer[low:high].shape:
+                raise RuntimeError(
+                    f"Seq1F1B: segment {index}'s attention added its key/value gradient into "
+                    "the carry-over, but another gradient reached the keys (they feed more "
+                    "than the attention); this path cannot sum them")
+        self.sunk = None
+        self.owed.discard(index)
+        self._owe(first_row, start)
+        own = start - first_row
+        keys, values = grad_keys[own:], grad_values[own:]
+        if index == self.head:
+            self.prefix = None
+        return keys, values
 
     def take(self, index: int, start: int, end: int, grad_keys: torch.Tensor,
              grad_values: torch.Tensor):
@@ -199,6 +243,12 @@ class KVAppend(torch.autograd.Function):
                 "after its iteration ended (its key/value cache is gone)"
             )
         own = info.start - first_row
+        if entry.sunk == (info.index, first_row, info.end):
+            own_k, own_v = entry.take_sunk(info.index, info.start, first_row, info.end,
+                                           grad_keys, grad_values)
+            if info.index == entry.head:
+                store.release_entry(entry)
+            return own_k, own_v, None, None, None, None, None
         if grad_keys is None:
             grad_keys = torch.zeros((info.end - first_row,) + tuple(entry.keys.shape[1:]),
                                     dtype=entry.keys.dtype, device=entry.keys.device)
@@ -212,3 +262,21 @@ class KVAppend(torch.autograd.Function):
         if info.index == entry.head:
             store.release_entry(entry)
         return own_k, own_v, None, None, None, None, None
+
+
+class GradientSink:
+    """Where a segment's attention may add its key and value gradients: the carry-over's
+    rows ``[first_row, end)`` (:meth:`KVEntry.sink_rows`), if they exist yet. Handed to the
+    attention on the keys :class:`KVAppend` returns (``keys.seq1f1b_grad_sink``); the
+    attention calls :meth:`claim` in its backward and, given views, adds into them and
+    returns them as the keys' gradient."""
+
+    def __init__(self, entry: KVEntry, info, first_row: int):
+        self._entry, self._info, self._first_row = weakref.ref(entry), info, first_row
+
+    def claim(self, dtype: torch.dtype):
+        """(key rows, value rows) to add into, or ``None`` (allocate as usual)."""
+        entry = self._entry()
+        if entry is None:
+            return None
+        return entry.sink_rows(self._info.index, self._first_row, self._info.end, dtype)

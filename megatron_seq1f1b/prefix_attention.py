@@ -47,17 +47,17 @@ def cpu_kernels_fit(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def bottom_right_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                        scale: float, dropout: float = 0.0, **extra) -> torch.Tensor:
+                        scale: float, dropout: float = 0.0, sink=None, **extra) -> torch.Tensor:
     """``softmax(Q K^T * scale, causal bottom-right) V`` for ``[b, h, sq, d]`` queries over
     ``[b, g, sk, d]`` keys and values (``sk >= sq``; ``extra``: SDPA's ``enable_gqa`` where
-    ``g < h``); out ``[b, h, sq, dv]``. Where the CPU kernels do not fit (grouped or
-    MLA-shaped keys, dropout, CUDA) SDPA gets the mask."""
+    ``g < h``; ``sink``: see :func:`causal_spans`); out ``[b, h, sq, dv]``. Where the CPU
+    kernels do not fit (grouped or MLA-shaped keys, dropout, CUDA) SDPA gets the mask."""
     sq, sk = query.shape[-2], key.shape[-2]
     if sq == sk:
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, is_causal=True, scale=scale, **extra)
     if cpu_kernels_fit(query, key, value, dropout):
-        return causal_spans(query, key, value, [(0, sq, 0, sk)], scale=scale)
+        return causal_spans(query, key, value, [(0, sq, 0, sk)], scale=scale, sink=sink)
     from torch.nn.attention.bias import causal_lower_right
 
     return torch.nn.functional.scaled_dot_product_attention(
@@ -66,15 +66,20 @@ def bottom_right_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 def causal_spans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 spans: Sequence[Span], *, scale: float) -> torch.Tensor:
+                 spans: Sequence[Span], *, scale: float, sink=None) -> torch.Tensor:
     """Each span's query rows over its keys, causal bottom-right, on CPU flash kernels
     (:func:`cpu_kernels_fit`); spans cover the query rows once. Out ``[b, h, sq, d]`` in
-    the kernel's own ``[b, sq, h, d]`` layout, so ``[sq, b, h * d]`` is a view of it."""
+    the kernel's own ``[b, sq, h, d]`` layout, so ``[sq, b, h * d]`` is a view of it.
+
+    ``sink``: a Seq1F1B segment's :class:`~megatron_seq1f1b.kv_cache.GradientSink` (keys
+    ``[b, h, sk, d]`` viewed from ``[sk, b, h, d]`` rows of the carry-over); the backward
+    then adds the key and value gradients into the carry-over's gradient buffer, where it
+    has one, instead of a new tensor as large as the keys."""
     for row, rows, low, high in spans:
         if rows <= 0 or high - low < rows or low < 0 or high > key.shape[-2]:
             raise ValueError(f"causal_spans: span {(row, rows, low, high)} of {rows} queries "
                              f"over keys [{low}, {high}) of {key.shape[-2]}")
-    return _CausalSpans.apply(query, key, value, tuple(spans), scale)
+    return _CausalSpans.apply(query, key, value, tuple(spans), scale, sink)
 
 
 def _parts(span: Span, block: int | None = None):
@@ -91,7 +96,7 @@ class _CausalSpans(torch.autograd.Function):
     """Per span: prefix keys (no mask) + own keys (causal), merged by log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, query, key, value, spans, scale):
+    def forward(ctx, query, key, value, spans, scale, sink):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         b, h, sq, _ = query.shape
         out = query.new_empty((b, sq, h, value.shape[-1])).transpose(1, 2)  # kernel layout
@@ -112,7 +117,7 @@ class _CausalSpans(torch.autograd.Function):
                                     + out_b * torch.exp(lse_b - merged).unsqueeze(-1))
             lse[..., rows].copy_(merged)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.spans, ctx.scale = spans, scale
+        ctx.spans, ctx.scale, ctx.sink = spans, scale, sink
         return out
 
     @staticmethod
@@ -121,7 +126,7 @@ class _CausalSpans(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
         grad_query = torch.zeros_like(query)
-        grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
+        grad_key, grad_value = _gradient_buffers(ctx.sink, key, value)
         for span in ctx.spans:
             rows = slice(span[0], span[0] + span[1])
             # The prefix in blocks of the span's own length: each kernel's key and value
@@ -133,4 +138,16 @@ class _CausalSpans(torch.autograd.Function):
                 grad_query[..., rows, :] += gq
                 grad_key[..., a:z, :] += gk
                 grad_value[..., a:z, :] += gv
-        return grad_query, grad_key, grad_value, None, None
+        return grad_query, grad_key, grad_value, None, None, None
+
+
+def _gradient_buffers(sink, key: torch.Tensor, value: torch.Tensor):
+    """Zeroed key and value gradients, or the carry-over's rows to add into (``sink``)."""
+    claimed = None if sink is None else sink.claim(key.dtype)
+    if claimed is None:
+        return torch.zeros_like(key), torch.zeros_like(value)
+    grads = tuple(rows.permute(1, 2, 0, 3) for rows in claimed)  # [sk, b, h, d] -> [b, h, sk, d]
+    if grads[0].shape != key.shape or grads[1].shape != value.shape:
+        raise RuntimeError(f"causal_spans: the carry-over's gradient rows {tuple(grads[0].shape)}"
+                           f" do not match the keys {tuple(key.shape)}")
+    return grads

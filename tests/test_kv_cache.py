@@ -161,3 +161,59 @@ def test_a_chain_buffer_holds_only_its_own_segments_rows():
             segment_kv("layer", keys[info.start:info.end], keys[info.start:info.end],
                        segments.active(), None)
     assert run.kv.live_entries() == 0  # every segment starts a document: nothing carried
+
+
+def _attend(view_k, view_v, query, extra=None):
+    """Bottom-right causal attention over the segment's keys, the sink on, as the flash core
+    attention calls it; ``extra``: a second use of the keys."""
+    from megatron_seq1f1b.prefix_attention import bottom_right_causal
+
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, view_k, view_v))
+    out = bottom_right_causal(q, k, v, scale=0.5, sink=view_k.seq1f1b_grad_sink).sum()
+    return out if extra is None else out + extra(view_k)
+
+
+def _sinking_run(lengths, extra=None):
+    torch.manual_seed(0)
+    seq = sum(lengths)
+    keys, values, queries = (torch.randn(seq, 1, 2, 4, dtype=torch.float64, requires_grad=True)
+                             for _ in range(3))
+    run = SegmentRun(lengths)
+    outputs = []
+    for index in range(len(lengths)):
+        with run.forward(0, index) as info:
+            k, v = keys[info.start:info.end], values[info.start:info.end]
+            view_k, view_v, _, _ = segment_kv("layer", k, v, segments.active())
+            outputs.append(_attend(view_k, view_v, queries[info.start:info.end], extra))
+    for index, out in reversed(list(enumerate(outputs))):
+        with run.backward(0, index):
+            out.backward()
+    run.close()
+    return [t.grad for t in (keys, values, queries)]
+
+
+def test_attention_adds_key_gradients_into_the_carry_over_exactly(monkeypatch):
+    """The CPU flash attention adds its key/value gradients into the carry-over's buffer
+    (no gradient as large as its keys): equal to the whole sequence's causal attention."""
+    from megatron_seq1f1b.kv_cache import KVEntry
+
+    sunk, take_sunk = [], KVEntry.take_sunk
+    monkeypatch.setattr(KVEntry, "take_sunk",
+                        lambda self, index, *a: sunk.append(index) or take_sunk(self, index, *a))
+    lengths = (5, 7, 6, 4)
+    got = _sinking_run(lengths)
+    assert sunk == [2, 1]  # the last segment creates the buffer; the first has no prefix
+    torch.manual_seed(0)
+    keys, values, queries = (torch.randn(22, 1, 2, 4, dtype=torch.float64, requires_grad=True)
+                             for _ in range(3))
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (queries, keys, values))
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5).sum() \
+        .backward()
+    for name, g, e in zip(("keys", "values", "queries"), got, (keys.grad, values.grad,
+                                                                queries.grad)):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_keys_used_beyond_the_sinking_attention_are_refused():
+    with pytest.raises(RuntimeError, match="another gradient reached the keys"):
+        _sinking_run((5, 7, 6, 4), extra=lambda view_k: view_k.sum())
