@@ -45,12 +45,16 @@ def _natural_order(cp_size: int) -> tuple[int, ...]:
     return tuple(place[chunk] for chunk in range(2 * cp_size))
 
 
-def _chunk_rows(cp_size: int, rows: int):
-    """For each chunk in sequence order: (its rows in sequence order, its rows in the
-    rank-major gathered tensor), ``rows`` in all (``2 * cp`` chunks)."""
-    size = rows // (2 * cp_size)
-    return [(slice(chunk * size, (chunk + 1) * size), slice(place * size, (place + 1) * size))
-            for chunk, place in enumerate(_natural_order(cp_size))]
+@functools.lru_cache(maxsize=64)
+def _places(cp_size: int, device: torch.device) -> torch.Tensor:
+    """:func:`_natural_order` as an index on ``device`` (made once per CP size and device)."""
+    return torch.tensor(_natural_order(cp_size), dtype=torch.long, device=device)
+
+
+def _in_chunks(tensor: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """``tensor`` (rows first) as ``[2 * cp, rows / (2 * cp), ...]`` (a view of the
+    contiguous tensors made here; a copy only of a gradient whose rows cannot be viewed)."""
+    return tensor.reshape((2 * cp_size, tensor.shape[0] // (2 * cp_size)) + tuple(tensor.shape[1:]))
 
 
 class StandInGroup:
@@ -95,6 +99,22 @@ def collective(what: str, group, call) -> None:
             f"timed out (a peer failed or is gone): {type(exc).__name__}: {exc}") from exc
 
 
+def _all_gather_rows(local: torch.Tensor, group, meter) -> torch.Tensor:
+    """Every CP rank's ``local`` rows, rank-major (over a stand-in group: this rank's, repeated)."""
+    import torch.distributed as dist
+
+    local = local.contiguous()
+    gathered = local.new_empty((group.size() * local.shape[0],) + tuple(local.shape[1:]))
+    if is_stand_in(group):  # a rehearsal: every rank's part made up as this rank's
+        gathered.copy_(local.repeat(group.size(), *([1] * (local.dim() - 1))))
+    else:
+        collective("all-gather of a segment's keys and values", group,
+                   lambda: dist.all_gather_into_tensor(gathered, local, group=group))
+    if meter is not None:
+        meter.add(local.numel() * local.element_size() * (group.size() - 1))
+    return gathered
+
+
 class GatherKV(torch.autograd.Function):
     """This rank's keys and values (its two chunks) -> the segment's, in sequence order.
 
@@ -104,27 +124,16 @@ class GatherKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, key: torch.Tensor, value: torch.Tensor, group, meter=None):
-        import torch.distributed as dist
-
         cp = group.size()
         ctx.group, ctx.split, ctx.meter = group, key.shape[-1], meter
-        local = torch.cat([key, value], dim=-1).contiguous()
-        gathered = local.new_empty((cp * local.shape[0],) + tuple(local.shape[1:]))
-        if is_stand_in(group):  # a rehearsal: every rank's part made up as this rank's
-            gathered.copy_(local.repeat(cp, *([1] * (local.dim() - 1))))
-        else:
-            collective("all-gather of a segment's keys and values", group,
-                       lambda: dist.all_gather_into_tensor(gathered, local, group=group))
-        if meter is not None:
-            meter.add(local.numel() * local.element_size() * (cp - 1))
-        del local
-        # Chunk by chunk into sequence order, keys and values apart: no reordered copy of
-        # the gathered tensor besides the two results (one segment's temporaries).
+        gathered = _all_gather_rows(torch.cat([key, value], dim=-1), group, meter)
+        # Into sequence order, keys and values apart, each in one kernel: no reordered copy
+        # of the gathered tensor besides the two results.
         keys = key.new_empty((gathered.shape[0],) + tuple(key.shape[1:]))
         values = value.new_empty((gathered.shape[0],) + tuple(value.shape[1:]))
-        for ordered, ranked in _chunk_rows(cp, gathered.shape[0]):
-            keys[ordered].copy_(gathered[ranked, ..., :ctx.split])
-            values[ordered].copy_(gathered[ranked, ..., ctx.split:])
+        places, chunks = _places(cp, gathered.device), _in_chunks(gathered, cp)
+        torch.index_select(chunks[..., :ctx.split], 0, places, out=_in_chunks(keys, cp))
+        torch.index_select(chunks[..., ctx.split:], 0, places, out=_in_chunks(values, cp))
         return keys, values
 
     @staticmethod
@@ -136,9 +145,9 @@ class GatherKV(torch.autograd.Function):
         split = ctx.split
         ranked = grad_key.new_empty(tuple(grad_key.shape[:-1])
                                     + (split + grad_value.shape[-1],))
-        for ordered, place in _chunk_rows(cp, ranked.shape[0]):
-            ranked[place, ..., :split].copy_(grad_key[ordered])
-            ranked[place, ..., split:].copy_(grad_value[ordered])
+        places, chunks = _places(cp, ranked.device), _in_chunks(ranked, cp)
+        chunks[..., :split].index_copy_(0, places, _in_chunks(grad_key, cp))
+        chunks[..., split:].index_copy_(0, places, _in_chunks(grad_value, cp))
         local = ranked.new_empty((ranked.shape[0] // cp,) + tuple(ranked.shape[1:]))
         if is_stand_in(group):  # a rehearsal: this rank's part, unreduced
             local.copy_(ranked[: local.shape[0]])
