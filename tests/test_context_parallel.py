@@ -38,6 +38,9 @@ LAYOUTS = {
     # pipeline 2 x CP 2, tensor 2 x CP 2 (4 ranks)
     "pp2_cp2_k3_flash": dict(model=FLASH, pp=2,
                              seq1f1b=dict(num_splits=3, partition="balanced")),
+    "pp2_cp2_k1_learned_local": dict(model=LEARNED, pp=2, seq1f1b=dict(num_splits=1)),
+    "pp2_cp2_k2_flash_gqa_uniform": dict(model=FLASH_GQA, pp=2,
+                                         seq1f1b=dict(num_splits=2, partition="uniform")),
     "pp2_cp2_k2_zero_bubble_local": dict(model=ROPE, pp=2,
                                          seq1f1b=dict(num_splits=2, schedule="zb-h1")),
     "pp2_vpp2_cp2_k2_local": dict(model=ROPE, pp=2, vpp=2,
