@@ -566,7 +566,6 @@ sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
             "--transformer-impl", "local", "--context-parallel-size", "2",
             "--seq1f1b", "--seq1f1b-splits", "2"]
 """ + _guarded_imports("""import pretrain_gpt  # noqa: F401 (the patched script's imports)
-from gpt_builders import gpt_builder
 from megatron.training import global_vars
 from megatron.training.arguments import parse_args""") + r"""
 import torch
@@ -589,15 +588,31 @@ parallel_state.initialize_model_parallel()
 # The model's config says CP 2 (this one process stands for a CP rank; building needs no peer).
 config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                            context_parallel_size=2, use_cpu_initialization=True)
+if BUILDER == "gpt_builders.py":  # core_v0.16-0.18: pretrain_gpt.py's gpt_builder
+    from gpt_builders import gpt_builder
+
+    def build():
+        return gpt_builder(args, True, True, None, config=config)
+else:  # core_v0.19: pretrain_gpt.py's GPTModelConfig, built by its GPTModelBuilder
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    config.transformer_impl = "local"  # what core_transformer_config_from_args takes from args
+
+    def build():
+        model_config = gpt_config_from_args(args, config=config)
+        return GPTModelBuilder(model_config).build_model(
+            ProcessGroupCollection.use_mpu_process_groups(), True, True)
 built = {}
 for backend in ("auto", "flash"):
     args.attention_backend = backend
-    model = gpt_builder(args, True, True, None, config=config)
+    model = build()
     built[backend] = sorted({type(layer.self_attention.core_attention).__name__
                              for layer in model.decoder.layers})
 args.seq1f1b = False
 try:
-    gpt_builder(args, True, True, None, config=config)
+    build()
     built["without --seq1f1b"] = "built"
 except AssertionError as exc:  # Megatron's own: local attention asserts CP 1
     built["without --seq1f1b"] = "refused: " + str(exc).splitlines()[0][:60]
@@ -606,16 +621,14 @@ print(json.dumps(built))
 
 
 def test_patched_builder_with_context_parallel(lm_checkout, tmp_path):
-    """The patched gpt_builder (core_v0.16-0.18) builds, with --seq1f1b
-    --context-parallel-size 2 --transformer-impl local, Megatron's local core attention as
-    Seq1F1B's CP subclass, or the flash attention with --attention-backend flash; without
-    --seq1f1b Megatron refuses as before. Same needs as test_patched_forward_step; core_v0.19
-    builds through GPTModelBuilder (its hunk: test_real_checkout_calls_exist, and layer_spec's
-    own tests)."""
-    if BUILDER[lm_checkout.tag] != "gpt_builders.py":
-        pytest.skip(f"{lm_checkout.tag} builds pretrain_gpt.py's model with "
-                    f"{BUILDER[lm_checkout.tag]}'s GPTModelBuilder, not gpt_builder")
-    result = run_probe(lm_checkout, tmp_path, BUILDER_PROBE)
+    """The patched builder of pretrain_gpt.py's model (gpt_builder in core_v0.16-0.18,
+    GPTModelBuilder from the GPTModelConfig of the arguments in core_v0.19) builds, with
+    --seq1f1b --context-parallel-size 2 --transformer-impl local, Megatron's local core
+    attention as Seq1F1B's CP subclass, or the flash attention with --attention-backend
+    flash; without --seq1f1b Megatron refuses as before. Same needs as
+    test_patched_forward_step."""
+    probe = f"BUILDER = {BUILDER[lm_checkout.tag]!r}\n" + BUILDER_PROBE
+    result = run_probe(lm_checkout, tmp_path, probe)
     assert result["auto"] == ["ContextParallelDotProductAttention"], result
     assert result["flash"] == ["FlashDotProductAttention"], result
     assert result["without --seq1f1b"].startswith("refused: Context parallelism"), result
