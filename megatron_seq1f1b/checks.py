@@ -195,6 +195,19 @@ def moe_problems(config) -> list[str]:
             "counts are needed; recompute other modules, or set moe_aux_loss_coeff=0 and "
             "moe_z_loss_coeff=None"
         )
+    cp = get("context_parallel_size", 1) or 1
+    if losses and cp > 1 and get("calculate_per_token_loss"):
+        from megatron_seq1f1b import compat
+
+        if not compat.per_token_router_losses_count_context_parallel():
+            problems.append(
+                f"megatron-core {compat.megatron_core_version()} scales per-token router "
+                "losses (calculate_per_token_loss with moe_aux_loss_coeff or "
+                "moe_z_loss_coeff) by one context-parallel rank's tokens, so under "
+                f"context_parallel_size={cp} their gradients would be 1/{cp} of the full "
+                "sequence's (megatron-core 0.19 scales them exactly); use megatron-core "
+                "0.19, or calculate_per_token_loss=False"
+            )
     return problems
 
 

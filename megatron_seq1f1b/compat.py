@@ -15,6 +15,8 @@ what                          0.16.1                     0.17.0 and later
 GPT dataset document          none                       0.19: ``GPTDatasetConfig``
 boundaries (``cu_seqlens``)   (:func:`with_document_     ``.inter_document_masking``
                               boundaries` adds them)
+per-token MoE router losses  scaled by the rank's tokens  0.19: times the TP x CP
+(``calculate_per_token_loss``)                           group's size (exact under CP)
 ============================  =========================  ==========================
 """
 
@@ -41,6 +43,21 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
         return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad,
                                        ModelType.encoder_or_decoder, config)
     return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+@functools.lru_cache(maxsize=None)
+def per_token_router_losses_count_context_parallel() -> bool:
+    """Whether the router scales its per-token losses by the TP x CP group's size.
+
+    With ``calculate_per_token_loss`` the gradients are divided by every rank's loss tokens;
+    a router loss must be multiplied by the tokens it stands for. Before 0.19 the router
+    multiplies by its own rank's tokens only, so under context parallelism its gradients are
+    ``1/cp`` of the full sequence's (0.19 adds the group's size).
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    source = inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
+    return "tp_cp_group.size()" in source
 
 
 def megatron_core_version() -> str:

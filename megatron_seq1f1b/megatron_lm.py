@@ -384,8 +384,7 @@ def context_parallel_problems(args: Any) -> list[str]:
     values (:mod:`megatron_seq1f1b.context_parallel`), with Megatron's local attention or
     the flash one (``--transformer-impl local``). Refused: Transformer Engine's attention
     (its CP path is not wired into segments yet), ``--cp-comm-type`` a2a / a2a+p2p, packed
-    (THD) documents, multi-latent attention, MoE (not tested with CP yet) and
-    ``--seq1f1b-splits auto``. Hybrid CP is refused on its own.
+    (THD) documents, multi-latent attention and ``--seq1f1b-splits auto``. Hybrid CP is refused on its own.
     """
     cp = _flag(args, "context_parallel_size", 1) or 1
     if cp <= 1:
@@ -415,9 +414,6 @@ def context_parallel_problems(args: Any) -> list[str]:
     if _flag(args, "multi_latent_attention", False):
         problems.append(f"{flag} with --multi-latent-attention is not supported with "
                         "--seq1f1b; remove one of them")
-    if _flag(args, "num_experts"):
-        problems.append(f"{flag} with --num-experts: mixture of experts under context "
-                        "parallelism is not tested with Seq1F1B yet; remove one of them")
     return problems
 
 

@@ -274,8 +274,10 @@ def set_aux_loss_scale(config, num_microbatches: int) -> None:
 
     The executor calls the user's forward step itself, so it sets this too:
     the loss scale (``moe_grad_scale_func`` where it exists, else
-    ``grad_scale_func``) over the number of micro-batches, or unscaled with
-    per-token loss.
+    ``grad_scale_func``) times the context-parallel size over the number of
+    micro-batches, or unscaled with per-token loss. (Under CP each rank's loss
+    holds its own tokens' scores and the data-parallel reduction averages over
+    the CP ranks too: the CP factor undoes that average, as for the LM loss.)
     """
     if not getattr(config, "num_moe_experts", None):
         return
@@ -291,5 +293,5 @@ def set_aux_loss_scale(config, num_microbatches: int) -> None:
     else:
         scale = torch.ones(1, device=device)
     if not config.calculate_per_token_loss:
-        scale = scale / num_microbatches
+        scale = scale * (getattr(config, "context_parallel_size", 1) or 1) / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(scale)

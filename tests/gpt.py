@@ -119,8 +119,20 @@ def make_config(spec: ModelSpec, *, tp=1, pp=1, vpp=None, sp=False, **overrides)
 
 
 def moe_losses() -> dict:
-    """Megatron's MoE losses per layer, reduced as its report does."""
-    return compat.moe_losses()
+    """Megatron's MoE losses per layer, reduced as its report does.
+
+    Under context parallelism, a loss that Megatron records without any reduce or average
+    group (the z-loss before megatron-core 0.19) is reported per CP rank, of its own tokens:
+    averaged here over the CP group, which is what the full sequence's value is.
+    """
+    reported = compat.moe_losses()
+    cp_group = parallel_state.get_context_parallel_group()
+    if cp_group.size() > 1:
+        for name, (_, reduce_group, avg_group) in compat.moe_loss_tracker().items():
+            if reduce_group is None and avg_group is None:
+                torch.distributed.all_reduce(reported[name], group=cp_group)
+                reported[name] /= cp_group.size()
+    return reported
 
 
 def clear_moe_losses() -> None:

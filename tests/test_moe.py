@@ -128,3 +128,36 @@ def test_zero_bubble_moe(ranks, schedule):
                         data=DataSpec(num_microbatches=3), pp=2,
                         seq1f1b=dict(num_splits=3, partition="balanced", schedule=schedule))
     _check(results)
+
+
+# Context parallelism: each CP rank's router losses hold its own tokens' scores with the counts
+# of the whole segment (reduced over the TP x CP group), and the executor scales their
+# backward by the CP size as Megatron's forward_step does (the gradient reduction averages
+# over the CP ranks too). Without that factor every case but the loss-free one is off.
+CONTEXT_PARALLEL = {
+    "cp2_aux_loss_mbs2": dict(model=CASES["aux_loss"],
+                              data=DataSpec(num_microbatches=2, micro_batch_size=2),
+                              seq1f1b=dict(num_splits=2, partition="uniform")),
+    "cp2_seq_aux_z_loss_per_token": dict(
+        model=moe(moe_router_load_balancing_type="seq_aux_loss", moe_z_loss_coeff=0.01),
+        data=DataSpec(num_microbatches=2, micro_batch_size=2), per_token=True,
+        seq1f1b=dict(num_splits=2, partition="uniform")),
+    "cp2_ep2_z_loss": dict(model=moe(moe_z_loss_coeff=0.01), ep=2,
+                           data=DataSpec(num_microbatches=2),
+                           seq1f1b=dict(num_splits=3, partition="balanced")),
+    "pp2_cp2_global_aux_loss": dict(
+        model=moe(moe_router_load_balancing_type="global_aux_loss", moe_z_loss_coeff=0.01),
+        pp=2, data=DataSpec(num_microbatches=3), seq1f1b=dict(num_splits=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTEXT_PARALLEL))
+def test_moe_with_context_parallelism(ranks, name):
+    from megatron_seq1f1b import compat
+
+    layout = CONTEXT_PARALLEL[name]
+    if layout.get("per_token") and not compat.per_token_router_losses_count_context_parallel():
+        pytest.skip(f"megatron-core {compat.megatron_core_version()} scales per-token router "
+                    "losses by one CP rank's tokens: refused (tests/test_rejections.py)")
+    results = ranks.run(2 * layout.get("pp", 1), run_layout, case=f"moe-{name}", cp=2, **layout)
+    _check(results)

@@ -1123,6 +1123,7 @@ FLASH = {"transformer_impl": "local", "attention_backend": "flash",
     {"context_parallel_size": 2, "cp_comm_type": "p2p", "sequence_parallel": False,
      "tensor_model_parallel_size": 1, "seq_length": 8, "seq1f1b_splits": 2},
     {"context_parallel_size": 2, **FLASH, "reset_attention_mask": True},
+    {"context_parallel_size": 2, "num_experts": 8, "moe_aux_loss_coeff": 1e-2},
     {"context_parallel_size": 2, "reset_attention_mask": True, "seq1f1b_schedule": "zb-h1",
      "virtual_pipeline_model_parallel_size": 2, "overlap_p2p_comm": True},
 ])
@@ -1162,8 +1163,6 @@ def test_validate_does_nothing_without_the_flag():
      ["--context-parallel-size 2", "--dataloader-inter-document-masking"]),
     ({"context_parallel_size": 2, "multi_latent_attention": True},
      ["--context-parallel-size 2", "--multi-latent-attention"]),
-    ({"context_parallel_size": 2, "num_experts": 8}, ["--context-parallel-size 2",
-                                                      "--num-experts"]),
     ({"context_parallel_size": 2, "seq_length": 4098},  # 2 x CP chunks, CP x TP with SP: 4
      ["--seq-length 4098", "multiple of 4", "--context-parallel-size"]),
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel"]),

@@ -125,7 +125,6 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-context-parallel-comm-type": _lm(context_parallel_size=2, cp_comm_type=["a2a"]),
     "lm-context-parallel-packed": _lm(context_parallel_size=2, sft=True, micro_batch_size=1),
     "lm-context-parallel-mla": _lm(context_parallel_size=2, multi_latent_attention=True),
-    "lm-context-parallel-moe": _lm(context_parallel_size=2, num_experts=8),
     "lm-hybrid-context-parallel": _lm(hybrid_context_parallel=True),
     "lm-rl-sequence-packing": _lm(rl_use_sequence_packing=True),
     "lm-packed-micro-batch-size": _lm(sft=True, micro_batch_size=2),
@@ -238,7 +237,6 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-context-parallel-packed-documents": _trainer(
         *_CP2, "--attention-backend", "flash", "--reset-attention-mask", world_size=2),
     "trainer-context-parallel-mla": _trainer(*_CP2, "--multi-latent-attention", world_size=2),
-    "trainer-context-parallel-moe": _trainer(*_CP2, "--num-experts", "4", world_size=2),
     "trainer-segments-context-parallel": _trainer(*_CP2, "--seq1f1b-splits", "2",
                                                   "--seq-length", "66", world_size=2),
 }
@@ -287,6 +285,16 @@ def _call(num_splits: int = 1, *, config: dict | None = None, schedule: str = "1
             at.run(s1.get_forward_backward_func(num_splits, schedule=schedule,
                                                 split_lengths=split_lengths), **call)
     return trigger
+
+
+def _per_token_moe_before_0_19(at: Layout) -> None:
+    """Per-token router losses under CP, on a megatron-core that scales them by one CP rank's
+    tokens (before 0.19; the detector says so here whatever is installed)."""
+    from megatron_seq1f1b import compat
+
+    with _changed(compat, per_token_router_losses_count_context_parallel=lambda: False):
+        _call(config=dict(num_moe_experts=4, moe_aux_loss_coeff=1e-2,
+                          calculate_per_token_loss=True, context_parallel_size=2))(at)
 
 
 def _enable(**config: Any) -> RankTrigger:
@@ -419,6 +427,7 @@ ON_RANKS: dict[str, dict[str, RankTrigger]] = {
         "executor-overlap-moe-comm": _call(config=dict(overlap_moe_expert_parallel_comm=True)),
         "executor-moe-capacity-factor": _call(config=dict(num_moe_experts=4,
                                                           moe_expert_capacity_factor=1.0)),
+        "executor-moe-per-token-context-parallel": _per_token_moe_before_0_19,
         "executor-mtp": _call(config=dict(mtp_num_layers=1)),
         "executor-activation-offloading": _call(
             config=dict(fine_grained_activation_offloading=True)),

@@ -170,10 +170,12 @@ def _validation_loss(stdout: str) -> float:
 # --context-parallel-size 2 runs only under --seq1f1b; its reference is the same model on the
 # same pipeline layout without CP (CP changes neither the weights nor their initialization:
 # Megatron's seeds depend on the tensor- and expert-parallel ranks, not on the CP rank; the
-# layout fixes them, and checkpoints do not cross layouts). One backend learns positions,
-# the other rotates them (RoPE) with grouped queries.
+# layout fixes them, and checkpoints do not cross layouts). One backend learns positions with
+# mixture-of-experts layers (router losses), the other rotates them (RoPE) with grouped queries.
 CONTEXT_PARALLEL = {
-    "local": [],
+    "local": ["--num-experts", "4", "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "0.01",
+              "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher-type", "alltoall",
+              "--disable-bias-linear"],
     "flash": ["--attention-backend", "flash", "--position-embedding-type", "rope",
               "--num-query-groups", "2"],
 }

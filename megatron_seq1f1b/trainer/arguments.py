@@ -303,9 +303,6 @@ def context_parallel_problems(args: argparse.Namespace) -> list[str]:
     if args.multi_latent_attention:
         problems.append(f"{flag} with --multi-latent-attention is not supported; remove one "
                         "of them")
-    if args.num_experts:
-        problems.append(f"{flag} with --num-experts: mixture of experts under context "
-                        "parallelism is not tested with Seq1F1B yet; remove one of them")
     return problems
 
 
