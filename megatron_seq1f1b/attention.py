@@ -353,11 +353,13 @@ def rotary_forward(rotary, original):
         if run.cp_size == 1:
             return original(max_seq_len, offset + info.start, packed_seq, cp_group)
         # Context parallelism: the segment's table (packed_seq: not Megatron's whole-sequence
-        # CP slicing), then this rank's chunks of the segment.
+        # CP slicing), then this rank's chunks of the segment. YaRN returns (table, mscale).
         table = original(max_seq_len, offset + info.start, True, cp_group)
-        rows = torch.cat([torch.arange(a - info.start, b - info.start, device=table.device)
+        full = table[0] if isinstance(table, tuple) else table
+        rows = torch.cat([torch.arange(a - info.start, b - info.start, device=full.device)
                           for a, b in run.rank_ranges(info)])
-        return table.index_select(0, rows)
+        mine = full.index_select(0, rows)
+        return (mine, *table[1:]) if isinstance(table, tuple) else mine
 
     return forward
 

@@ -161,9 +161,6 @@ def context_parallel_problems(config) -> list[str]:
             f"cp_comm_type {odd}: Seq1F1B's segments exchange keys and values over the "
             "context-parallel group by all-gather; use cp_comm_type='all_gather' (or 'p2p', "
             "which segments run as all-gather too)")
-    if get("multi_latent_attention"):
-        problems.append("multi-latent attention with context parallelism is not supported "
-                        "under Seq1F1B; use context_parallel_size=1")
     return problems
 
 

@@ -74,6 +74,7 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.rerun_state_machine",
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.models.common.embeddings.rope_utils",  # CP slicing (pinned index tensor)
 )
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "as_tensor")
@@ -96,6 +97,7 @@ def _on_cpu(factory):
     def wrapper(*args, **kwargs):
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
+        kwargs.pop("pin_memory", None)  # needs an accelerator
         return factory(*args, **kwargs)
 
     return wrapper

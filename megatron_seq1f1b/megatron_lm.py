@@ -384,7 +384,8 @@ def context_parallel_problems(args: Any) -> list[str]:
     values (:mod:`megatron_seq1f1b.context_parallel`), with Megatron's local attention or
     the flash one (``--transformer-impl local``). Refused: Transformer Engine's attention
     (its CP path is not wired into segments yet), ``--cp-comm-type`` a2a / a2a+p2p, packed
-    (THD) documents, multi-latent attention and ``--seq1f1b-splits auto``. Hybrid CP is refused on its own.
+    (THD) documents, multi-latent attention without the flash attention and
+    ``--seq1f1b-splits auto``. Hybrid CP is refused on its own.
     """
     cp = _flag(args, "context_parallel_size", 1) or 1
     if cp <= 1:
@@ -411,9 +412,9 @@ def context_parallel_problems(args: Any) -> list[str]:
             f"{flag} with {packed}: packed (THD) batches would need each document cut over "
             "the context-parallel group; use --context-parallel-size 1, or keep documents "
             "apart with --reset-attention-mask (end-of-document tokens)")
-    if _flag(args, "multi_latent_attention", False):
-        problems.append(f"{flag} with --multi-latent-attention is not supported with "
-                        "--seq1f1b; remove one of them")
+    if _flag(args, "multi_latent_attention", False) and not flash_attention_requested(args):
+        problems.append(f"{flag} with --multi-latent-attention needs --attention-backend flash "
+                        "(Seq1F1B's core attention that takes MLA's key and value widths)")
     return problems
 
 

@@ -13,6 +13,9 @@ LEARNED = ModelSpec(position_embedding_type="learned_absolute")
 GQA = ModelSpec(num_attention_heads=4, num_query_groups=2)
 FLASH = dataclasses.replace(ROPE, attention="flash")  # CPU: the chunks in one call (spans)
 FLASH_GQA = dataclasses.replace(GQA, attention="flash")  # CPU: one call per chunk
+# multi-latent attention: the flash attention takes its key and value widths (CPU: per chunk)
+MLA = ModelSpec(mla=True, normalization="RMSNorm", attention="flash")
+MLA_YARN = dataclasses.replace(MLA, extra=(("rope_type", "yarn"),))
 EOD = ROPE.vocab_size - 1
 DOCUMENTS = (((0, 5, 20),), ((0, 3, 11, 12, 27),))
 
@@ -33,6 +36,9 @@ LAYOUTS = {
                                                                   documents=DOCUMENTS),
                                    seq1f1b=dict(num_splits=2, partition="uniform",
                                                 documents=EOD)),
+    "cp2_k3_mla_yarn_mbs2": dict(model=MLA_YARN, data=DataSpec(num_microbatches=2,
+                                                               micro_batch_size=2),
+                                 seq1f1b=dict(num_splits=3, partition="uniform")),
     "cp2_k2_window_local": dict(model=dataclasses.replace(GQA, extra=(("window_size", (6, 0)),)),
                                 seq1f1b=dict(num_splits=2, partition="uniform")),
     # pipeline 2 x CP 2, tensor 2 x CP 2 (4 ranks)
@@ -41,6 +47,8 @@ LAYOUTS = {
     "pp2_cp2_k1_learned_local": dict(model=LEARNED, pp=2, seq1f1b=dict(num_splits=1)),
     "pp2_cp2_k2_flash_gqa_uniform": dict(model=FLASH_GQA, pp=2,
                                          seq1f1b=dict(num_splits=2, partition="uniform")),
+    "pp2_cp2_k3_mla_balanced": dict(model=MLA, pp=2,
+                                    seq1f1b=dict(num_splits=3, partition="balanced")),
     "pp2_cp2_k2_zero_bubble_local": dict(model=ROPE, pp=2,
                                          seq1f1b=dict(num_splits=2, schedule="zb-h1")),
     "pp2_vpp2_cp2_k2_local": dict(model=ROPE, pp=2, vpp=2,

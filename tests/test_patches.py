@@ -1124,6 +1124,7 @@ FLASH = {"transformer_impl": "local", "attention_backend": "flash",
      "tensor_model_parallel_size": 1, "seq_length": 8, "seq1f1b_splits": 2},
     {"context_parallel_size": 2, **FLASH, "reset_attention_mask": True},
     {"context_parallel_size": 2, "num_experts": 8, "moe_aux_loss_coeff": 1e-2},
+    {"context_parallel_size": 2, "multi_latent_attention": True, **FLASH},
     {"context_parallel_size": 2, "reset_attention_mask": True, "seq1f1b_schedule": "zb-h1",
      "virtual_pipeline_model_parallel_size": 2, "overlap_p2p_comm": True},
 ])

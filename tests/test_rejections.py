@@ -236,7 +236,6 @@ TRAINER: dict[str, LocalTrigger] = {
                                                          world_size=2),
     "trainer-context-parallel-packed-documents": _trainer(
         *_CP2, "--attention-backend", "flash", "--reset-attention-mask", world_size=2),
-    "trainer-context-parallel-mla": _trainer(*_CP2, "--multi-latent-attention", world_size=2),
     "trainer-segments-context-parallel": _trainer(*_CP2, "--seq1f1b-splits", "2",
                                                   "--seq-length", "66", world_size=2),
 }

@@ -300,9 +300,6 @@ def context_parallel_problems(args: argparse.Namespace) -> list[str]:
                         "packs them into THD batches (cu_seqlens), which context parallelism "
                         "does not take; use --attention-backend local (documents from "
                         "end-of-document tokens or the dataset's boundaries, cut per segment)")
-    if args.multi_latent_attention:
-        problems.append(f"{flag} with --multi-latent-attention is not supported; remove one "
-                        "of them")
     return problems
 
 
