@@ -234,8 +234,6 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-unknown-flag": _trainer("--hybrid-context-parallel"),
     "trainer-context-parallel-without-seq1f1b": _trainer("--context-parallel-size", "2",
                                                          world_size=2),
-    "trainer-context-parallel-packed-documents": _trainer(
-        *_CP2, "--attention-backend", "flash", "--reset-attention-mask", world_size=2),
     "trainer-segments-context-parallel": _trainer(*_CP2, "--seq1f1b-splits", "2",
                                                   "--seq-length", "66", world_size=2),
 }

@@ -212,27 +212,32 @@ def test_context_parallel_2_equals_the_same_model_without_it(tmp_path, backend):
         assert ours["summary"]["attention_backend"] == ("local" if backend == "mla" else backend)
 
 
-CONTEXT_PARALLEL_DOCUMENTS = [
-    (["--reset-attention-mask", "--reset-position-ids"], "end-of-document tokens"),
-    (["--dataloader-inter-document-masking"], "the dataset's cu_seqlens"),
-][: None if FULL else 1]  # CI: end-of-document tokens
+_EOD = (["--reset-attention-mask", "--reset-position-ids"], "end-of-document tokens")
+CONTEXT_PARALLEL_DOCUMENTS = {  # CI: end-of-document tokens on both backends
+    "reset-attention-mask-local": (*_EOD, "local"),
+    "reset-attention-mask-flash": (*_EOD, "flash"),
+    **({"inter-document-masking-local": (["--dataloader-inter-document-masking"],
+                                         "the dataset's cu_seqlens", "local")} if FULL else {}),
+}
+# How one rank without CP takes the documents: a dense mask (local), packed THD batches (flash).
+REFERENCE_FORM = {"local": "a dense document mask", "flash": "packed THD batches"}
 
 
-@pytest.mark.parametrize("flags,form", CONTEXT_PARALLEL_DOCUMENTS,
-                         ids=["reset-attention-mask", "inter-document-masking"][
-                             :len(CONTEXT_PARALLEL_DOCUMENTS)])
-def test_context_parallel_keeps_documents_apart(tmp_path, flags, form):
-    """Documents at --context-parallel-size 2 on the local attention (Seq1F1B gets them from
-    the end-of-document tokens or the dataset's boundaries, every CP rank its part of each
-    segment) == one rank with Megatron's dense document mask, on short byte documents."""
+@pytest.mark.parametrize("name", list(CONTEXT_PARALLEL_DOCUMENTS))
+def test_context_parallel_keeps_documents_apart(tmp_path, name):
+    """Documents at --context-parallel-size 2 (Seq1F1B gets them from the end-of-document
+    tokens or the dataset's boundaries, every CP rank its part of each segment, on either
+    attention: no THD batch under CP) == one rank with the backend's own form (Megatron's
+    dense document mask on local, THD batches on flash), on short byte documents."""
+    flags, form, backend = CONTEXT_PARALLEL_DOCUMENTS[name]
     base = [f for f in BASE if f != "--mock-data"]
     common = ["--train-iters", "3", *flags, "--position-embedding-type", "rope",
-              *_short_documents(tmp_path)]
+              "--attention-backend", backend, *_short_documents(tmp_path)]
     ours, stdout = train(tmp_path, "cp2", 2, *common, "--context-parallel-size", "2",
                          "--seq1f1b", "--seq1f1b-splits", "2", base=base)
     theirs, reference = train(tmp_path, "one", 1, *common, base=base)
     assert f"documents from {form} as Seq1F1B's documents" in stdout, stdout[-1500:]
-    assert f"documents from {form} as a dense document mask" in reference
+    assert f"documents from {form} as {REFERENCE_FORM[backend]}" in reference, reference[-1500:]
     _same(ours["summary"]["losses"], theirs["summary"]["losses"])
 
 

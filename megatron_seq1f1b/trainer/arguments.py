@@ -285,22 +285,14 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
 
 
 def context_parallel_problems(args: argparse.Namespace) -> list[str]:
-    """--context-parallel-size > 1: what runs (Seq1F1B segments gather keys and values over
-    the CP group) and what does not (yet)."""
-    cp = args.context_parallel_size
-    flag = f"--context-parallel-size {cp}"
-    if not args.seq1f1b:
-        return [f"{flag} needs --seq1f1b: this trainer's core attentions exchange keys and "
-                "values over the context-parallel group only inside Seq1F1B's segments "
-                "(Megatron-Core's own schedules would give them none); add --seq1f1b "
-                "(--seq1f1b-splits 1 for whole micro-batches)"]
-    problems = []
-    if args.packed_documents:
-        problems.append(f"{flag} with documents on --attention-backend flash: this trainer "
-                        "packs them into THD batches (cu_seqlens), which context parallelism "
-                        "does not take; use --attention-backend local (documents from "
-                        "end-of-document tokens or the dataset's boundaries, cut per segment)")
-    return problems
+    """--context-parallel-size > 1 runs only under Seq1F1B, whose segments gather keys and
+    values over the CP group (documents, MoE and MLA included)."""
+    if args.seq1f1b:
+        return []
+    return [f"--context-parallel-size {args.context_parallel_size} needs --seq1f1b: this "
+            "trainer's core attentions exchange keys and values over the context-parallel "
+            "group only inside Seq1F1B's segments (Megatron-Core's own schedules would give "
+            "them none); add --seq1f1b (--seq1f1b-splits 1 for whole micro-batches)"]
 
 
 def document_problems(args: argparse.Namespace, auto: bool) -> list[str]:
@@ -311,7 +303,8 @@ def document_problems(args: argparse.Namespace, auto: bool) -> list[str]:
     problems = []
     args.documents = ("dataset" if args.dataloader_inter_document_masking
                       else "eod" if args.reset_attention_mask else None)
-    args.packed_documents = args.documents is not None and args.attention_backend == "flash"
+    args.packed_documents = (args.documents is not None and args.attention_backend == "flash"
+                             and args.context_parallel_size == 1)  # CP: as on local
     flattened = args.micro_batch_size if args.packed_documents else 1
     args.schedule_seq_length = args.seq_length * flattened
     args.schedule_micro_batch_size = args.micro_batch_size // flattened

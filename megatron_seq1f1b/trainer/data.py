@@ -149,11 +149,15 @@ def batches(dataset, micro_batch_size: int, first_block: int, stride: int,
 # take. Tokens, labels, loss mask and position ids are the dataset's in every form.
 #
 #   attention  schedule   the micro-batch carries              Seq1F1B's documents source
-#   flash      any        packed THD: cu_seqlens, max_seqlen    "cu_seqlens"
+#   flash      any, CP 1  packed THD: cu_seqlens, max_seqlen    "cu_seqlens"
 #                         ([1, b*s], flattened as Megatron-LM)
 #   local      Megatron   attention_mask [b, 1, s, s]           -
-#   local      Seq1F1B    nothing more (eod) or                 the eod id, or the rows
-#                         document_cu_seqlens [b, s+1]          (document_rows)
+#   local, or  Seq1F1B    nothing more (eod) or                 the eod id, or the rows
+#   flash CP>1            document_cu_seqlens [b, s+1]          (document_rows)
+#
+# Under context parallelism the flash attention takes the documents as local attention does
+# (each CP rank attends to its chunks' documents among the gathered keys): a THD batch would
+# need every document cut over the CP group.
 #
 # Megatron's local DotProductAttention cannot take packed batches, and the flash attention
 # takes no dense mask (nor is one built for it): each gets the documents its own way, and
