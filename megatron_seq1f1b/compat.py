@@ -15,8 +15,9 @@ what                          0.16.1                     0.17.0 and later
 GPT dataset document          none                       0.19: ``GPTDatasetConfig``
 boundaries (``cu_seqlens``)   (:func:`with_document_     ``.inter_document_masking``
                               boundaries` adds them)
-per-token MoE router losses  scaled by the rank's tokens  0.19: times the TP x CP
-(``calculate_per_token_loss``)                           group's size (exact under CP)
+per-token MoE router losses   by the rank's tokens       0.19: times the TP x CP
+(``calculate_per_token_       (inexact under CP)         group's size
+loss``)
 ============================  =========================  ==========================
 """
 

@@ -213,10 +213,10 @@ def test_context_parallel_2_equals_the_same_model_without_it(tmp_path, backend):
 
 
 _EOD = (["--reset-attention-mask", "--reset-position-ids"], "end-of-document tokens")
-CONTEXT_PARALLEL_DOCUMENTS = {  # CI: end-of-document tokens on both backends
-    "reset-attention-mask-local": (*_EOD, "local"),
+CONTEXT_PARALLEL_DOCUMENTS = {  # CI: end-of-document tokens on flash (local: core tests)
     "reset-attention-mask-flash": (*_EOD, "flash"),
-    **({"inter-document-masking-local": (["--dataloader-inter-document-masking"],
+    **({"reset-attention-mask-local": (*_EOD, "local"),
+        "inter-document-masking-local": (["--dataloader-inter-document-masking"],
                                          "the dataset's cu_seqlens", "local")} if FULL else {}),
 }
 # How one rank without CP takes the documents: a dense mask (local), packed THD batches (flash).

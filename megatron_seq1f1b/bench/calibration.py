@@ -23,7 +23,7 @@ from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.checks import segment_multiple
 from megatron_seq1f1b.measure import calibration_cases as startup_cases
 from megatron_seq1f1b.measure import measure_p2p, time_cases
-from megatron_seq1f1b.megatron_lm import AUTO
+from megatron_seq1f1b.megatron_lm_flags import AUTO
 from megatron_seq1f1b.partition import split_sequence
 
 # Per (stage, chunk): one row [length, end, forward_s, backward_s(, weight_s, input_grad_s)]

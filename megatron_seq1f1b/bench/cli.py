@@ -44,7 +44,7 @@ from megatron_seq1f1b.bench.runner import (
 )
 from megatron_seq1f1b.bench.summary import auto_vs_sweep, reference_key, summarize
 from megatron_seq1f1b.bench.timelines import record_timelines
-from megatron_seq1f1b.megatron_lm import AUTO, splits_value
+from megatron_seq1f1b.megatron_lm_flags import AUTO, splits_value
 from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT, PeakMemory
 from megatron_seq1f1b.model import dense_attention
 from megatron_seq1f1b.trainer import arguments, data, setup

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from megatron_seq1f1b.bench.layouts import Layout
-from megatron_seq1f1b.megatron_lm import AUTO
+from megatron_seq1f1b.megatron_lm_flags import AUTO
 
 if TYPE_CHECKING:
     from megatron_seq1f1b.planner import Plan

@@ -16,7 +16,9 @@ from megatron_seq1f1b.flags import (
     ArgumentParser, fraction, non_negative_float, non_negative_int, positive_float,
     positive_int,
 )
-from megatron_seq1f1b.megatron_lm import AUTO, add_arguments, auto_flag_problems, moe_flag_problems
+from megatron_seq1f1b.megatron_lm_flags import (
+    AUTO, add_arguments, auto_flag_problems, moe_flag_problems,
+)
 from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.partition import split_sequence
 

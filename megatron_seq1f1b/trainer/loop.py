@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_seq1f1b import compat
 from megatron_seq1f1b.memory import PeakMemory
-from megatron_seq1f1b.megatron_lm import AUTO
+from megatron_seq1f1b.megatron_lm_flags import AUTO
 from megatron_seq1f1b.trainer import arguments, auto_plan, checkpoint, data, setup
 
 
