@@ -16,8 +16,8 @@ setup(
     packages=find_packages(include=["megatron_seq1f1b", "megatron_seq1f1b.*"]),
     # The Megatron-LM patches ship with the package: `python -m megatron_seq1f1b.patch`
     # (the `seq1f1b-patch` command) applies them to a checkout without this repository.
-    package_data={"megatron_seq1f1b": ["patches/megatron-lm/*/*.patch"]},
-    entry_points={"console_scripts": ["seq1f1b-patch = megatron_seq1f1b.patch:main"]},
+    package_data={"megatron_seq1f1b.megatron_lm": ["patches/megatron-lm/*/*.patch"]},
+    entry_points={"console_scripts": ["seq1f1b-patch = megatron_seq1f1b.megatron_lm.patch:main"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",

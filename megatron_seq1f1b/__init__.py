@@ -21,31 +21,35 @@ from __future__ import annotations
 
 import importlib
 
+from megatron_seq1f1b import moved
+
 __version__ = "0.1.0"
 
 _LAZY = {
-    "split_sequence": ("megatron_seq1f1b.partition", "split_sequence"),
-    "SegmentInfo": ("megatron_seq1f1b.segments", "SegmentInfo"),
-    "current_segment": ("megatron_seq1f1b.segments", "current_segment"),
-    "slice_batch": ("megatron_seq1f1b.segments", "slice_batch"),
-    "enable": ("megatron_seq1f1b.model", "enable"),
+    "split_sequence": ("megatron_seq1f1b.schedules.partition", "split_sequence"),
+    "SegmentInfo": ("megatron_seq1f1b.segments.run", "SegmentInfo"),
+    "current_segment": ("megatron_seq1f1b.segments.run", "current_segment"),
+    "slice_batch": ("megatron_seq1f1b.segments.run", "slice_batch"),
+    "enable": ("megatron_seq1f1b.runtime.model_hooks", "enable"),
     "get_forward_backward_func": ("megatron_seq1f1b.api", "get_forward_backward_func"),
     "install": ("megatron_seq1f1b.api", "install"),
     "uninstall": ("megatron_seq1f1b.api", "uninstall"),
-    "ConfigError": ("megatron_seq1f1b.checks", "ConfigError"),
+    "ConfigError": ("megatron_seq1f1b.base.checks", "ConfigError"),
     "choose_plan": ("megatron_seq1f1b.planner", "choose_plan"),
     "Calibration": ("megatron_seq1f1b.planner", "Calibration"),
     "load_calibration": ("megatron_seq1f1b.planner", "load_calibration"),
     "save_calibration": ("megatron_seq1f1b.planner", "save_calibration"),
 }
-_SUBMODULES = {
-    "cpu", "schedule", "simulate", "validate", "partition", "plan", "replay", "draw",
-    "interleaved", "segments", "model", "api", "executor", "checks", "p2p", "kv_cache",
-    "attention", "trace", "megatron_lm", "memory", "trainer", "actions", "bench", "compat",
-    "zero_bubble", "wgrad", "planner",
-}
+#: the rooms, bottom floor first (docs/design.md, "The package's rooms")
+ROOMS = ("base", "schedules", "segments", "attention", "runtime", "api", "planner",
+         "megatron_lm", "trainer", "bench")
+#: modules the public API names as attributes (``s1.schedule.build_schedule``, ...): their
+#: earlier short names, served by :mod:`megatron_seq1f1b.moved` like every earlier name
+_SUBMODULES = set(ROOMS) | set(moved.MOVED)
 
-__all__ = sorted(_LAZY) + sorted(_SUBMODULES)
+__all__ = sorted(_LAZY) + sorted(ROOMS)
+
+moved.install()
 
 
 def __getattr__(name: str):

@@ -6,11 +6,11 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-from megatron_seq1f1b.checks import raise_if, segment_multiple_problems
-from megatron_seq1f1b.document_plan import source_problems
-from megatron_seq1f1b.partition import METHODS
-from megatron_seq1f1b.schedule import SCHEDULES
-from megatron_seq1f1b.zero_bubble import segment_cost_problems
+from megatron_seq1f1b.base.checks import raise_if, segment_multiple_problems
+from megatron_seq1f1b.schedules.partition import METHODS
+from megatron_seq1f1b.schedules.schedule import SCHEDULES
+from megatron_seq1f1b.schedules.zero_bubble import segment_cost_problems
+from megatron_seq1f1b.segments.document_plan import source_problems
 
 # Modules that hold a reference to Megatron's getter under this name.
 _GETTER_HOLDERS = (
@@ -40,17 +40,17 @@ def get_forward_backward_func(
     or "balanced", from the model's config) unless ``split_lengths`` is
     given. Several model chunks select the interleaved schedule. ``schedule``:
     ``"1f1b"`` (Seq1F1B), or ``"zb-h1"`` / ``"zb-h2"`` to run weight gradients
-    as separate ``W`` actions in the bubbles (:mod:`megatron_seq1f1b.zero_bubble`).
+    as separate ``W`` actions in the bubbles (:mod:`megatron_seq1f1b.schedules.zero_bubble`).
     ``segment_costs``: per segment (F, B, W), relative, that place a
     zero-bubble schedule's W and receives (``choose_plan(...).plan.segment_costs``,
     so what runs is what the planner simulated); default: the model's FLOPs.
     ``segment_multiple``: what segment lengths are rounded to (default: 64 on
     CUDA where the sequence allows it, for tensor cores; the layout's own
-    multiple, :func:`~megatron_seq1f1b.checks.segment_multiple`, always applies).
-    ``recorder`` (a :class:`~megatron_seq1f1b.trace.TimelineRecorder`) collects
+    multiple, :func:`~megatron_seq1f1b.base.checks.segment_multiple`, always applies).
+    ``recorder`` (a :class:`~megatron_seq1f1b.runtime.trace.TimelineRecorder`) collects
     per-action timings. ``documents``: where each micro-batch's packed
     documents are, ``"cu_seqlens"`` (packed THD batches), the end-of-document
-    token id, or a callable (:data:`~megatron_seq1f1b.document_plan.DocumentSource`):
+    token id, or a callable (:data:`~megatron_seq1f1b.segments.document_plan.DocumentSource`):
     attention then keeps documents apart (a segment reads earlier segments' keys
     only for the document crossing into it), and ``partition="documents"`` cuts
     every micro-batch by its own documents into segments of equal cost.
@@ -97,7 +97,7 @@ def get_forward_backward_func(
         pg_collection=None,
         force_all_reduce: bool | None = False,
     ):
-        from megatron_seq1f1b.executor import forward_backward
+        from megatron_seq1f1b.runtime.executor import forward_backward
 
         return forward_backward(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
@@ -123,7 +123,7 @@ def install(num_splits: int | Callable, partition: str = "uniform", **kwargs) ->
     """Make Megatron-Core's ``get_forward_backward_func()`` return Seq1F1B's function.
 
     ``num_splits`` may also be a ready forward-backward function, e.g.
-    :func:`megatron_seq1f1b.auto.auto_forward_backward_func`'s, which plans on its
+    :func:`megatron_seq1f1b.planner.auto.auto_forward_backward_func`'s, which plans on its
     first call.
 
     Patches ``megatron.core.pipeline_parallel.get_forward_backward_func``, the

@@ -6,9 +6,9 @@
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --revert   restore the original files
 #   ... --force-version TAG       use TAG's patches, whatever version the checkout reports
 #
-# A thin wrapper: the applier is megatron_seq1f1b/patch.py (standard library
+# A thin wrapper: the applier is megatron_seq1f1b/megatron_lm/patch.py (standard library
 # only), run from this clone, whose patches are in
-# megatron_seq1f1b/patches/megatron-lm/<tag>/. Where the package is installed
+# megatron_seq1f1b/megatron_lm/patches/megatron-lm/<tag>/. Where the package is installed
 # (pip), the same program is `python -m megatron_seq1f1b.patch` and the
 # `seq1f1b-patch` command. Options, messages and exit statuses: see that module
 # (0 done or already in the requested state; 1 patches do not apply or version
@@ -35,4 +35,4 @@ fi
 
 # This clone's package (and its patches) come first, whatever else is installed.
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" SEQ1F1B_PATCH_PROG="$(basename "$0")" \
-    exec "$python" -m megatron_seq1f1b.patch "$@"
+    exec "$python" -m megatron_seq1f1b.megatron_lm.patch "$@"

@@ -39,7 +39,7 @@ gradient buffers are zeroed between runs); the first run of every schedule
 checks that all give the same loss. Reported per schedule: median iteration
 time (slowest rank), tokens/s, the paired ratio (median over rounds of the
 per-round time ratio), process CPU time per stage, peak memory per pipeline
-stage (real allocations, :class:`megatron_seq1f1b.memory.PeakMemory`, above
+stage (real allocations, :class:`megatron_seq1f1b.planner.peak_memory.PeakMemory`, above
 the resident set at the start of the run), and ratios against Megatron 1F1B.
 
 Then, unless disabled: measured timelines of one extra iteration (the
@@ -47,7 +47,7 @@ recorder for Seq1F1B; timed ``forward_step``/``backward_step`` calls for
 Megatron), drawn as PNG and Chrome trace; a calibration of every stage's
 per-segment forward/backward times and of the p2p message time; a
 least-squares fit ``time = a*len + c*quad(len, end) + d`` per stage; and
-predictions with :func:`megatron_seq1f1b.simulate.simulate` (plus a replay
+predictions with :func:`megatron_seq1f1b.schedules.simulate.simulate` (plus a replay
 with p2p latency and, when ranks oversubscribe the CPU cores, processor
 sharing) for the measured configuration and for larger pipelines.
 
@@ -55,7 +55,7 @@ Outputs in ``--out``: ``results.json``, ``results.md``, ``benchmark.png``,
 ``timeline_<schedule>_{measured,simulated}.png``, ``timeline_<schedule>_measured.json``
 (Chrome trace) and, with ``--profile``, ``profile_<schedule>_rank<r>.txt``.
 On CPU set ``MALLOC_MMAP_THRESHOLD_=65536`` before the processes start (see
-:mod:`megatron_seq1f1b.memory`); without it peak memory is not valid. CPU
+:mod:`megatron_seq1f1b.planner.peak_memory`); without it peak memory is not valid. CPU
 ranks use ``SEQ1F1B_THREADS_PER_RANK`` threads (default 1).
 
 This file is the command line; the work is done by :mod:`megatron_seq1f1b.bench`

@@ -125,7 +125,7 @@ def _wrap(text: str, width: int = 100) -> str:
 
 def draw_timelines(runs: list[dict], path: str) -> list[str]:
     """Redraw every run's measured timeline on one time axis; stack them all into `path`."""
-    from megatron_seq1f1b import draw
+    from megatron_seq1f1b.schedules import draw
 
     drawn = [run for run in runs if (run.get("timeline") or {}).get("trace")]
     if not drawn:

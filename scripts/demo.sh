@@ -23,10 +23,10 @@ stages=$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))
 iters=${DEMO_ITERS:-$([ "$quick" = 1 ] && echo 3 || echo 12)}
 seq=$([ "$quick" = 1 ] && echo 512 || echo 1024)
 echo "== Schedules (simulated, equal unit costs): Megatron 1F1B vs Seq1F1B, p=$stages, m=$stages =="
-"$SEQ1F1B_PYTHON" -m megatron_seq1f1b.simulate --pp "$stages" --microbatches "$stages" \
+"$SEQ1F1B_PYTHON" -m megatron_seq1f1b.schedules.simulate --pp "$stages" --microbatches "$stages" \
     --splits 1 4 --png "$out/simulated.png"
 
-# Real allocations on CPU: let freed tensors leave the resident set (see memory.py).
+# Real allocations on CPU: let freed tensors leave the resident set (see planner/peak_memory.py).
 export MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1
 common=(--pipeline-model-parallel-size "$stages" --num-layers 4 --hidden-size 256
         --num-attention-heads 4 --seq-length "$seq" --micro-batch-size 1

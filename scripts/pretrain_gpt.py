@@ -39,8 +39,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         get_gpt_layer_local_spec,
     )
 
-    from megatron_seq1f1b.context_parallel import context_parallel_layer_spec
-    from megatron_seq1f1b.flash_attention import flash_layer_spec
+    from megatron_seq1f1b.attention.context_parallel import context_parallel_layer_spec
+    from megatron_seq1f1b.attention.flash import flash_layer_spec
 
     mla = bool(args.multi_latent_attention)
     spec = get_gpt_layer_local_spec(normalization=args.normalization, multi_latent_attention=mla)

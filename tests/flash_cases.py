@@ -15,8 +15,8 @@ from torch.overrides import TorchFunctionMode
 
 from gpt import ModelSpec, build_chunks, init_parallel, make_config, run_layout
 from megatron_seq1f1b import megatron_lm
-from megatron_seq1f1b.flash_attention import FlashDotProductAttention
-from megatron_seq1f1b.model import dense_attention
+from megatron_seq1f1b.attention.flash import FlashDotProductAttention
+from megatron_seq1f1b.runtime.model_hooks import dense_attention
 
 
 def _cores(chunks) -> list[str]:

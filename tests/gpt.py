@@ -30,8 +30,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from harness import COMM_TIMEOUT_S
-from megatron_seq1f1b import compat
-from megatron_seq1f1b.flash_attention import flash_layer_spec
+from megatron_seq1f1b.attention.flash import flash_layer_spec
+from megatron_seq1f1b.base import compat
 
 RTOL = 1e-5
 SEED = 1234
@@ -172,7 +172,7 @@ def layer_spec(spec: ModelSpec, fake_te: bool = False):
 def build_chunks(spec: ModelSpec, config: TransformerConfig) -> list[GPTModel]:
     """Model chunks for this rank, as Megatron-LM's model provider builds them (with context
     parallelism, Megatron's local attention made buildable for Seq1F1B's segments)."""
-    from megatron_seq1f1b.context_parallel import context_parallel_layer_spec
+    from megatron_seq1f1b.attention.context_parallel import context_parallel_layer_spec
 
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
@@ -290,7 +290,7 @@ def data_documents(data: DataSpec, count: int, seq_length: int):
     """The documents of ``count`` micro-batches as the schedule's plan data (or None)."""
     if not data.documents:
         return None
-    from megatron_seq1f1b.documents import Documents
+    from megatron_seq1f1b.segments.documents import Documents
 
     return [Documents(tuple(tuple(s) for s in data.documents[i % len(data.documents)]),
                       seq_length) for i in range(count)]
@@ -498,11 +498,11 @@ def run_layout(
     recorder = None
     if seq1f1b is not None:
         import megatron_seq1f1b as s1
-        from megatron_seq1f1b.trace import TimelineRecorder
+        from megatron_seq1f1b.runtime.trace import TimelineRecorder
 
         recorder = TimelineRecorder()
         if count_cp_bytes:
-            from megatron_seq1f1b.context_parallel import ExchangedBytes
+            from megatron_seq1f1b.attention.context_parallel import ExchangedBytes
 
             recorder.cp_bytes = ExchangedBytes()
         forward_backward = s1.get_forward_backward_func(**seq1f1b, recorder=recorder)

@@ -59,9 +59,9 @@ def _teardown_groups() -> None:
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    import megatron_seq1f1b.cpu
+    import megatron_seq1f1b.runtime.cpu
 
-    megatron_seq1f1b.cpu.enable()
+    megatron_seq1f1b.runtime.cpu.enable()
     torch.distributed.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

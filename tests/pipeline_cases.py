@@ -110,7 +110,7 @@ def optimizer_step(pp: int, k: int, distributed: bool, model: ModelSpec, data: D
 
 def peak_and_iterator(pp: int, k: int, m: int, model: ModelSpec, png: str | None = None) -> dict:
     """Live units during a real run, how often the caller's iterator advanced, its timeline."""
-    from megatron_seq1f1b.trace import TimelineRecorder
+    from megatron_seq1f1b.runtime.trace import TimelineRecorder
 
     data = DataSpec(num_microbatches=m)
     _, _, models, batches = _layout(model, data, pp, enable=True)
@@ -131,7 +131,7 @@ def peak_and_iterator(pp: int, k: int, m: int, model: ModelSpec, png: str | None
     record = recorder.last
     timeline = recorder.gather(group=parallel_state.get_pipeline_model_parallel_group())
     if png and torch.distributed.get_rank() == 0:
-        from megatron_seq1f1b import draw
+        from megatron_seq1f1b.schedules import draw
 
         draw.draw_png(timeline, png, title="measured")
     return {
@@ -239,8 +239,8 @@ def schedule_disagreement(model: ModelSpec) -> dict:
 
 def p2p_lost_message(model: ModelSpec, timeout_s: float) -> dict:
     """Stage 0 never sends one activation: both stages fail within the timeout."""
-    from megatron_seq1f1b import executor, executor_setup  # noqa: F401
-    from megatron_seq1f1b.plan import Step
+    from megatron_seq1f1b.runtime import executor, executor_setup  # noqa: F401
+    from megatron_seq1f1b.schedules.plan import Step
 
     data = DataSpec(num_microbatches=2)
     _, _, models, batches = _layout(model, data, 2, enable=True, timeout_s=timeout_s)
@@ -269,7 +269,7 @@ def p2p_lost_message(model: ModelSpec, timeout_s: float) -> dict:
 def zero_bubble_defers(pp: int, k: int, drop_weight_grads: bool, model: ModelSpec,
                        data: DataSpec) -> dict:
     """How many weight GEMMs each W ran; with `drop_weight_grads`, W does nothing (must fail)."""
-    from megatron_seq1f1b import wgrad
+    from megatron_seq1f1b.runtime import wgrad
     from gpt import run_layout
 
     original = wgrad.WeightGradStore.run
@@ -295,7 +295,7 @@ def zero_bubble_defers(pp: int, k: int, drop_weight_grads: bool, model: ModelSpe
 def zero_bubble_with_costs(pp: int, k: int, costs, model: ModelSpec, data: DataSpec) -> dict:
     """A zero-bubble run given the planner's per-segment costs: the results, and the costs
     that placed the steps this rank ran."""
-    from megatron_seq1f1b import executor, executor_setup  # noqa: F401
+    from megatron_seq1f1b.runtime import executor, executor_setup  # noqa: F401
     from gpt import run_layout
 
     original, used = executor_setup.rank_steps, []
@@ -318,8 +318,8 @@ def auto_plan(pp: int, model: ModelSpec, data: DataSpec, vpp: int | None = None,
               cp: int = 1, **budget) -> dict:
     """The auto forward-backward function (what Megatron-LM's --seq1f1b-splits auto installs):
     planned on its first call, then exact; or the error a budget nothing fits gives."""
-    from megatron_seq1f1b.auto import auto_forward_backward_func
-    from megatron_seq1f1b.checks import ConfigError
+    from megatron_seq1f1b.base.checks import ConfigError
+    from megatron_seq1f1b.planner.auto import auto_forward_backward_func
     from gpt import run_layout
 
     logged = []
@@ -342,7 +342,7 @@ def fault_in_user_code(stage: int, action: str, where: str, model: ModelSpec,
     `where`: "forward" (forward_step_func), "loss" (loss_func, last stage) or "backward" (a
     hook the forward step registered, run by that unit's backward).
     """
-    from megatron_seq1f1b.schedule import Action
+    from megatron_seq1f1b.schedules.schedule import Action
 
     data = DataSpec(num_microbatches=4)
     _, _, models, batches = _layout(model, data, 4, enable=True, timeout_s=timeout_s)
@@ -493,7 +493,7 @@ def with_links_transport(**layout) -> dict:
     import os
 
     from gpt import run_layout
-    from megatron_seq1f1b import p2p
+    from megatron_seq1f1b.runtime import p2p
 
     os.environ[p2p.TRANSPORT_ENV] = p2p.LINKS
     try:
@@ -511,7 +511,7 @@ def with_links_transport(**layout) -> dict:
 def with_setup_lengths(**layout) -> dict:
     """``run_layout``, plus the segment lengths the executor's setup used."""
     from gpt import run_layout
-    from megatron_seq1f1b import executor, executor_setup  # noqa: F401
+    from megatron_seq1f1b.runtime import executor, executor_setup  # noqa: F401
 
     executor.clear_setups()
     result = run_layout(**layout)

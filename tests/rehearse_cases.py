@@ -10,8 +10,8 @@ from megatron.core import parallel_state
 import megatron_seq1f1b as s1
 from gpt import DataSpec, ModelSpec, build_chunks, forward_step, init_parallel, layer_spec, \
     make_batches, make_config, unwrap
-from megatron_seq1f1b.memory import SavedActivations
-from megatron_seq1f1b.trace import TimelineRecorder
+from megatron_seq1f1b.planner.peak_memory import SavedActivations
+from megatron_seq1f1b.runtime.trace import TimelineRecorder
 
 
 def _parameters(chunks) -> list:
@@ -22,7 +22,7 @@ def pipeline_then_rehearsal(pp: int, k: int, schedule: str, model: ModelSpec, da
                             vpp: int | None = None, partition: str = "uniform") -> dict:
     """This rank's actions and saved-activation peak in a real pp-stage pipeline, and the
     same for its stage rehearsed alone (Megatron's parallel state with pipeline size 1)."""
-    from megatron_seq1f1b.rehearse import build_stage_chunks, rehearse_stage
+    from megatron_seq1f1b.planner.rehearse import build_stage_chunks, rehearse_stage
 
     batches = make_batches(model, data)
     step = partial(forward_step, slicer=s1.slice_batch)
@@ -74,7 +74,7 @@ def cli(argv: list[str]) -> dict:
     import tempfile
     from pathlib import Path
 
-    from megatron_seq1f1b import rehearse
+    from megatron_seq1f1b.planner import rehearse
 
     with tempfile.TemporaryDirectory() as folder:
         out, calibration = Path(folder) / "stage.json", Path(folder) / "calibration.json"

@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 import megatron_seq1f1b as s1
-from megatron_seq1f1b.segments import SegmentRun
+from megatron_seq1f1b.segments.run import SegmentRun
 from gpt import (
     DataSpec, ModelSpec, TEDotProductAttention, _close, build_chunks, data_documents,
     init_parallel, layer_spec, make_batches, make_config, packed_seq_params,

@@ -16,7 +16,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 import megatron_seq1f1b as s1
 from gpt import DataSpec, ModelSpec
-from megatron_seq1f1b import executor, kv_cache, loss, p2p, segments, te_wgrad, wgrad
+from megatron_seq1f1b.runtime import executor, p2p, te_wgrad, wgrad
+from megatron_seq1f1b.segments import kv_cache, loss, run as segments
 from pipeline_cases import _layout, _run
 
 # Everything the executor creates for one iteration; none may outlive it.

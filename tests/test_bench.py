@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from megatron_seq1f1b.bench.fit import fitted_cost, message_latency, virtual_fits
-from megatron_seq1f1b.fit import (
-    QUADRATIC, best_quadratic, extrapolated_fits, fit_costs, fit_p2p, nonneg_lstsq, quadratic_for,
-)
 from megatron_seq1f1b.bench.predict import matching_mode, predict, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.sharing import pipeline_replay
 from megatron_seq1f1b.bench.summary import summarize
-from megatron_seq1f1b.schedule import B, F, W, build_schedule
-from megatron_seq1f1b.simulate import simulate, uniform_cost
+from megatron_seq1f1b.planner.fit import (
+    QUADRATIC, best_quadratic, extrapolated_fits, fit_costs, fit_p2p, nonneg_lstsq, quadratic_for,
+)
+from megatron_seq1f1b.schedules.schedule import B, F, W, build_schedule
+from megatron_seq1f1b.schedules.simulate import simulate, uniform_cost
 
 
 def test_nonneg_lstsq_recovers_exact_coefficients():
@@ -222,10 +222,10 @@ def test_confirmation_rounds_decide_against_the_closest_rivals(monkeypatch):
 
     from megatron_seq1f1b.bench import runner
     from megatron_seq1f1b.bench.cli import parse_args
-    from megatron_seq1f1b.bench.markdown import confirmation_lines
     from megatron_seq1f1b.bench.confirm import (
         Race, closest_rivals, confirmation, ratio_interval,
     )
+    from megatron_seq1f1b.bench.markdown import confirmation_lines
     from megatron_seq1f1b.bench.summary import auto_vs_sweep
 
     sweep = [_measured(f"seq1f1b-k{k}", [t, t], [1]) for k, t in ((2, 3.0), (4, 1.0), (8, 1.5))]
@@ -280,8 +280,8 @@ def test_confirmation_rounds_decide_against_the_closest_rivals(monkeypatch):
 def test_confirmation_uses_the_sweep_row_that_runs_the_auto_plan_as_a_control():
     import math
 
-    from megatron_seq1f1b.bench.markdown import confirmation_lines
     from megatron_seq1f1b.bench.confirm import Race, closest_rivals, confirmation, sweep_twin
+    from megatron_seq1f1b.bench.markdown import confirmation_lines
 
     auto = _measured("seq1f1b-auto", [1.2, 1.2], [1])
     sweep = [_measured(f"seq1f1b-k{k}", [t, t], [1]) for k, t in ((4, 1.0), (5, 1.1), (8, 1.5))]
@@ -428,7 +428,7 @@ def _mock_batch(b: int, s: int, vocab: int, seed: int = 0) -> dict:
 
 def test_packing_places_documents_as_megatrons_data_loader_would():
     from megatron_seq1f1b.bench import packing
-    from megatron_seq1f1b.documents import Documents, long_tailed
+    from megatron_seq1f1b.segments.documents import Documents, long_tailed
 
     eod, s = 63, 200
     batch = _mock_batch(2, s, 64)
@@ -469,8 +469,8 @@ def test_packing_forms_follow_the_trainers_table():
 
 def test_document_cost_spread_and_pairs_skipped():
     from megatron_seq1f1b.bench.document_stats import attention_pairs, cost_spread, row_stats
-    from megatron_seq1f1b.documents import Documents, long_tailed
-    from megatron_seq1f1b.partition import MAX_SPREAD, CostModel, split_sequence
+    from megatron_seq1f1b.schedules.partition import MAX_SPREAD, CostModel, split_sequence
+    from megatron_seq1f1b.segments.documents import Documents, long_tailed
 
     s, k = 256, 4
     cost = CostModel(100.0, 1.0)

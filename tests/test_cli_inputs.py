@@ -3,7 +3,7 @@
 Issue 34: ``--pp 0`` ended in ``ZeroDivisionError``, ``--splits 0`` blamed the segment
 length, and the simulator printed a traceback naming an internal argument. Here every
 entry point's parser is walked: each flag that reads a number must read it through
-:mod:`megatron_seq1f1b.flags` (or ``--seq1f1b-splits``' own reader), and zero, negative
+:mod:`megatron_seq1f1b.base.flags` (or ``--seq1f1b-splits``' own reader), and zero, negative
 and non-numeric values must give exit status 2, one line on stderr naming the flag and
 the value, and no traceback. Checks across flags get the same treatment through each
 entry point's ``main``. Everything runs in this process except two end-to-end runs.
@@ -18,9 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_seq1f1b import megatron_lm, planner, rehearse, simulate
+from megatron_seq1f1b import megatron_lm, planner
+
+from megatron_seq1f1b.planner import rehearse
+
 from megatron_seq1f1b.bench import cli as bench_cli
 from megatron_seq1f1b.bench import gpu, gpu_check, gpu_long, predictions, rehearsal_check
+from megatron_seq1f1b.schedules import simulate
 from megatron_seq1f1b.trainer import arguments
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +57,7 @@ def _numeric_flags():
             if not action.option_strings or action.type is None:
                 continue
             assert action.type not in (int, float), (
-                f"{name} {action.option_strings[0]}: read it with megatron_seq1f1b.flags")
+                f"{name} {action.option_strings[0]}: read it with megatron_seq1f1b.base.flags")
             if hasattr(action.type, "allowed") or action.type is megatron_lm.splits_value:
                 found.append((name, action.option_strings[0], action.type))
     return found

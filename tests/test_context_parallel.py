@@ -83,7 +83,7 @@ def test_a_failing_context_parallel_peer_stops_the_other_in_time_naming_it(ranks
 def test_exchanged_bytes_are_what_the_planner_counts(ranks):
     """The bytes a CP rank sends (counted at every all-gather and reduce-scatter) equal the
     planner's count for the layout: pipeline 2 x CP 2, k=2, m=2."""
-    from megatron_seq1f1b.context_parallel import exchanged_bytes
+    from megatron_seq1f1b.attention.context_parallel import exchanged_bytes
 
     model = ROPE
     results = ranks.run(4, run_layout, case="cp-bytes", model=model, pp=2, cp=2,

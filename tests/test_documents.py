@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from gpt import DataSpec, ModelSpec
-from megatron_seq1f1b.documents import Documents, chains, long_tailed, views_of
+from megatron_seq1f1b.segments.documents import Documents, chains, long_tailed, views_of
 from segment_cases import compare_documents_by_hand
 
 ROPE = ModelSpec()
@@ -115,7 +115,7 @@ def test_pipeline_with_documents_equals_no_pipelining(ranks, name):
 
 # ------------------------------------------------------------------ the documents partition
 
-from megatron_seq1f1b.partition import (  # noqa: E402
+from megatron_seq1f1b.schedules.partition import (  # noqa: E402
     CostModel, document_segment_cost, split_documents, split_sequence,
 )
 

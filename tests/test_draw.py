@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_seq1f1b.replay import Interval, Timeline
-from megatron_seq1f1b.schedule import build_schedule
-from megatron_seq1f1b.simulate import simulate
+from megatron_seq1f1b.schedules.replay import Interval, Timeline
+from megatron_seq1f1b.schedules.schedule import build_schedule
+from megatron_seq1f1b.schedules.simulate import simulate
 
 pytest.importorskip("matplotlib")
 
-from megatron_seq1f1b import draw  # noqa: E402
+from megatron_seq1f1b.schedules import draw  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def test_chrome_trace_reads_back(tmp_path):
 
 def test_simulate_cli_draws_every_k_on_one_axis(tmp_path, monkeypatch):
     """Units of one micro-batch's forward per stage, so k=1 and k=4 compare by length."""
-    from megatron_seq1f1b.simulate import main
+    from megatron_seq1f1b.schedules.simulate import main
 
     drawn = []
     monkeypatch.setattr(draw, "draw_png", lambda timeline, path, **kw: drawn.append(
@@ -122,7 +122,7 @@ def test_simulate_cli_draws_every_k_on_one_axis(tmp_path, monkeypatch):
 
 
 def _trace_run(tmp_path, name, backend, timeline, tokens_per_s, peak0):
-    from megatron_seq1f1b.trace import timeline_stats
+    from megatron_seq1f1b.runtime.trace import timeline_stats
 
     trace = draw.write_chrome_trace(timeline, tmp_path / name / "timeline.json", time_unit_us=1e6)
     stats = timeline_stats(timeline)

@@ -8,7 +8,7 @@ import pytest
 
 import pipeline_cases as cases
 from gpt import ModelSpec
-from megatron_seq1f1b.schedule import build_schedule
+from megatron_seq1f1b.schedules.schedule import build_schedule
 
 TIMEOUT_S = 4
 # (stage, phase, where): first, middle and last stage; warm-up, steady state and cool-down.
@@ -60,12 +60,12 @@ def _killed_peer_worker(rank: int, port: int, results) -> None:
     import torch
 
     import megatron_seq1f1b as s1
-    import megatron_seq1f1b.cpu
+    import megatron_seq1f1b.runtime.cpu
     from gpt import DataSpec, forward_step, init_parallel
     from pipeline_cases import _layout
 
     torch.set_num_threads(1)
-    megatron_seq1f1b.cpu.enable()
+    megatron_seq1f1b.runtime.cpu.enable()
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
         timeout=datetime.timedelta(seconds=TIMEOUT_S))

@@ -90,7 +90,7 @@ def _config(**overrides):
 
 def _flash(**kwargs):
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron_seq1f1b.flash_attention import FlashDotProductAttention
+    from megatron_seq1f1b.attention.flash import FlashDotProductAttention
 
     call = dict(config=_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
                 attention_type="self")
@@ -154,8 +154,8 @@ def test_unsupported_configurations_fail_at_construction(change, message):
 def test_bottom_right_window_and_model_hooks():
     """A segment of 3 queries over 7 keys, window 2: TE's bottom-right window; the module is
     treated like TE's attention (K/V prefix, bottom-right mask) and not as dense attention."""
-    from megatron_seq1f1b.attention import is_te_attention, layer_window
-    from megatron_seq1f1b.flash_attention import window_mask
+    from megatron_seq1f1b.attention.flash import window_mask
+    from megatron_seq1f1b.attention.segmented import is_te_attention, layer_window
 
     expected = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]],
                             dtype=torch.bool)
@@ -215,7 +215,7 @@ def test_bottom_right_causal_on_cpu_is_exact_and_keeps_no_mask(dtype):
     [queries, keys] tensor (PyTorch's own CPU path materializes and keeps the mask)."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from megatron_seq1f1b.prefix_attention import bottom_right_causal
+    from megatron_seq1f1b.attention.prefix import bottom_right_causal
 
     b, h, sq, sk, d = 2, 3, 24, 80, 16
     generator = torch.Generator().manual_seed(0)
@@ -245,7 +245,7 @@ def test_causal_spans_equal_masked_attention_with_one_key_gradient():
     """A context-parallel rank's two chunks of a segment (rows over keys up to their own end,
     after a prefix) in one call: output and every gradient equal SDPA with the explicit mask,
     and no saved or gradient tensor is padded to the keys per chunk."""
-    from megatron_seq1f1b.prefix_attention import causal_spans
+    from megatron_seq1f1b.attention.prefix import causal_spans
 
     b, h, d, prefix, chunk = 1, 2, 8, 16, 6  # segment of 4 chunks; this rank: chunks 0 and 3
     sk = prefix + 4 * chunk

@@ -74,8 +74,8 @@ def test_a_failing_row_is_kept_with_its_reason_and_the_others_run(monkeypatch):
     as not run, and the targets say what is missing."""
     import torch
 
-    from megatron_seq1f1b import executor
-    from megatron_seq1f1b.executor import ActionError
+    from megatron_seq1f1b.runtime import executor
+    from megatron_seq1f1b.runtime.executor import ActionError
 
     def measure(name, fb, model, batches, size, opts, units, k, lengths, detail=True):
         if k == 4:
@@ -193,7 +193,7 @@ def test_longest_probe_stops_at_the_first_length_out_of_memory(monkeypatch):
     import torch
 
     from megatron_seq1f1b.bench import gpu_long
-    from megatron_seq1f1b.executor import ActionError
+    from megatron_seq1f1b.runtime.executor import ActionError
 
     def iteration(fb, model, batches, size):
         if size.seq > 100:

@@ -6,11 +6,11 @@ import pytest
 
 import megatron_order
 from gpt import DataSpec, ModelSpec, run_layout
-from megatron_seq1f1b.interleaved import microbatch_groups, warmup_forwards
-from megatron_seq1f1b.plan import plan_steps
-from megatron_seq1f1b.schedule import build_schedule
-from megatron_seq1f1b.simulate import simulate
-from megatron_seq1f1b.validate import check_link_order, validate
+from megatron_seq1f1b.schedules.interleaved import microbatch_groups, warmup_forwards
+from megatron_seq1f1b.schedules.plan import plan_steps
+from megatron_seq1f1b.schedules.schedule import build_schedule
+from megatron_seq1f1b.schedules.simulate import simulate
+from megatron_seq1f1b.schedules.validate import check_link_order, validate
 
 
 # The whole grid (p 2..8, v 2..4, k 1..6, m 1..16) takes about a minute; CI validates

@@ -5,10 +5,10 @@ work per segment does not grow with the number of segments."""
 import pytest
 import torch
 
-from megatron_seq1f1b import segments
-from megatron_seq1f1b.attention import segment_kv
-from megatron_seq1f1b.kv_cache import KVAppend, KVStore
-from megatron_seq1f1b.segments import SegmentInfo, SegmentRun
+from megatron_seq1f1b.attention.segmented import segment_kv
+from megatron_seq1f1b.segments import run as segments
+from megatron_seq1f1b.segments.kv_cache import KVAppend, KVStore
+from megatron_seq1f1b.segments.run import SegmentInfo, SegmentRun
 
 
 def _run(lengths, window, documents=None):
@@ -127,7 +127,7 @@ def _direct(lengths, ranges):
     ((0, 3), 4, [(0, 8), (4, 16), (12, 24), (20, 32)]),          # a window inside one document
 ])
 def test_documents_carry_only_the_crossing_document(starts, window, ranges):
-    from megatron_seq1f1b.documents import Documents
+    from megatron_seq1f1b.segments.documents import Documents
 
     lengths = (8, 8, 8, 8)
     documents = Documents((starts,), 32)
@@ -138,7 +138,7 @@ def test_documents_carry_only_the_crossing_document(starts, window, ranges):
 
 
 def test_a_chain_buffer_holds_only_its_own_segments_rows():
-    from megatron_seq1f1b.documents import Documents
+    from megatron_seq1f1b.segments.documents import Documents
 
     run = SegmentRun((8, 8, 8, 8), documents=[Documents(((0, 5, 20),), 32)])
     keys = torch.randn(32, 1, 2, 3)
@@ -166,7 +166,7 @@ def test_a_chain_buffer_holds_only_its_own_segments_rows():
 def _attend(view_k, view_v, query, extra=None):
     """Bottom-right causal attention over the segment's keys, the sink on, as the flash core
     attention calls it; ``extra``: a second use of the keys."""
-    from megatron_seq1f1b.prefix_attention import bottom_right_causal
+    from megatron_seq1f1b.attention.prefix import bottom_right_causal
 
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, view_k, view_v))
     out = bottom_right_causal(q, k, v, scale=0.5, sink=view_k.seq1f1b_grad_sink).sum()
@@ -195,7 +195,7 @@ def _sinking_run(lengths, extra=None):
 def test_attention_adds_key_gradients_into_the_carry_over_exactly(monkeypatch):
     """The CPU flash attention adds its key/value gradients into the carry-over's buffer
     (no gradient as large as its keys): equal to the whole sequence's causal attention."""
-    from megatron_seq1f1b.kv_cache import KVEntry
+    from megatron_seq1f1b.segments.kv_cache import KVEntry
 
     sunk, take_sunk = [], KVEntry.take_sunk
     monkeypatch.setattr(KVEntry, "take_sunk",

@@ -153,7 +153,7 @@ CONTEXT_PARALLEL = {
 
 @pytest.mark.parametrize("name", list(CONTEXT_PARALLEL))
 def test_moe_with_context_parallelism(ranks, name):
-    from megatron_seq1f1b import compat
+    from megatron_seq1f1b.base import compat
 
     layout = CONTEXT_PARALLEL[name]
     if layout.get("per_token") and not compat.per_token_router_losses_count_context_parallel():

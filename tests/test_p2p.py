@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_seq1f1b.p2p import Peers, PipelineCommError, exchange
-from megatron_seq1f1b.plan import ACTIVATION, GRADIENT, Message, Step
-from megatron_seq1f1b.schedule import F
+from megatron_seq1f1b.runtime.p2p import Peers, PipelineCommError, exchange
+from megatron_seq1f1b.schedules.plan import ACTIVATION, GRADIENT, Message, Step
+from megatron_seq1f1b.schedules.schedule import F
 
 
 class _Op:
@@ -83,7 +83,7 @@ class _Pending:
 def test_sends_finish_at_the_next_step_where_each_operation_has_a_work(monkeypatch):
     """gloo: the step waits for its receive only; the send (and freeing the sent output)
     completes at the next exchange. A coalesced batch (one work) is waited whole."""
-    from megatron_seq1f1b.p2p import InFlight
+    from megatron_seq1f1b.runtime.p2p import InFlight
 
     log = []
     monkeypatch.setattr(dist, "P2POp", _Op)
@@ -107,7 +107,7 @@ def test_sends_finish_at_the_next_step_where_each_operation_has_a_work(monkeypat
 
 
 def test_a_held_send_that_fails_names_its_step(monkeypatch):
-    from megatron_seq1f1b.p2p import InFlight
+    from megatron_seq1f1b.runtime.p2p import InFlight
 
     monkeypatch.setattr(dist, "P2POp", _Op)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [_Failed(), _Done()])
@@ -120,7 +120,7 @@ def test_a_held_send_that_fails_names_its_step(monkeypatch):
 
 
 def test_pipeline_links_cover_both_directions_and_the_wraparound():
-    from megatron_seq1f1b.p2p import pipeline_links
+    from megatron_seq1f1b.runtime.p2p import pipeline_links
 
     assert pipeline_links(2, False) == [(0, 1), (1, 0)]
     assert pipeline_links(2, True) == [(0, 1), (1, 0)]  # the wrap-around link is the same one
@@ -133,8 +133,8 @@ def test_links_transport_posts_each_operation_on_its_link_and_waits_for_receives
         monkeypatch):
     """NCCL's transport: one group per link direction, operations one by one; the send is
     held until the next step (send slack 1), the receive waited for at once."""
-    from megatron_seq1f1b import p2p
-    from megatron_seq1f1b.p2p import InFlight
+    from megatron_seq1f1b.runtime import p2p
+    from megatron_seq1f1b.runtime.p2p import InFlight
 
     log, posted = [], []
     monkeypatch.setattr(dist, "isend", lambda t, dst, group: posted.append(("send", dst, group))
@@ -156,7 +156,7 @@ def test_links_transport_posts_each_operation_on_its_link_and_waits_for_receives
 
 
 def test_transport_choice(monkeypatch):
-    from megatron_seq1f1b import p2p
+    from megatron_seq1f1b.runtime import p2p
 
     monkeypatch.setattr(dist, "get_backend", lambda group: group)
     monkeypatch.delenv(p2p.TRANSPORT_ENV, raising=False)

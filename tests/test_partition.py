@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_seq1f1b import split_sequence
-from megatron_seq1f1b.partition import CostModel
+from megatron_seq1f1b.schedules.partition import CostModel
 
 
 def config(**kw):
@@ -155,7 +155,7 @@ def test_segment_lengths_round_to_64_on_cuda_by_default():
     multiple always applies); the default falls back where 64-token blocks do not fit."""
     from types import SimpleNamespace
 
-    from megatron_seq1f1b.checks import rounding_multiple
+    from megatron_seq1f1b.base.checks import rounding_multiple
 
     plain = SimpleNamespace(sequence_parallel=False)
     tp2 = SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2)

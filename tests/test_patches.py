@@ -1,8 +1,8 @@
 """Megatron-LM integration: the patches, the applier, megatron_seq1f1b.megatron_lm.
 
-The applier is ``python -m megatron_seq1f1b.patch`` (``megatron_seq1f1b/patch.py``;
+The applier is ``python -m megatron_seq1f1b.patch`` (``megatron_seq1f1b/megatron_lm/patch.py``;
 also the ``seq1f1b-patch`` command and ``scripts/apply_patches.sh``); its
-patches are ``megatron_seq1f1b/patches/megatron-lm/<tag>/``.
+patches are ``megatron_seq1f1b/megatron_lm/patches/megatron-lm/<tag>/``.
 
 * Real Megatron-LM sources, in both states: from a Megatron-LM git repository
   (MEGATRON_LM_REPO, a clone or mirror with the release tags; on this
@@ -46,8 +46,8 @@ from typing import NamedTuple
 import pytest
 
 from megatron_seq1f1b import megatron_lm
-from megatron_seq1f1b import patch as applier
-from megatron_seq1f1b.checks import ConfigError
+from megatron_seq1f1b.base.checks import ConfigError
+from megatron_seq1f1b.megatron_lm import patch as applier
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
@@ -428,7 +428,7 @@ sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
 from megatron.training import global_vars
 from megatron.training.arguments import parse_args""") + r"""
 from megatron_seq1f1b import megatron_lm
-from megatron_seq1f1b.segments import SegmentRun
+from megatron_seq1f1b.segments.run import SegmentRun
 
 args = parse_args(megatron_lm.extra_args_provider(None))
 global_vars.set_args(args)
@@ -489,7 +489,7 @@ cp = {"wrapped": getattr(cp_cut, "seq1f1b_cut", None) is not None, "kept": cp_ke
 
 # A packed (THD) micro-batch (--sft): documents [0, 5), [5, 12), [12, 16) in segments of 6, 10.
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron_seq1f1b.documents import Documents
+from megatron_seq1f1b.segments.documents import Documents
 
 tokens = torch.arange(16).view(1, 16)
 cu = torch.tensor([[0, 5, 12, 16]], dtype=torch.int32)
@@ -573,7 +573,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 
-from megatron_seq1f1b import cpu, megatron_lm
+from megatron_seq1f1b import megatron_lm
+
+from megatron_seq1f1b.runtime import cpu
 
 if not torch.cuda.is_available():
     cpu.enable()
@@ -888,7 +890,7 @@ def test_applier_in_process(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err.startswith("seq1f1b-patch: unknown option: --bogus\n")
     monkeypatch.delenv(applier.PROG_ENV, raising=False)
     for argv0, prog in [("/venv/bin/seq1f1b-patch", "seq1f1b-patch"),
-                        ("/site-packages/megatron_seq1f1b/patch.py", applier.MODULE_PROG),
+                        ("/site-packages/megatron_seq1f1b/megatron_lm/patch.py", applier.MODULE_PROG),
                         ("-c", applier.MODULE_PROG)]:
         monkeypatch.setattr(sys, "argv", [argv0])
         assert applier.default_prog() == prog
@@ -897,7 +899,7 @@ def test_applier_in_process(tmp_path, capsys, monkeypatch):
 
 
 def test_applier_needs_only_the_standard_library():
-    code = ("import sys; import megatron_seq1f1b.patch as p; "
+    code = ("import sys; import megatron_seq1f1b.megatron_lm.patch as p; "
             "print(sorted(m for m in ('torch', 'megatron', 'megatron_seq1f1b.api', 'numpy') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -1236,7 +1238,7 @@ def test_validate_reports_everything_at_once():
 def test_prepare_model(monkeypatch):
     """enable() gets the model (all chunks), install() the flags; the LM holder is patched."""
     import megatron.core.pipeline_parallel as pipeline_parallel
-    import megatron_seq1f1b.model as model_mod
+    import megatron_seq1f1b.runtime.model_hooks as model_mod
 
     enabled = []
     monkeypatch.setattr(model_mod, "enable", lambda model: enabled.append(model) or model)
@@ -1265,8 +1267,8 @@ def test_prepare_model_with_auto_installs_the_planning_function(monkeypatch):
     """--seq1f1b-splits auto: the installed function plans on its first call (tested on
     ranks in tests/test_auto.py) with the budget flags given."""
     import megatron.core.pipeline_parallel as pipeline_parallel
-    import megatron_seq1f1b.auto as auto_mod
-    import megatron_seq1f1b.model as model_mod
+    import megatron_seq1f1b.planner.auto as auto_mod
+    import megatron_seq1f1b.runtime.model_hooks as model_mod
 
     monkeypatch.setattr(model_mod, "enable", lambda model: model)
     made = []
@@ -1289,7 +1291,7 @@ def test_prepare_model_with_auto_installs_the_planning_function(monkeypatch):
 
 def test_prepare_model_off_and_rejected(monkeypatch):
     import megatron_seq1f1b.api as api_mod
-    import megatron_seq1f1b.model as model_mod
+    import megatron_seq1f1b.runtime.model_hooks as model_mod
 
     def fail(*a, **k):
         raise AssertionError("must not be called")
@@ -1318,7 +1320,7 @@ def test_prepare_model_off_and_rejected(monkeypatch):
 def test_prepare_model_passes_the_documents(monkeypatch, overrides, documents):
     """The schedule learns where each micro-batch's documents are from the flags."""
     import megatron_seq1f1b.api as api_mod
-    import megatron_seq1f1b.model as model_mod
+    import megatron_seq1f1b.runtime.model_hooks as model_mod
 
     installed = []
     monkeypatch.setattr(model_mod, "enable", lambda model: model)
@@ -1372,7 +1374,7 @@ def test_layer_spec_for_context_parallel(block):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_seq1f1b.flash_attention import FlashDotProductAttention
+    from megatron_seq1f1b.attention.flash import FlashDotProductAttention
 
     spec = get_gpt_layer_local_spec()
     if block:  # a block spec (MoE, --spec), as 0.19's --attention-backend local leaves it too
@@ -1410,7 +1412,7 @@ def test_context_parallel_cut_keeps_the_sequence_inside_cp_segments():
     cuts into this CP rank's part of the segment."""
     import torch
 
-    from megatron_seq1f1b.segments import SegmentRun
+    from megatron_seq1f1b.segments.run import SegmentRun
 
     calls = []
 
@@ -1463,7 +1465,7 @@ def test_wrap_model_provider(monkeypatch):
 
 
 def test_wrap_model_provider_uses_megatron_args(monkeypatch):
-    import megatron_seq1f1b.model as model_mod
+    import megatron_seq1f1b.runtime.model_hooks as model_mod
 
     monkeypatch.setattr(model_mod, "enable", lambda m: (_ for _ in ()).throw(AssertionError()))
     monkeypatch.setattr(megatron_lm, "_megatron_args", lambda: megatron_args(seq1f1b=False))
@@ -1497,7 +1499,7 @@ def test_add_post_wrap_hook(monkeypatch):
 def test_post_wrap_hook_prepares_the_chunks(monkeypatch):
     """The real prepare_model as a post-wrap hook: the list of chunks gets enabled."""
     import megatron_seq1f1b.api as api_mod
-    import megatron_seq1f1b.model as model_mod
+    import megatron_seq1f1b.runtime.model_hooks as model_mod
 
     calls = []
     monkeypatch.setattr(model_mod, "enable", lambda model: calls.append(("enable", model)))
@@ -1513,7 +1515,7 @@ def test_post_wrap_hook_prepares_the_chunks(monkeypatch):
 def test_slice_gpt_batch():
     import torch
 
-    from megatron_seq1f1b.segments import SegmentRun
+    from megatron_seq1f1b.segments.run import SegmentRun
 
     b, s = 2, 8
     tokens = torch.arange(b * s).view(b, s)
@@ -1549,7 +1551,7 @@ def test_slice_gpt_batch_fields():
     """core_v0.18+: get_batch's ten fields in BATCH_KEYS order, cut like the 6-tuple."""
     import torch
 
-    from megatron_seq1f1b.segments import SegmentRun
+    from megatron_seq1f1b.segments.run import SegmentRun
 
     b, s = 2, 8
     tokens = torch.arange(b * s).view(b, s)
@@ -1601,8 +1603,8 @@ PACKED_PIECES = [([0, 5, 6], 5), ([0, 6, 10], 6)]
 
 
 def packed_run():
-    from megatron_seq1f1b.documents import Documents
-    from megatron_seq1f1b.segments import SegmentRun
+    from megatron_seq1f1b.segments.documents import Documents
+    from megatron_seq1f1b.segments.run import SegmentRun
 
     return SegmentRun(PACKED_LENGTHS, documents=[Documents((PACKED_STARTS,), 16)])
 

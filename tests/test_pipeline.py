@@ -36,8 +36,8 @@ def test_seq1f1b_equals_no_pipelining(ranks, pp, k, partition, mbs):
 
 
 import pipeline_cases as cases  # noqa: E402
-from megatron_seq1f1b.schedule import build_schedule  # noqa: E402
-from megatron_seq1f1b.simulate import simulate  # noqa: E402
+from megatron_seq1f1b.schedules.schedule import build_schedule  # noqa: E402
+from megatron_seq1f1b.schedules.simulate import simulate  # noqa: E402
 
 
 @pytest.mark.parametrize("pp,m", [(4, 1), (4, 2), (2, 1)])
@@ -198,8 +198,8 @@ def test_links_transport_equals_no_pipelining(ranks, pp, vpp, k):
 def test_link_order_is_one_order_both_ends_of_every_link_agree_on():
     """Each rank posts a step's transfers with the lower links first, so two neighbours
     never each wait on their own send first (were a GPU to run them one at a time)."""
-    from megatron_seq1f1b.p2p import link_order
-    from megatron_seq1f1b.plan import Message
+    from megatron_seq1f1b.runtime.p2p import link_order
+    from megatron_seq1f1b.schedules.plan import Message
 
     def msg(src, dst, kind="act"):
         return Message(kind, 0, 0, 0, src, dst)
@@ -218,8 +218,8 @@ def test_links_transport_posts_in_link_order(monkeypatch):
     two messages of one link direction in the step's own order (NCCL matches them so)."""
     import torch
 
-    from megatron_seq1f1b import p2p
-    from megatron_seq1f1b.plan import Message, Step
+    from megatron_seq1f1b.runtime import p2p
+    from megatron_seq1f1b.schedules.plan import Message, Step
 
     posted = []
     monkeypatch.setattr(p2p.dist, "isend", lambda t, dst, group: posted.append(("send", group,

@@ -1,4 +1,4 @@
-"""Automatic plan (planner.py) and the "measured" partition: choices equal brute force.
+"""Automatic plan (planner/) and the "measured" partition: choices equal brute force.
 
 The brute force here is written independently of the planner: costs straight
 from the synthetic tables' formulas, the measured split by the numeric
@@ -17,14 +17,13 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_seq1f1b import split_sequence
-from megatron_seq1f1b.partition import METHODS, CostModel, causal_pairs
+from megatron_seq1f1b.planner.choice import _rank_key
 from megatron_seq1f1b.planner import (
     BudgetError,
     Calibration,
     Fit,
     Plan,
     StageCosts,
-    _rank_key,
     activation_peak,
     choose_plan,
     format_table,
@@ -32,10 +31,11 @@ from megatron_seq1f1b.planner import (
     main,
     save_calibration,
 )
-from megatron_seq1f1b.plan import plan_steps
-from megatron_seq1f1b.replay import replay
-from megatron_seq1f1b.schedule import SCHEDULES, B, F, W, build_schedule
-from megatron_seq1f1b.simulate import peak_inflight
+from megatron_seq1f1b.schedules.partition import METHODS, CostModel, causal_pairs
+from megatron_seq1f1b.schedules.plan import plan_steps
+from megatron_seq1f1b.schedules.replay import replay
+from megatron_seq1f1b.schedules.schedule import SCHEDULES, B, F, W, build_schedule
+from megatron_seq1f1b.schedules.simulate import peak_inflight
 
 SEQ, P, M = 4096, 4, 4
 MIN_LEN, MAX_K = 64, 8
@@ -534,7 +534,7 @@ def test_floors_round_trip_and_come_from_host_samples(tmp_path):
 
 
 def test_host_floor_is_the_median_dispatch():
-    from megatron_seq1f1b.measure import host_floor
+    from megatron_seq1f1b.planner.measure import host_floor
 
     assert host_floor([[1.0, 4.0], [3.0, 2.0], [2.0, 3.0]]) == (2.0, 3.0)
 
@@ -542,7 +542,7 @@ def test_host_floor_is_the_median_dispatch():
 def test_unit_timer_on_a_cpu_reports_wall_time_for_both():
     import time
 
-    from megatron_seq1f1b.timing import UnitTimer
+    from megatron_seq1f1b.planner.timing import UnitTimer
 
     timer = UnitTimer("cpu")
     with timer.time() as timing:
@@ -553,7 +553,7 @@ def test_unit_timer_on_a_cpu_reports_wall_time_for_both():
 def test_unit_timer_holds_after_a_warm_up_what_its_typical_dispatch_needs():
     """A warm-up's one-off stall (a compilation: 5 s) must not set the hold of every later
     unit (the hold is twice the warm-up's median dispatch, within its bounds)."""
-    from megatron_seq1f1b.timing import UnitTimer
+    from megatron_seq1f1b.planner.timing import UnitTimer
 
     timer = UnitTimer("cpu", hold_s=0.02, max_hold_s=0.25)
     timer._hosts[:] = [5.0, 0.015, 0.03, 0.012, 0.028]  # dispatch seconds seen in a warm-up
@@ -599,8 +599,8 @@ def test_packed_documents_make_the_planner_cut_by_them():
     """With a packed micro-batch's documents every candidate's attention counts only pairs
     within documents, and the documents partition (cut by them) wins over balanced, whose
     causal triangle they do not have; without documents it is not a candidate."""
-    from megatron_seq1f1b.documents import long_tailed
-    from megatron_seq1f1b.partition import CostModel
+    from megatron_seq1f1b.schedules.partition import CostModel
+    from megatron_seq1f1b.segments.documents import long_tailed
 
     model = CostModel(per_token=2 * 12 * 1024 * 1024 * 4 * 12, per_pair=4 * 1024 * 12)
     plain = choose_plan(32768, 4, 8, cost_model=model, splits=[1, 4, 8], schedules=["1f1b"])

@@ -15,10 +15,10 @@ import pytest
 
 from megatron_seq1f1b.bench import predictions as pr
 from megatron_seq1f1b.bench import rehearsal_check as rc
-from megatron_seq1f1b.partition import CostModel
 from megatron_seq1f1b.planner import GIB, Calibration, Fit, StageCosts, save_calibration, \
     stage_memory
-from megatron_seq1f1b.footprint import Training
+from megatron_seq1f1b.planner.footprint import Training
+from megatron_seq1f1b.schedules.partition import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_rehearse.sh"
@@ -125,7 +125,7 @@ def test_the_check_runs_rehearsals_planner_calibrations_and_predictions(tmp_path
     class FakeRunner(rc.Runner):
         def __call__(self, module, args):
             calls.append((module, list(args)))
-            if module != "megatron_seq1f1b.rehearse":
+            if module != "megatron_seq1f1b.planner.rehearse":
                 return super().__call__(module, args)
             out = Path(args[args.index("--json") + 1])
             out.parent.mkdir(parents=True, exist_ok=True)  # as the CLI does
@@ -143,7 +143,7 @@ def test_the_check_runs_rehearsals_planner_calibrations_and_predictions(tmp_path
     assert status["stage 0 of (a), k=1"] == status["stage 0 of (a), k=4"] == "pass"
     assert status["planner command line"] == "pass" and status["predictions"] == "pass"
     assert sum(name.startswith("calibration") for name in status) == 6
-    rehearsals = [args for module, args in calls if module == "megatron_seq1f1b.rehearse"]
+    rehearsals = [args for module, args in calls if module == "megatron_seq1f1b.planner.rehearse"]
     first = rehearsals[0]
     for flag, value in (("--pipeline-model-parallel-size", "4"), ("--rehearse-stage", "0"),
                         ("--seq1f1b-splits", "1"), ("--num-layers", "24"),

@@ -1,4 +1,4 @@
-"""Stage rehearsal (rehearse.py) and the planner's memory per stage (footprint.py).
+"""Stage rehearsal (planner/rehearse.py) and the planner's memory per stage (planner/footprint.py).
 
 A rehearsed stage must do what that stage does in a real pipeline: the same actions in
 the same order, and the same activations. Activations are counted as the bytes autograd
@@ -15,12 +15,12 @@ import pytest
 
 import rehearse_cases as cases
 from gpt import DataSpec, ModelSpec
-from megatron_seq1f1b.footprint import (
+from megatron_seq1f1b.planner import MemoryModel, choose_plan, stage_memory
+from megatron_seq1f1b.planner.footprint import (
     ModelShape, Training, activation_bytes_per_token, stage_activation_bytes, stage_parameters,
     virtual_stage_parameters,
 )
-from megatron_seq1f1b.planner import MemoryModel, choose_plan, stage_memory
-from megatron_seq1f1b.schedule import build_schedule
+from megatron_seq1f1b.schedules.schedule import build_schedule
 
 MODEL = ModelSpec(tied_embeddings=False)
 DATA = DataSpec(num_microbatches=4)
@@ -107,8 +107,8 @@ def test_whole_micro_batches_keep_the_qkv_projection_segments_do_not(ranks):
 
 
 def test_stage_building_refuses_what_it_cannot_rehearse():
-    from megatron_seq1f1b.checks import ConfigError
-    from megatron_seq1f1b.rehearse import build_stage_chunks
+    from megatron_seq1f1b.base.checks import ConfigError
+    from megatron_seq1f1b.planner.rehearse import build_stage_chunks
 
     config = SimpleNamespace(num_layers=4, window_attn_skip_freq=2)
     with pytest.raises(ConfigError) as error:

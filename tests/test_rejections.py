@@ -256,7 +256,7 @@ class Layout:
 
     def run(self, forward_backward: Callable, models: list | None = None, **overrides: Any):
         from gpt import ModelSpec, forward_step
-        from megatron_seq1f1b.executor import clear_setups
+        from megatron_seq1f1b.runtime.executor import clear_setups
 
         clear_setups()  # triggers change the shared model in place; setups are per configuration
 
@@ -287,7 +287,7 @@ def _call(num_splits: int = 1, *, config: dict | None = None, schedule: str = "1
 def _per_token_moe_before_0_19(at: Layout) -> None:
     """Per-token router losses under CP, on a megatron-core that scales them by one CP rank's
     tokens (before 0.19; the detector says so here whatever is installed)."""
-    from megatron_seq1f1b import compat
+    from megatron_seq1f1b.base import compat
 
     with _changed(compat, per_token_router_losses_count_context_parallel=lambda: False):
         _call(config=dict(num_moe_experts=4, moe_aux_loss_coeff=1e-2,
@@ -302,7 +302,7 @@ def _enable(**config: Any) -> RankTrigger:
 
 
 def _not_enabled(at: Layout) -> None:
-    from megatron_seq1f1b.model import _ENABLED
+    from megatron_seq1f1b.runtime.model_hooks import _ENABLED
 
     with _changed(at.gpt(), **{_ENABLED: False}):
         at.run(s1.get_forward_backward_func(2))

@@ -2,12 +2,12 @@
 
 import pytest
 
-from megatron_seq1f1b.plan import ACTIVATION, GRADIENT, Message, Step, plan_steps
-from megatron_seq1f1b.replay import DeadlockError, ScheduleError, replay
-from megatron_seq1f1b.schedule import (
+from megatron_seq1f1b.schedules.plan import ACTIVATION, GRADIENT, Message, Step, plan_steps
+from megatron_seq1f1b.schedules.replay import DeadlockError, ScheduleError, replay
+from megatron_seq1f1b.schedules.schedule import (
     B, F, Action, build_schedule, format_schedule, parse_schedule,
 )
-from megatron_seq1f1b.validate import check_link_order, validate
+from megatron_seq1f1b.schedules.validate import check_link_order, validate
 
 import megatron_order
 

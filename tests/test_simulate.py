@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_seq1f1b import split_sequence
-from megatron_seq1f1b.partition import CostModel
-from megatron_seq1f1b.schedule import build_schedule
-from megatron_seq1f1b.simulate import bubble_formula, main, segment_cost, simulate
+from megatron_seq1f1b.schedules.partition import CostModel
+from megatron_seq1f1b.schedules.schedule import build_schedule
+from megatron_seq1f1b.schedules.simulate import bubble_formula, main, segment_cost, simulate
 
 
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
@@ -57,7 +57,7 @@ def test_timeline_holds_every_action_once():
 
 def test_png_and_chrome_trace(tmp_path):
     pytest.importorskip("matplotlib")
-    from megatron_seq1f1b import draw
+    from megatron_seq1f1b.schedules import draw
 
     result = simulate(build_schedule(4, 4, 4))
     png = draw.draw_png(result.timeline, tmp_path / "t.png", title="test")
@@ -79,7 +79,7 @@ def test_command_line_prints_comparison(tmp_path, capsys):
 
 def test_cli_compares_zero_bubble_schedules(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from megatron_seq1f1b import simulate as sim
+    from megatron_seq1f1b.schedules import simulate as sim
 
     assert sim.main(["--pp", "8", "--microbatches", "16", "--splits", "1", "4",
                      "--schedules", "1f1b", "zb-h1", "--png", str(tmp_path / "s.png")]) == 0

@@ -316,7 +316,7 @@ def test_document_boundaries_before_0_19_equal_megatrons(tmp_path):
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    from megatron_seq1f1b import compat
+    from megatron_seq1f1b.base import compat
     from megatron_seq1f1b.trainer.data import ByteTokenizer, NullTokenizer, quiet_logs
 
     if not compat.dataset_has_inter_document_masking():

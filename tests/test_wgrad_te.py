@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_seq1f1b import te_wgrad, wgrad
+from megatron_seq1f1b.runtime import te_wgrad, wgrad
 
 LOG: list[tuple[str, str]] = []  # ("put" | "dw", layer label), in call order
 
@@ -507,7 +507,7 @@ def test_megatron_ddp_takes_each_delayed_gradient_once(ranks, overlap):
 def test_every_segmented_schedule_refuses_the_first_microbatch_overwrite():
     """Not only zero bubble: with segments, TE's is_first_microbatch GEMM (segment 0's
     backward, which runs after the later segments') would overwrite their gradients."""
-    from megatron_seq1f1b.te_wgrad import first_microbatch_problems
+    from megatron_seq1f1b.runtime.te_wgrad import first_microbatch_problems
 
     eager = TELinear(4, 4, "x", config(delay=False), fuse_wgrad_accumulation=True,
                      disable_parameter_transpose_cache=False)

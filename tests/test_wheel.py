@@ -69,8 +69,8 @@ def test_wheel_holds_the_patches_and_the_command(wheel):
         for patch in PATCHES_OF[tag]:
             rel = patch.relative_to(ROOT).as_posix()
             assert rel in names, rel
-    assert "megatron_seq1f1b/patch.py" in names
-    assert "seq1f1b-patch = megatron_seq1f1b.patch:main" in entry_points
+    assert "megatron_seq1f1b/megatron_lm/patch.py" in names
+    assert "seq1f1b-patch = megatron_seq1f1b.megatron_lm.patch:main" in entry_points
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def in_venv(venv: Path, *command, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_installed_package_stands_alone(venv, tmp_path):
-    code = ("import importlib.util, megatron_seq1f1b.patch as p; print(p.__file__); "
+    code = ("import importlib.util, megatron_seq1f1b.megatron_lm.patch as p; print(p.__file__); "
             "print(importlib.util.find_spec('torch'), importlib.util.find_spec('megatron'))")
     out = in_venv(venv, venv / "bin" / "python", "-c", code, cwd=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megatron_seq1f1b.schedule import (
+from megatron_seq1f1b.schedules.schedule import (
     Action,
     B,
     F,
@@ -17,8 +17,8 @@ from megatron_seq1f1b.schedule import (
     format_schedule,
     parse_schedule,
 )
-from megatron_seq1f1b.simulate import simulate
-from megatron_seq1f1b.validate import validate
+from megatron_seq1f1b.schedules.simulate import simulate
+from megatron_seq1f1b.schedules.validate import validate
 
 # The whole grid takes about 3 minutes; CI replays a corner of it (SEQ1F1B_FULL=1 for all).
 FULL = os.environ.get("SEQ1F1B_FULL") == "1"
@@ -210,7 +210,7 @@ GIVEN_COSTS = ((1.3, 1.1, 2.4), (1.0, 1.2, 0.4), (0.7, 1.5, 0.3))
 def test_given_segment_costs_place_w_and_stay_exact(ranks):
     """The planner's segment costs (not the FLOP model's) place W: the steps that run are
     the ones it simulated, and the gradients stay exact."""
-    from megatron_seq1f1b.executor import pipeline_steps
+    from megatron_seq1f1b.runtime.executor import pipeline_steps
 
     assert pipeline_steps(2, 3, 3, 1, False, "zb-h1", GIVEN_COSTS) != \
         pipeline_steps(2, 3, 3, 1, False, "zb-h1", ((1.0, 1.0, 1.0),) * 3)  # costs matter

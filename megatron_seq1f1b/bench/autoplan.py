@@ -11,15 +11,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from megatron_seq1f1b.base.checks import segment_multiple
 from megatron_seq1f1b.bench.calibration import CalibrationSamples
 from megatron_seq1f1b.bench.predict import matching_mode
 from megatron_seq1f1b.bench.ranks import say
-from megatron_seq1f1b.checks import segment_multiple
-from megatron_seq1f1b.measure import message_fit
-from megatron_seq1f1b.p2p import send_slack_of_runtime
 from megatron_seq1f1b.planner import (
     TIE_TOLERANCE, BudgetError, Calibration, Plan, choose_plan,
 )
+from megatron_seq1f1b.planner.measure import message_fit
+from megatron_seq1f1b.runtime.p2p import send_slack_of_runtime
 
 
 def choose(samples: CalibrationSamples, args: argparse.Namespace, config,

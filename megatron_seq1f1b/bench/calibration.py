@@ -17,14 +17,14 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from megatron_seq1f1b.base.checks import segment_multiple
 from megatron_seq1f1b.bench.layouts import Layout
 from megatron_seq1f1b.bench.lineup import segment_lengths
 from megatron_seq1f1b.bench.ranks import say
-from megatron_seq1f1b.checks import segment_multiple
-from megatron_seq1f1b.measure import calibration_cases as startup_cases
-from megatron_seq1f1b.measure import measure_p2p, time_cases
-from megatron_seq1f1b.megatron_lm_flags import AUTO
-from megatron_seq1f1b.partition import split_sequence
+from megatron_seq1f1b.megatron_lm.arguments import AUTO
+from megatron_seq1f1b.planner.measure import calibration_cases as startup_cases
+from megatron_seq1f1b.planner.measure import measure_p2p, time_cases
+from megatron_seq1f1b.schedules.partition import split_sequence
 
 # Per (stage, chunk): one row [length, end, forward_s, backward_s(, weight_s, input_grad_s)]
 # per segment of every case.

@@ -19,17 +19,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_seq1f1b.bench import autoplan, cp_report, packing
-from megatron_seq1f1b.bench.calibration import calibrate
-from megatron_seq1f1b.bench.document_stats import row_stats
-from megatron_seq1f1b.bench.cp_bytes import attach_meters, measured_bytes
-from megatron_seq1f1b.bench.confirm import Race, closest_rivals, confirmation, sweep_twin
-from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
-from megatron_seq1f1b.compat import megatron_core_version
-from megatron_seq1f1b.flags import (
+from megatron_seq1f1b.base.compat import megatron_core_version
+from megatron_seq1f1b.base.flags import (
     ArgumentParser, OldSpelling, integer, non_negative_float, non_negative_int,
     positive_float, positive_int,
 )
+from megatron_seq1f1b.bench import autoplan, cp_report, packing
+from megatron_seq1f1b.bench.calibration import calibrate
+from megatron_seq1f1b.bench.confirm import Race, closest_rivals, confirmation, sweep_twin
+from megatron_seq1f1b.bench.cp_bytes import attach_meters, measured_bytes
+from megatron_seq1f1b.bench.document_stats import row_stats
+from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
 from megatron_seq1f1b.bench.lineup import (
     ALL_SCHEDULES, AUTO_KEY, DOCUMENTS_KEY, INTERLEAVED, OPT_IN, make_schedules, sweep_key,
 )
@@ -44,9 +44,9 @@ from megatron_seq1f1b.bench.runner import (
 )
 from megatron_seq1f1b.bench.summary import auto_vs_sweep, reference_key, summarize
 from megatron_seq1f1b.bench.timelines import record_timelines
-from megatron_seq1f1b.megatron_lm_flags import AUTO, splits_value
-from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT, PeakMemory
-from megatron_seq1f1b.model import dense_attention
+from megatron_seq1f1b.megatron_lm.arguments import AUTO, splits_value
+from megatron_seq1f1b.planner.peak_memory import MMAP_THRESHOLD_HINT, PeakMemory
+from megatron_seq1f1b.runtime.model_hooks import dense_attention
 from megatron_seq1f1b.trainer import arguments, data, setup
 
 
@@ -274,8 +274,8 @@ def _document_stats(schedules: list, batches: list[dict], args: argparse.Namespa
     returns the packed micro-batches' documents (None: unpacked)."""
     if args.document_length is None and DOCUMENTS_KEY not in args.schedules:
         return None
-    from megatron_seq1f1b.documents import Documents
-    from megatron_seq1f1b.executor_setup import document_cut
+    from megatron_seq1f1b.runtime.executor_setup import document_cut
+    from megatron_seq1f1b.segments.documents import Documents
 
     cost, multiple = document_cut(layout.model, layout.config, args.vocab_size)
     found = [data.batch_documents(b, eod) if args.document_length is not None

@@ -3,7 +3,7 @@ iteration, measured, next to the planner's count of it.
 
 The executor counts the bytes a rank sends in its CP group (all-gather of a segment's keys
 and values in the forward, reduce-scatter of their gradients in the backward) into
-``recorder.cp_bytes`` (an :class:`~megatron_seq1f1b.context_parallel.ExchangedBytes`).
+``recorder.cp_bytes`` (an :class:`~megatron_seq1f1b.attention.context_parallel.ExchangedBytes`).
 The benchmark times its runs without a timeline recorder, so :class:`ByteMeter` is a
 recorder that only counts: its ``begin`` returns no iteration record, which turns every
 timing call of the executor off, and counts the runs so that bytes divide per iteration.
@@ -16,8 +16,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from megatron_seq1f1b.attention.context_parallel import ExchangedBytes, exchanged_bytes
 from megatron_seq1f1b.bench.lineup import BenchSchedule
-from megatron_seq1f1b.context_parallel import ExchangedBytes, exchanged_bytes
 
 
 class ByteMeter:
@@ -68,7 +68,7 @@ def kv_bytes_per_token(config, tp: int, bf16: bool) -> float:
 
 
 def predicted_bytes(sched: BenchSchedule, args: argparse.Namespace, config) -> float:
-    """The planner's count (:func:`~megatron_seq1f1b.context_parallel.exchanged_bytes`) for
+    """The planner's count (:func:`~megatron_seq1f1b.attention.context_parallel.exchanged_bytes`) for
     one rank per iteration: the row's segments on a stage's layers, times m micro-batches."""
     per_microbatch = exchanged_bytes(
         sched.lengths, args.num_layers // args.pp, kv_bytes_per_token(config, args.tp, args.bf16),

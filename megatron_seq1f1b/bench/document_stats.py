@@ -3,9 +3,9 @@
 The documents partition exists to even out segment costs when documents, not the
 sequence's causal triangle, decide what attention computes; ``balanced`` assumes the
 triangle. Both are judged here by the cost model the partition itself cuts with
-(:func:`megatron_seq1f1b.partition.document_segment_cost`), evaluated on the same
+(:func:`megatron_seq1f1b.schedules.partition.document_segment_cost`), evaluated on the same
 micro-batches' documents: for fixed-length rows their lengths, for the documents row
-the cuts :func:`~megatron_seq1f1b.partition.split_documents` makes per micro-batch
+the cuts :func:`~megatron_seq1f1b.schedules.partition.split_documents` makes per micro-batch
 (exactly what the executor runs). Pure host arithmetic: no torch, no Megatron.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
-from megatron_seq1f1b.documents import Documents
-from megatron_seq1f1b.partition import (
+from megatron_seq1f1b.schedules.partition import (
     CostModel, cut_spread, document_segment_cost, split_documents,
 )
+from megatron_seq1f1b.segments.documents import Documents
 
 
 def _bounds(lengths: Sequence[int]) -> list[int]:

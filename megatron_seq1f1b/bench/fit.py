@@ -1,7 +1,7 @@
 """The benchmark's cost functions from fits: message latency, virtual-stage order, per-action cost.
 
-The fits themselves (:func:`~megatron_seq1f1b.fit.fit_costs` and friends) live in the core,
-:mod:`megatron_seq1f1b.fit`, which the planner and the start-up measurement use too.
+The fits themselves (:func:`~megatron_seq1f1b.planner.fit.fit_costs` and friends) live in the core,
+:mod:`megatron_seq1f1b.planner.fit`, which the planner and the start-up measurement use too.
 Pure: no processes, no Megatron.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from megatron_seq1f1b.fit import QUADRATIC, message_bytes_per_token
-from megatron_seq1f1b.schedule import Action
-from megatron_seq1f1b.simulate import CostFn
+from megatron_seq1f1b.planner.fit import QUADRATIC, message_bytes_per_token
+from megatron_seq1f1b.schedules.schedule import Action
+from megatron_seq1f1b.schedules.simulate import CostFn
 
 
 def message_latency(p2p_fit: dict, lengths: Sequence[int], micro_batch_size: int,

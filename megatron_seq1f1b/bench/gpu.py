@@ -51,7 +51,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from megatron_seq1f1b.flags import ArgumentParser, non_negative_int, positive_float, positive_int
+from megatron_seq1f1b.base.flags import ArgumentParser, non_negative_int, positive_float, positive_int
 
 DEFAULT_SIZES = ("256:1024:4", "1024:4096:16", "2048:8192:16")
 DEFAULT_SPLITS = (1, 2, 4, 8)
@@ -332,7 +332,7 @@ def measure_row(name: str, forward_backward: Callable, model: list, batches: lis
                 size: Size, opts: argparse.Namespace, units: int, k: int | None,
                 lengths: list[int], detail: bool = True) -> Row:
     """Warm-up, timed iterations, one profiled and one sync-counted iteration (``detail``)."""
-    from megatron_seq1f1b.memory import PeakMemory
+    from megatron_seq1f1b.planner.peak_memory import PeakMemory
 
     cuda = torch.cuda.is_available()
     run = partial(_iteration, forward_backward, model, batches, size)
@@ -414,8 +414,8 @@ def bench_size(opts: argparse.Namespace, size: Size, say: Callable[[str], None],
     import megatron_seq1f1b as s1
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_seq1f1b import wgrad
-    from megatron_seq1f1b.executor import clear_setups, resolve_lengths
+    from megatron_seq1f1b.runtime import wgrad
+    from megatron_seq1f1b.runtime.executor import clear_setups, resolve_lengths
 
     rows: list[Row] = []
 
@@ -454,7 +454,7 @@ def bench_size(opts: argparse.Namespace, size: Size, say: Callable[[str], None],
         attempt(f"Seq1F1B k={k}", k, seq1f1b)
     if opts.auto:
         def auto() -> Row:
-            from megatron_seq1f1b.auto import plan_by_measuring
+            from megatron_seq1f1b.planner.auto import plan_by_measuring
 
             try:
                 choice = plan_by_measuring(model, forward_step, _repeat(batches[0]),

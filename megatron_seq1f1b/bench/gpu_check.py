@@ -11,7 +11,7 @@ on a GPU; this module runs them in a few minutes and writes one JSON summary::
 1. Seq1F1B (pipeline size 1, ``--splits`` segments, one NCCL rank) against
    Megatron's no-pipelining schedule on the full sequence, same weights and
    batches, for each attention backend (Megatron's local attention; our SDPA
-   flash attention, :mod:`megatron_seq1f1b.flash_attention`, whose fp32 runs on
+   flash attention, :mod:`megatron_seq1f1b.attention.flash`, whose fp32 runs on
    SDPA's efficient or math kernel and bf16 on its flash kernel, which a
    profiler check confirms for the segments; Transformer Engine's when it
    imports) and dtype. fp32: the loss and every
@@ -21,7 +21,7 @@ on a GPU; this module runs them in a few minutes and writes one JSON summary::
    bf16 rounding alone moves small gradients). Transformer Engine computes
    fp32 GEMMs in TF32, so its fp32 run is judged the bf16 way with tighter
    limits (loss 1e-3, cosine 0.9999).
-2. CUDA peak memory of both runs (:class:`megatron_seq1f1b.memory.PeakMemory`):
+2. CUDA peak memory of both runs (:class:`megatron_seq1f1b.planner.peak_memory.PeakMemory`):
    with one pipeline stage both hold one micro-batch, Seq1F1B adds the carried
    K/V, so more than 1.5x the full sequence means caches outlive their use.
 3. The trainer (``scripts/pretrain_gpt.py`` under torchrun, NCCL, bf16) for
@@ -56,7 +56,7 @@ from typing import Callable, Iterable, NamedTuple
 
 import torch
 
-from megatron_seq1f1b.flags import ArgumentParser, non_negative_int, positive_float, positive_int
+from megatron_seq1f1b.base.flags import ArgumentParser, non_negative_int, positive_float, positive_int
 
 FP32_RTOL = 1e-5
 BF16_LOSS_RTOL = 1e-2
@@ -484,7 +484,7 @@ def _provider(backend: str) -> Callable:
         else:
             spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=args.normalization)
         if backend == "flash":
-            from megatron_seq1f1b.flash_attention import flash_layer_spec
+            from megatron_seq1f1b.attention.flash import flash_layer_spec
 
             spec = flash_layer_spec(spec)
         return GPTModel(
@@ -582,7 +582,7 @@ def compare_backend(opts: argparse.Namespace, backend: str, dtype: str, device: 
     import megatron_seq1f1b as s1
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_seq1f1b.memory import PeakMemory
+    from megatron_seq1f1b.planner.peak_memory import PeakMemory
     from megatron_seq1f1b.trainer import setup
 
     start = time.monotonic()

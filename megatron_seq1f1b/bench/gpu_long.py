@@ -1,12 +1,12 @@
 """Long sequences on one GPU: pipeline stages of a 1.3B and a 7B-shaped GPT at 32k-64k tokens.
 
-Flash attention (:mod:`megatron_seq1f1b.flash_attention`, PyTorch SDPA), bf16,
+Flash attention (:mod:`megatron_seq1f1b.attention.flash`, PyTorch SDPA), bf16,
 pipeline size 1, one model per configuration shared by its rows. For each
 configuration: Megatron-Core's schedule against Seq1F1B k = 1, 2, 4, 8 with
 balanced and uniform segments (tokens/s, CUDA peak memory); per-unit forward,
 input-gradient and weight-gradient times of uniform 1-, 2-, 4- and 8-way
 splits (device time with the host's dispatch apart,
-:class:`megatron_seq1f1b.timing.UnitTimer`), fitted and saved as a planner
+:class:`megatron_seq1f1b.planner.timing.UnitTimer`), fitted and saved as a planner
 calibration (``calibration_<config>_<seq>.json``, for
 ``python -m megatron_seq1f1b.planner --calibration``); then the longest
 sequence that trains for the 1.3B stage with Megatron's schedule and with
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_seq1f1b.flags import ArgumentParser, non_negative_int, positive_float, positive_int
+from megatron_seq1f1b.base.flags import ArgumentParser, non_negative_int, positive_float, positive_int
 from megatron_seq1f1b.bench import gpu
 from megatron_seq1f1b.bench.gpu import Row, Shape, Size
 
@@ -69,11 +69,11 @@ def unit_times(model: list, size: Size, opts: argparse.Namespace, batches: list[
     [F, B], the fitted planner calibration) of uniform 1-, 2-, 4-, 8-way splits."""
     from megatron.core.utils import get_model_config
 
-    from megatron_seq1f1b import wgrad
-    from megatron_seq1f1b.measure import host_floor, time_cases
-    from megatron_seq1f1b.model import unwrap
-    from megatron_seq1f1b.partition import split_sequence
     from megatron_seq1f1b.planner import Calibration
+    from megatron_seq1f1b.planner.measure import host_floor, time_cases
+    from megatron_seq1f1b.runtime import wgrad
+    from megatron_seq1f1b.runtime.model_hooks import unwrap
+    from megatron_seq1f1b.schedules.partition import split_sequence
 
     config = get_model_config(model[0])
     multiple = 64 if size.seq % 64 == 0 else 1
@@ -103,9 +103,9 @@ def bench_run(opts: argparse.Namespace, name: str, seq: int, out_dir: Path, say,
     import megatron_seq1f1b as s1
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_seq1f1b import wgrad
-    from megatron_seq1f1b.executor import clear_setups, resolve_lengths
     from megatron_seq1f1b.planner import save_calibration
+    from megatron_seq1f1b.runtime import wgrad
+    from megatron_seq1f1b.runtime.executor import clear_setups, resolve_lengths
 
     shape, hidden, heads = shape_of(name, opts.layers_7b)
     size = Size(hidden, seq, heads)
@@ -185,8 +185,8 @@ def longest(opts: argparse.Namespace, say, deadline: float,
     import megatron_seq1f1b as s1
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_seq1f1b.executor import clear_setups
-    from megatron_seq1f1b.memory import PeakMemory
+    from megatron_seq1f1b.planner.peak_memory import PeakMemory
+    from megatron_seq1f1b.runtime.executor import clear_setups
 
     shape, hidden, heads = shape_of("1.3b", opts.layers_7b)
     results = []

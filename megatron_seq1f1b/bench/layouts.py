@@ -114,7 +114,7 @@ def _global_name(gpt, name: str, tied: bool) -> str:
 
 
 def _named_global_params(model: list, tied: bool) -> dict:
-    from megatron_seq1f1b.model import unwrap
+    from megatron_seq1f1b.runtime.model_hooks import unwrap
 
     params = {}
     for chunk in model:

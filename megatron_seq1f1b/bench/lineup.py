@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from megatron_seq1f1b.bench.layouts import Layout
-from megatron_seq1f1b.megatron_lm_flags import AUTO
+from megatron_seq1f1b.megatron_lm.arguments import AUTO
 
 if TYPE_CHECKING:
     from megatron_seq1f1b.planner import Plan
@@ -106,7 +106,7 @@ class BenchSchedule:
 def segment_lengths(args: argparse.Namespace, k: int, partition: str, layout: Layout,
                     vocab_size: int) -> list[int]:
     """The lengths the executor itself would choose for this model (passed explicitly)."""
-    from megatron_seq1f1b.executor import resolve_lengths
+    from megatron_seq1f1b.runtime.executor import resolve_lengths
 
     return resolve_lengths(k, partition, None, args.seq_length, layout.model, layout.config,
                            vocab_size)

@@ -6,7 +6,7 @@ import argparse
 
 from megatron_seq1f1b.bench import cp_report
 from megatron_seq1f1b.bench.units import fmt_mib
-from megatron_seq1f1b.memory import MMAP_THRESHOLD_HINT
+from megatron_seq1f1b.planner.peak_memory import MMAP_THRESHOLD_HINT
 
 
 def _num(value, spec: str) -> str:

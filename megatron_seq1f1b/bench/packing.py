@@ -3,7 +3,7 @@ then handed to each schedule in the form its backend and schedule take.
 
 Mock data has no documents worth measuring (Megatron's mock documents are long and
 regular). ``--document-length MEAN`` packs every micro-batch with documents of a
-log-normal length distribution (:func:`megatron_seq1f1b.documents.long_tailed`, seeded
+log-normal length distribution (:func:`megatron_seq1f1b.segments.documents.long_tailed`, seeded
 with ``--seed`` + the micro-batch's index) and writes them into the micro-batch as
 Megatron-LM's data loader would have with ``--reset-attention-mask --reset-position-ids
 --eod-mask-loss``: an end-of-document token ends each document, position ids restart
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import torch
 
-from megatron_seq1f1b.documents import Documents, long_tailed
+from megatron_seq1f1b.segments.documents import Documents, long_tailed
 
 #: A collated micro-batch's form for one schedule: "megatron-local", "seq1f1b-local",
 #: "packed" (THD, flash) or "plain" (no documents).

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from megatron_seq1f1b.bench.lineup import BenchSchedule
 from megatron_seq1f1b.bench.units import MiB
-from megatron_seq1f1b.replay import Timeline
+from megatron_seq1f1b.schedules.replay import Timeline
 
 
 def bar_chart(rows: list[dict], path: Path, title: str) -> None:
@@ -58,7 +58,7 @@ def draw_measured_timelines(schedules: list[BenchSchedule], timelines: dict[str,
                             args: argparse.Namespace, out: Path) -> None:
     """timeline_<key>_measured.png (grey bars: p2p waits) and .json (Chrome trace), all on one
     time axis, and timelines_measured.png: all of them stacked on that axis."""
-    from megatron_seq1f1b import draw
+    from megatron_seq1f1b.schedules import draw
 
     x_max = draw.shared_time_axis([timelines[s.key] for s in schedules])
     titles = []
@@ -81,7 +81,7 @@ def draw_simulated_timelines(schedules: list[BenchSchedule], timelines: dict[str
                              args: argparse.Namespace, variant: str, out: Path) -> None:
     """timeline_<key>_simulated.png: the primary prediction's timeline from calibrated costs,
     all on one time axis, and timelines_simulated.png: all of them stacked on that axis."""
-    from megatron_seq1f1b import draw
+    from megatron_seq1f1b.schedules import draw
 
     x_max = draw.shared_time_axis([timelines[s.key] for s in schedules])
     time_label = "seconds (simulated from calibrated costs)"

@@ -19,11 +19,11 @@ from megatron_seq1f1b.bench.layouts import Layout
 from megatron_seq1f1b.bench.lineup import AUTO_KEY, BenchSchedule
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.bench.sharing import pipeline_replay
-from megatron_seq1f1b.fit import extrapolated_fits, fit_costs, fit_p2p, quadratic_for
-from megatron_seq1f1b.model import dense_attention
-from megatron_seq1f1b.replay import Timeline
-from megatron_seq1f1b.schedule import build_schedule
-from megatron_seq1f1b.simulate import SimResult, simulate
+from megatron_seq1f1b.planner.fit import extrapolated_fits, fit_costs, fit_p2p, quadratic_for
+from megatron_seq1f1b.runtime.model_hooks import dense_attention
+from megatron_seq1f1b.schedules.replay import Timeline
+from megatron_seq1f1b.schedules.schedule import build_schedule
+from megatron_seq1f1b.schedules.simulate import SimResult, simulate
 
 # (calibration mode, shared cores or None, with p2p latency)
 Variant = tuple[str, Optional[float], bool]

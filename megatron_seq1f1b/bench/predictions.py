@@ -42,11 +42,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
 
-from megatron_seq1f1b.flags import ArgumentParser, non_negative_float, positive_float
-from megatron_seq1f1b.footprint import ModelShape, Training
+from megatron_seq1f1b.base.flags import ArgumentParser, non_negative_float, positive_float
 from megatron_seq1f1b.planner import (
     GIB, Calibration, Fit, MemoryModel, StageCosts, choose_plan, load_calibration,
 )
+from megatron_seq1f1b.planner.footprint import ModelShape, Training
 
 SCHEDULES = ("1f1b", "1f1b-interleaved", "seq1f1b", "seq1f1b-interleaved")
 DEFAULT_LINK_GB_PER_S = 100.0  # one-way pipeline messages between neighbouring GPUs

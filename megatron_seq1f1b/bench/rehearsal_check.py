@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from megatron_seq1f1b.flags import ArgumentParser, positive_float
+from megatron_seq1f1b.base.flags import ArgumentParser, positive_float
 from megatron_seq1f1b.bench.predictions import CONFIGS
 
 TOLERANCE = 0.10
@@ -195,7 +195,7 @@ def run_check(out: Path, *, tiny: bool = False, calibrate: bool = False, budget_
 
     for index, (name, args) in enumerate(check_rows(tiny)):
         path = out / f"rehearse_k{_flag(args, '--seq1f1b-splits')}.json"
-        code = runner("megatron_seq1f1b.rehearse", args + ["--json", str(path)])
+        code = runner("megatron_seq1f1b.planner.rehearse", args + ["--json", str(path)])
         if code != 0 or not path.exists():
             checks.append(Check(name, "fail", f"the rehearsal exited with status {code}"))
             continue
@@ -233,7 +233,7 @@ def _calibrate_and_predict(out: Path, tiny: bool, runner: Runner, start: float,
             checks.append(Check(label, "skip", f"past the time budget of {budget_s:.0f} s"))
             continue
         json_path = path.with_suffix(".rehearsal.json")
-        code = runner("megatron_seq1f1b.rehearse", args + ["--json", str(json_path)])
+        code = runner("megatron_seq1f1b.planner.rehearse", args + ["--json", str(json_path)])
         ok = code == 0 and path.exists()
         checks.append(Check(label, "pass" if ok else "fail",
                             str(path) if ok else f"exited with status {code}"))

@@ -23,7 +23,7 @@ from megatron_seq1f1b.bench.confirm import Race
 from megatron_seq1f1b.bench.lineup import BenchSchedule
 from megatron_seq1f1b.bench.ranks import per_stage, say, synchronize
 from megatron_seq1f1b.bench.units import fmt_mib
-from megatron_seq1f1b.memory import PeakMemory
+from megatron_seq1f1b.planner.peak_memory import PeakMemory
 
 
 def loss_of(store: list) -> tuple[float, float]:
@@ -154,11 +154,11 @@ def profile_runs(schedules: list[BenchSchedule], batches: list, args: argparse.N
 def count_saved_runs(schedules: list[BenchSchedule], batches: list, args: argparse.Namespace,
                      forward_step: Callable, memory: PeakMemory) -> None:
     """One extra, untimed run of every schedule counting what autograd keeps for backward
-    (:class:`~megatron_seq1f1b.memory.SavedActivations`: the activations themselves, without
+    (:class:`~megatron_seq1f1b.planner.peak_memory.SavedActivations`: the activations themselves, without
     the one-layer temporaries, e.g. collectives' buffers, that the resident peak also holds);
     ``saved_bytes_per_stage`` of each row, the most any rank of a stage kept."""
-    from megatron_seq1f1b.memory import SavedActivations
-    from megatron_seq1f1b.model import unwrap
+    from megatron_seq1f1b.planner.peak_memory import SavedActivations
+    from megatron_seq1f1b.runtime.model_hooks import unwrap
 
     for s in schedules:
         params = [p for chunk in s.layout.model for p in unwrap(chunk).parameters()]

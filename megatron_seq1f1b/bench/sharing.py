@@ -1,6 +1,6 @@
 """Replay a schedule as it runs on real hardware: p2p latency, and ranks sharing CPU cores.
 
-:func:`megatron_seq1f1b.simulate.simulate` gives every rank its own device
+:func:`megatron_seq1f1b.schedules.simulate.simulate` gives every rank its own device
 and free messages. On the development machine neither holds: every step
 that exchanges tensors pays a message time, and with more ranks than cores
 ranks that compute at once slow each other down while a rank in a bubble
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_seq1f1b.plan import plan_steps
-from megatron_seq1f1b.replay import Interval, Timeline, index_messages
-from megatron_seq1f1b.schedule import Action, schedule_shape
-from megatron_seq1f1b.simulate import CostFn, SimResult, peak_inflight
+from megatron_seq1f1b.schedules.plan import plan_steps
+from megatron_seq1f1b.schedules.replay import Interval, Timeline, index_messages
+from megatron_seq1f1b.schedules.schedule import Action, schedule_shape
+from megatron_seq1f1b.schedules.simulate import CostFn, SimResult, peak_inflight
 
 
 def pipeline_replay(schedule: Sequence[Sequence[Action]], cost: CostFn,
                     cores: float | None = None, latency: float = 0.0) -> SimResult:
-    """Replay with rendezvous p2p (as :func:`megatron_seq1f1b.replay.replay`), plus two effects.
+    """Replay with rendezvous p2p (as :func:`megatron_seq1f1b.schedules.replay.replay`), plus two effects.
 
     * ``latency``: a step that exchanges tensors starts computing ``latency``
       seconds after the last peer arrived (the replay's ``comm_latency``).

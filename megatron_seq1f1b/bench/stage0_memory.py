@@ -5,7 +5,7 @@ and gradient buffers already allocated), that is the activations a stage holds a
 busiest; the planner predicts the same quantity per rank with
 :func:`megatron_seq1f1b.planner.stage_memory` (its ``activations`` entry), from the model's
 shape, the schedule's action lists, the segment lengths, the attention kernel and the
-context-parallel size, as :func:`megatron_seq1f1b.rehearse.predicted` asks it for a
+context-parallel size, as :func:`megatron_seq1f1b.planner.rehearse.predicted` asks it for a
 rehearsed stage. Rows whose action lists the planner does not build the same way
 (Megatron's interleaved schedule, full recompute, zero bubble placed by the executor's FLOP
 model) and layouts it does not model (tensor parallelism, experts) get no prediction.
@@ -35,8 +35,8 @@ def predicted_stage0_bytes(sched: BenchSchedule, args: argparse.Namespace, confi
     segment keeps for them (the documents row with its own cuts per micro-batch). Megatron's
     schedules on local attention keep a dense ``[s, s]`` mask and scores instead: not modelled.
     """
-    from megatron_seq1f1b.footprint import ModelShape, Training
     from megatron_seq1f1b.planner import stage_memory
+    from megatron_seq1f1b.planner.footprint import ModelShape, Training
 
     flash = getattr(args, "attention_backend", "local") == "flash"
     if not predictable(sched, args) or (documents is not None and sched.megatron and not flash):

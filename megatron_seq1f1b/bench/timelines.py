@@ -1,6 +1,6 @@
 """Measured timelines: per-action timings of real iterations, for Megatron's schedules and ours.
 
-Seq1F1B records through :class:`megatron_seq1f1b.trace.TimelineRecorder`;
+Seq1F1B records through :class:`megatron_seq1f1b.runtime.trace.TimelineRecorder`;
 Megatron's schedules are timed by wrapping its ``forward_step`` and
 ``backward_step`` for the duration of one run (so they show no p2p waits).
 """
@@ -15,15 +15,15 @@ import torch.distributed as dist
 from megatron_seq1f1b.bench.lineup import BenchSchedule
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.bench.runner import run_once
-from megatron_seq1f1b.memory import PeakMemory
-from megatron_seq1f1b.replay import Timeline
-from megatron_seq1f1b.trace import megatron_step_timer, timeline_stats
+from megatron_seq1f1b.planner.peak_memory import PeakMemory
+from megatron_seq1f1b.runtime.trace import megatron_step_timer, timeline_stats
+from megatron_seq1f1b.schedules.replay import Timeline
 
 
 def record_timeline(sched: BenchSchedule, batches: list, args: argparse.Namespace,
                     forward_step: Callable, memory: PeakMemory, group) -> Timeline:
     """One extra iteration with per-action timing; returns the gathered Timeline (all ranks)."""
-    from megatron_seq1f1b.trace import TimelineRecorder
+    from megatron_seq1f1b.runtime.trace import TimelineRecorder
 
     recorder = TimelineRecorder()
     if sched.megatron:

@@ -11,16 +11,16 @@ import importlib.util
 import math
 import sys
 
-from megatron_seq1f1b.checks import segment_multiple
-from megatron_seq1f1b.flags import (
+from megatron_seq1f1b.base.checks import segment_multiple
+from megatron_seq1f1b.base.flags import (
     ArgumentParser, fraction, non_negative_float, non_negative_int, positive_float,
     positive_int,
 )
-from megatron_seq1f1b.megatron_lm_flags import (
+from megatron_seq1f1b.megatron_lm.arguments import (
     AUTO, add_arguments, auto_flag_problems, moe_flag_problems,
 )
-from megatron_seq1f1b.interleaved import ZB_H2_PROBLEM
-from megatron_seq1f1b.partition import split_sequence
+from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
+from megatron_seq1f1b.schedules.partition import split_sequence
 
 
 def _int_pair(text: str) -> tuple[int, int]:
@@ -68,11 +68,11 @@ def build_parser() -> ArgumentParser:
     model.add_argument("--attention-backend", choices=["local", "flash"], default="local",
                        help="core attention (Megatron-LM's flag): 'local' is Megatron-Core's "
                             "DotProductAttention (unfused, [s, s] scores); 'flash' is "
-                            "megatron_seq1f1b.flash_attention (PyTorch SDPA: flash kernel on "
+                            "megatron_seq1f1b.attention.flash (PyTorch SDPA: flash kernel on "
                             "CUDA, no [s, s] tensor). Default local.")
     mla = p.add_argument_group("multi-latent attention (Megatron-LM's flags)")
     mla.add_argument("--multi-latent-attention", action="store_true",
-                     help="MLA; its core attention is megatron_seq1f1b.flash_attention with "
+                     help="MLA; its core attention is megatron_seq1f1b.attention.flash with "
                           "either --attention-backend (separate K/V widths, PyTorch SDPA)")
     mla.add_argument("--q-lora-rank", type=positive_int, default=None)
     mla.add_argument("--kv-lora-rank", type=positive_int, default=32)

@@ -1,6 +1,6 @@
 """``--seq1f1b-splits auto`` in our trainer: measure at start-up, then fill in the flags.
 
-The measurement and the choice are :func:`megatron_seq1f1b.auto.plan_by_measuring`
+The measurement and the choice are :func:`megatron_seq1f1b.planner.auto.plan_by_measuring`
 (the path Megatron-LM's ``auto`` takes too); here it runs before training, on
 the first training micro-batch, so the plan is logged before the first
 iteration and training afterwards is exactly what the chosen flags given by
@@ -21,8 +21,8 @@ def choose(args, model: list, forward_step_func: Callable, train_ds):
     """The plan (a :class:`~megatron_seq1f1b.planner.PlanChoice`); fills in the args' flags."""
     from megatron.core import parallel_state
 
-    from megatron_seq1f1b.auto import plan_by_measuring
-    from megatron_seq1f1b.checks import ConfigError
+    from megatron_seq1f1b.base.checks import ConfigError
+    from megatron_seq1f1b.planner.auto import plan_by_measuring
 
     eod = data.make_tokenizer(args).eod
     first = data.batches(train_ds, args.micro_batch_size, parallel_state.get_data_parallel_rank(),

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_seq1f1b.model import unwrap
+from megatron_seq1f1b.runtime.model_hooks import unwrap
 
 LATEST = "latest_checkpointed_iteration.txt"
 SHARDED = "sharded"  # the dist_checkpointing folder inside an iteration's folder

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator
 import numpy
 import torch
 
-from megatron_seq1f1b.documents import Documents
+from megatron_seq1f1b.segments.documents import Documents
 
 
 class NullTokenizer:
@@ -86,7 +86,7 @@ def build_datasets(args, tokenizer, train_samples: int, eval_samples: int):
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    from megatron_seq1f1b import compat
+    from megatron_seq1f1b.base import compat
 
     documents = getattr(args, "documents", None)
     boundaries = {}

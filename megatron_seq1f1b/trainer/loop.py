@@ -12,9 +12,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_seq1f1b import compat
-from megatron_seq1f1b.memory import PeakMemory
-from megatron_seq1f1b.megatron_lm_flags import AUTO
+from megatron_seq1f1b.base import compat
+from megatron_seq1f1b.megatron_lm.arguments import AUTO
+from megatron_seq1f1b.planner.peak_memory import PeakMemory
 from megatron_seq1f1b.trainer import arguments, auto_plan, checkpoint, data, setup
 
 
@@ -36,7 +36,7 @@ def _forward_backward_func(args, recorder=None) -> Callable:
 @contextlib.contextmanager
 def _timed(args, model, recorder) -> Iterator[Callable]:
     """The forward-backward function of an iteration whose actions `recorder` times."""
-    from megatron_seq1f1b.trace import megatron_step_timer
+    from megatron_seq1f1b.runtime.trace import megatron_step_timer
 
     if args.seq1f1b:
         yield _forward_backward_func(args, recorder)
@@ -50,8 +50,8 @@ def _write_timeline(args, recorder, title: str) -> dict:
     """Gather the recorded iteration over the pipeline; the last rank draws it. Its stats."""
     from megatron.core import parallel_state
 
-    from megatron_seq1f1b import draw
-    from megatron_seq1f1b.trace import timeline_stats
+    from megatron_seq1f1b.runtime.trace import timeline_stats
+    from megatron_seq1f1b.schedules import draw
 
     timeline = recorder.gather(-1, group=parallel_state.get_pipeline_model_parallel_group())
     stats = timeline_stats(timeline)
@@ -230,7 +230,7 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
         memory.reset()
         recorder = None
         if args.timeline_dir and iteration == args.train_iters - 1:
-            from megatron_seq1f1b.trace import TimelineRecorder
+            from megatron_seq1f1b.runtime.trace import TimelineRecorder
 
             recorder = TimelineRecorder()
         start = time.perf_counter()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 
 def init_distributed(args) -> torch.device:
-    """NCCL on GPUs, gloo on CPUs (with megatron_seq1f1b.cpu patches); then parallel state."""
+    """NCCL on GPUs, gloo on CPUs (with megatron_seq1f1b.runtime.cpu patches); then parallel state."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -25,7 +25,7 @@ def init_distributed(args) -> torch.device:
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
-        from megatron_seq1f1b import cpu
+        from megatron_seq1f1b.runtime import cpu
 
         cpu.enable()
         torch.set_num_threads(int(os.environ.get("SEQ1F1B_THREADS_PER_RANK", "1")))
@@ -51,7 +51,7 @@ def shutdown() -> None:
     """Every rank done, then Megatron's groups and the default group destroyed (in order)."""
     from megatron.core import parallel_state
 
-    from megatron_seq1f1b.p2p import destroy_link_groups
+    from megatron_seq1f1b.runtime.p2p import destroy_link_groups
 
     dist.barrier()
     destroy_link_groups()

@@ -1,0 +1,208 @@
+"""The planner's candidates: what one is (:class:`Plan`), how they rank, how a tie is
+won, and the table and one line that say why the winner won."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from megatron_seq1f1b.planner.memory_model import GIB, bytes_text
+from megatron_seq1f1b.schedules.partition import METHODS
+from megatron_seq1f1b.schedules.schedule import SCHEDULES
+
+__all__ = ["Plan", "PlanChoice", "BudgetError", "TIE_TOLERANCE", "MEASURED_TIE_TOLERANCE",
+           "explain", "format_table"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate: how to cut and schedule, and what the simulation predicts."""
+
+    num_splits: int
+    partition: str
+    lengths: tuple[int, ...]
+    schedule: str
+    time: float  # predicted iteration (calibration unit)
+    bubble: float  # idle share of all ranks' time
+    memory: float  # peak activations of a stage, in micro-batches of that stage
+    memory_bytes: float | None = None  # with bytes_per_token
+    within_budget: bool | None = None  # None: no budget given
+    unit: str = "s"
+    segment_costs: tuple[tuple[float, float, float], ...] | None = None  # zero bubble: (F, B, W)
+    # with a MemoryModel: bytes per rank (stage_memory); derived, so not part of equality
+    stages: tuple[dict, ...] | None = field(default=None, compare=False)
+
+    @property
+    def peak_stage_bytes(self) -> float | None:
+        """The busiest stage's predicted total bytes (with a memory model)."""
+        return max(s["total"] for s in self.stages) if self.stages else None
+
+    def stages_text(self) -> str:
+        """One line per stage: its predicted GB and what they are."""
+        if not self.stages:
+            return ""
+        parts = ["predicted memory per stage (weights + gradients + optimizer + activations "
+                 "= total):"]
+        for rank, s in enumerate(self.stages):
+            parts.append(f"  stage {rank}: {s['weights'] / GIB:.2f} + {s['gradients'] / GIB:.2f}"
+                         f" + {s['optimizer'] / GIB:.2f} + {s['activations'] / GIB:.2f} = "
+                         f"{s['total'] / GIB:.2f} GiB ({s['total'] / 1e9:.2f} GB)")
+        return "\n".join(parts)
+
+    def describe(self) -> str:
+        part = f" {self.partition}" if self.num_splits > 1 else ""
+        return f"k={self.num_splits}{part} {self.schedule}"
+
+    def memory_text(self) -> str:
+        text = f"{self.memory:.2f} micro-batches"
+        return text + (f" ({bytes_text(self.memory_bytes)})" if self.memory_bytes else "")
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The winner, every candidate (ranked: fastest first) and why the winner won."""
+
+    plan: Plan
+    candidates: tuple[Plan, ...]
+    reason: str
+    source: str = ""  # where the costs came from (the calibration's source)
+
+    def table(self) -> str:
+        text = format_table(self.candidates, self.plan, self.reason)
+        return text + ("\n" + self.plan.stages_text() if self.plan.stages else "")
+
+
+class BudgetError(ValueError):
+    """No candidate plan fits the activation-memory budget."""
+
+    def __init__(self, message: str, smallest: Plan):
+        super().__init__(message)
+        self.smallest = smallest
+
+
+def _q(x: float) -> float:
+    """Ten significant digits: equal predictions tie whatever the summation order."""
+    return float(f"{x:.10g}")
+
+
+def _rank_key(plan: Plan) -> tuple:
+    """Fastest; then less memory, fewer splits, partition order, schedule order."""
+    return (_q(plan.time), _q(plan.memory), plan.num_splits, METHODS.index(plan.partition),
+            SCHEDULES.index(plan.schedule))
+
+
+def _memory_key(plan: Plan) -> tuple:
+    return (_q(plan.memory),) + _rank_key(plan)
+
+
+# Within the tie tolerance, the plan that leans least on the cost model: the 1F1B schedule
+# (zero bubble's win rests on the B/W split and W placement), then the partition cut by the
+# packed documents' own FLOPs (where documents are known), the FLOP-balanced partition
+# (machine-independent), then the fitted one; then the fewest segments (fewer
+# steps, messages and small kernels: what per-segment fits capture worst).
+PREFERRED_PARTITIONS = ("documents", "balanced", "measured", "uniform")
+#: Predictions this close to the fastest are a tie, for measured and FLOP costs alike: a
+#: calibration's noise and the FLOP model's assumed rate and host time are both larger, so a
+#: smaller lead is no evidence (FLOP costs once chose k=16 by 0.1 % over k=15).
+TIE_TOLERANCE = 0.02
+MEASURED_TIE_TOLERANCE = TIE_TOLERANCE  # its earlier name, from when only measured costs tied
+
+
+def _robust_key(plan: Plan) -> tuple:
+    return (SCHEDULES.index(plan.schedule), PREFERRED_PARTITIONS.index(plan.partition)
+            if plan.num_splits > 1 else 0, plan.num_splits) + _rank_key(plan)
+
+
+def _pick(feasible: Sequence[Plan], tie_tolerance: float) -> Plan:
+    """The fastest plan, or with a tolerance, the most robust one predicted that close to it."""
+    limit = feasible[0].time * (1 + tie_tolerance)
+    return min((c for c in feasible if _q(c.time) <= _q(limit)), key=_robust_key)
+
+
+def _tie_reason(chosen: Plan, other: Plan) -> str:
+    if _q(chosen.memory) != _q(other.memory):
+        return "less memory"
+    if chosen.num_splits != other.num_splits:
+        return "fewer splits"
+    if chosen.partition != other.partition:
+        return f"partition order {METHODS}"
+    return f"schedule order {SCHEDULES}"
+
+
+def explain(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float = 0.0) -> str:
+    """One line: why `chosen` won over the others."""
+    ranked = sorted(candidates, key=_rank_key)
+    faster = [c for c in ranked if _rank_key(c) < _rank_key(chosen)]
+    over = [c for c in faster if c.within_budget is False]
+    budget = (f"; {len(over)} faster plan(s) exceed the memory budget, e.g. "
+              f"{over[0].describe()} (needs {over[0].memory_text()})" if over else "")
+    fastest = next(c for c in ranked if c.within_budget is not False)
+    if fastest != chosen:
+        return (f"{chosen.describe()} wins: predicted {chosen.time / fastest.time - 1:.1%} "
+                f"slower than the fastest{' within the budget' if over else ''}, "
+                f"{fastest.describe()}, which is within the tie tolerance of "
+                f"{tie_tolerance:.0%}, and it leans less on the cost model "
+                f"({_robust_reason(chosen, fastest)}){budget}")
+    rest = [c for c in ranked if _rank_key(c) > _rank_key(chosen)
+            and c.within_budget is not False]
+    if rest:
+        nxt = rest[0]
+        if _q(nxt.time) == _q(chosen.time):
+            versus = f"as fast as {nxt.describe()}, and wins the tie on {_tie_reason(chosen, nxt)}"
+        else:
+            versus = (f"{nxt.time / chosen.time - 1:.1%} faster than the next"
+                      f"{' within the budget' if faster else ''}, {nxt.describe()}")
+    else:
+        versus = "the only candidate" + (" within the budget" if faster else "")
+    if not faster:
+        return f"{chosen.describe()} wins: fastest; {versus}"
+    best = faster[0]
+    return (f"{chosen.describe()} wins: fastest within the memory budget "
+            f"({chosen.memory_text()}); {len(faster)} faster plan(s) exceed it, e.g. "
+            f"{best.describe()} ({chosen.time / best.time - 1:.1%} faster, needs "
+            f"{best.memory_text()}); {versus}")
+
+
+def _robust_reason(chosen: Plan, fastest: Plan) -> str:
+    if chosen.schedule != fastest.schedule:
+        return f"{chosen.schedule} rather than {fastest.schedule}"
+    if chosen.partition != fastest.partition and chosen.num_splits > 1:
+        return f"the {chosen.partition} partition rather than the {fastest.partition} one"
+    return f"{chosen.num_splits} segments rather than {fastest.num_splits}"
+
+
+def _time_text(value: float, unit: str) -> str:
+    return f"{value * 1e3:.2f} ms" if unit == "s" else f"{value:.4g} {unit}"
+
+
+def _lengths_text(lengths: Sequence[int]) -> str:
+    if len(lengths) <= 4:
+        return ",".join(map(str, lengths))
+    return f"{lengths[0]},{lengths[1]},..,{lengths[-1]}"
+
+
+def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = None) -> str:
+    """All candidates, fastest first (``*`` = chosen), then why the winner won."""
+    ranked = sorted(candidates, key=_rank_key)
+    best = ranked[0].time
+    with_bytes = any(c.memory_bytes for c in ranked)
+    with_stages = any(c.stages for c in ranked)
+    header = (f"  {'k':>3} {'partition':<9} {'schedule':<8} {'time':>14} {'vs best':>8} "
+              f"{'bubble':>7} {'act. (micro-batches)':>20}"
+              + (f" {'act. bytes':>10}" if with_bytes else "")
+              + (f" {'max stage':>10}" if with_stages else "") + f" {'budget':>6}  lengths")
+    lines = [header, "-" * len(header)]
+    for c in ranked:
+        budget = {None: "-", True: "ok", False: "over"}[c.within_budget]
+        gib = f" {bytes_text(c.memory_bytes):>10}" if with_bytes and c.memory_bytes else ""
+        if with_stages:
+            gib += f" {c.peak_stage_bytes / GIB:>6.2f} GiB" if c.stages else f" {'-':>10}"
+        lines.append(
+            f"{'*' if c == chosen else ' '} {c.num_splits:>3} {c.partition:<9} {c.schedule:<8} "
+            f"{_time_text(c.time, c.unit):>14} {c.time / best - 1:>+8.1%} {c.bubble:>7.1%} "
+            f"{c.memory:>20.2f}{gib} {budget:>6}  {_lengths_text(c.lengths)}")
+    lines.append(reason or explain(ranked, chosen))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ command line

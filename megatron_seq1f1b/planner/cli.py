@@ -1,0 +1,315 @@
+"""``python -m megatron_seq1f1b.planner``: plan k, partition and schedule offline, from costs.
+
+Without a calibration the offline command line turns FLOPs into seconds at
+:data:`OFFLINE_FLOP_RATE` and charges every unit (one segment through one
+stage) :data:`OFFLINE_HOST_SECONDS_PER_LAYER` of host time per layer of the
+stage: the fixed cost that makes many short segments slower than few (FLOPs
+alone chose k=16 for a 7B model at 32k tokens; see docs/design.md)::
+
+    python -m megatron_seq1f1b.planner --seq-length 32768 --pp 4 --microbatches 8 \\
+        (--calibration calib.json | --hidden-size 4096 --num-layers 32 ...) \\
+        [--memory-budget-microbatches 2.0 | --memory-budget-gib 40 --bytes-per-token 65536] \\
+        [--vocab-size 50257 --bf16 --data-parallel-size 2 --use-distributed-optimizer \\
+         --gpu-memory-gib 80]     # GB per stage: weights, gradients, optimizer, activations
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+from megatron_seq1f1b.base.flags import (
+    ArgumentParser, OldSpelling, fraction, integer, non_negative_float, positive_float,
+    positive_int,
+)
+from megatron_seq1f1b.planner.choice import TIE_TOLERANCE, BudgetError, Plan
+from megatron_seq1f1b.planner.costs import Calibration, Fit, load_calibration, save_calibration
+from megatron_seq1f1b.planner.footprint import ModelShape, Training
+from megatron_seq1f1b.planner.memory_model import GIB, MemoryModel
+from megatron_seq1f1b.planner.search import MAX_SPLITS, RUNTIME_SEND_SLACK, choose_plan
+from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
+from megatron_seq1f1b.schedules.partition import METHODS, CostModel
+from megatron_seq1f1b.schedules.schedule import SCHEDULES
+
+#: Offline plans without a calibration: sustained FLOP/s of a large GPU in bf16 (about 40 %
+#: of an H100/H200's dense peak; only ratios between plans matter, not the absolute time).
+OFFLINE_FLOP_RATE = 400e12
+#: ... and the host time one unit pays per transformer layer of its stage, forward and
+#: backward together (half each): Megatron-Core's Python dispatch of the local layer spec, the
+#: GPU idle meanwhile, measured on an H200 with torch 2.11 (17-23 ms for a 4-layer chunk
+#: whatever the segment length up to ~2k tokens; ../shared/notes/gpu-device.md).
+OFFLINE_HOST_SECONDS_PER_LAYER = 4.75e-3
+
+# ------------------------------------------------------------------ command line
+
+
+def build_parser() -> ArgumentParser:
+    """The planner's flags; every number is checked as it is read (:mod:`~.flags`)."""
+    parser = ArgumentParser(
+        prog="python -m megatron_seq1f1b.planner",
+        description="Pick segments per micro-batch, partition and schedule from per-segment "
+                    "costs (a calibration file, or FLOPs of the model) and a memory budget.")
+    parser.add_argument("--seq-length", type=positive_int, required=True)
+    parser.add_argument("--pp", type=positive_int, required=True, help="pipeline stages")
+    parser.add_argument("--vpp", type=positive_int, default=1, help="model chunks per rank")
+    parser.add_argument("--microbatches", type=positive_int, required=True)
+    parser.add_argument("--micro-batch-size", type=positive_int, default=1)
+    parser.add_argument("--calibration", help="calibration JSON, or a benchmark's results.json")
+    parser.add_argument("--layout", default="plain",
+                        help="which fits of a results.json (plain or interleaved)")
+    model = parser.add_argument_group("model (FLOP costs; the balanced partition)")
+    model.add_argument("--hidden-size", type=positive_int)
+    model.add_argument("--num-layers", type=positive_int)
+    model.add_argument("--num-attention-heads", type=positive_int)
+    model.add_argument("--num-query-groups", type=positive_int)
+    model.add_argument("--ffn-hidden-size", type=positive_int)
+    model.add_argument("--swiglu", action="store_true", help="gated linear unit")
+    model.add_argument("--vocab-size", type=positive_int)
+    model.add_argument("--dense-attention", action="store_true",
+                       help="attention computes the masked scores too (non-flash kernels)")
+    parser.add_argument("--memory-budget-microbatches", "--memory-budget", type=positive_float,
+                        dest="memory_budget_microbatches", metavar="N", action=OldSpelling,
+                        old="--memory-budget", why="micro-batches of a stage, not MB",
+                        help="peak activations per stage, in micro-batches of a stage (1F1B's "
+                             "first stage holds --pp); --memory-budget is its old spelling")
+    parser.add_argument("--memory-budget-gib", type=positive_float, metavar="GIB",
+                        help="peak activations per stage in GiB (as the trainer's "
+                             "--seq1f1b-memory-budget); needs --bytes-per-token or a "
+                             "calibration that has them")
+    parser.add_argument("--bytes-per-token", type=positive_float,
+                        help="activation bytes one token of one sample leaves on a stage")
+    parser.add_argument("--context-parallel-size", type=positive_int, default=1,
+                        help="context parallelism inside segments: each rank holds 1/N of a "
+                             "segment (FLOPs and activations per rank; keys and values whole)")
+    parser.add_argument("--cp-bandwidth-gbps", type=positive_float, default=100.0,
+                        metavar="GB/S",
+                        help="with --context-parallel-size and the FLOP model: what a rank's "
+                             "all-gather / reduce-scatter of keys and values moves per second")
+    parser.add_argument("--min-segment-length", type=positive_int, default=128)
+    parser.add_argument("--max-splits", type=positive_int, default=MAX_SPLITS)
+    parser.add_argument("--multiple-of", type=positive_int, default=1,
+                        help="every segment length's divisor (tp with sequence parallelism, "
+                             "x8 with FP8)")
+    parser.add_argument("--splits", type=positive_int, nargs="+", help="only these k")
+    parser.add_argument("--partitions", nargs="+", choices=METHODS)
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES)
+    parser.add_argument("--message-latency", type=non_negative_float, default=None,
+                        metavar="SECONDS",
+                        help="one-way time of a pipeline message (default: the calibration's "
+                             "message fit, else 0)")
+    parser.add_argument("--send-slack", type=integer(0, 1), choices=(0, 1),
+                        default=RUNTIME_SEND_SLACK,
+                        help="1 (default): sends finish a step later, as the executor runs on "
+                             "gloo and NCCL; 0: a step waits for all its transfers "
+                             "(SEQ1F1B_P2P=batch on NCCL, Megatron's own schedules)")
+    parser.add_argument("--flop-rate", type=positive_float, default=OFFLINE_FLOP_RATE / 1e12,
+                        metavar="TFLOPS",
+                        help="without --calibration: sustained TFLOP/s that turn FLOPs into "
+                             f"seconds (default {OFFLINE_FLOP_RATE / 1e12:g})")
+    parser.add_argument("--host-ms-per-layer", type=non_negative_float,
+                        default=OFFLINE_HOST_SECONDS_PER_LAYER * 1e3,
+                        help="without --calibration: host time a unit pays per layer of its "
+                             "stage, forward + backward (default "
+                             f"{OFFLINE_HOST_SECONDS_PER_LAYER * 1e3:g}, measured on an H200; 0: "
+                             "FLOPs alone)")
+    parser.add_argument("--tie-tolerance", type=fraction, default=TIE_TOLERANCE,
+                        metavar="FRACTION",
+                        help="plans predicted this close to the fastest count as a tie, won by "
+                             "1F1B over zero bubble, then balanced/measured/uniform, then fewer "
+                             f"segments (default {TIE_TOLERANCE}, measured and FLOP costs "
+                             "alike: neither predicts closer than that; 0: the fastest "
+                             "prediction wins)")
+    memory = parser.add_argument_group(
+        "memory per stage (with the model: weights, main gradients, Adam states, activations)")
+    memory.add_argument("--bf16", action="store_true", help="bf16 weights (default fp32)")
+    memory.add_argument("--fp16", action="store_true", help="fp16 weights")
+    memory.add_argument("--no-grad-reduce-in-fp32", action="store_true",
+                        help="half-precision main gradients (default: fp32 with bf16/fp16)")
+    memory.add_argument("--optimizer", choices=["adam", "none"], default="adam")
+    memory.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="shard master weights and Adam moments over data-parallel ranks")
+    memory.add_argument("--data-parallel-size", type=positive_int, default=1)
+    memory.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                        help="(default: tied, as Megatron-LM)")
+    memory.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
+                        default="rope")
+    memory.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    memory.add_argument("--disable-bias-linear", action="store_true")
+    memory.add_argument("--gpu-memory-gib", type=positive_float, default=None,
+                        help="budget for the busiest stage's total (weights, gradients, "
+                             "optimizer, activations)")
+    parser.add_argument("--json", help="write the choice and all candidates here")
+    parser.add_argument("--save-calibration", help="write the costs used as a calibration file")
+    return parser
+
+
+def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
+    """What needs several flags: one line and status 2 (``parser.error``) if it fails."""
+    if args.vpp > 1 and args.pp < 2:
+        parser.error(f"--vpp {args.vpp} needs --pp >= 2 (interleaving spreads model chunks over "
+                     "pipeline stages), got --pp 1")
+    if args.bf16 and args.fp16:
+        parser.error("--bf16 and --fp16 are exclusive")
+    if args.seq_length % args.multiple_of:
+        parser.error(f"--seq-length {args.seq_length} must be a multiple of --multiple-of "
+                     f"{args.multiple_of}")
+    most = args.seq_length // args.multiple_of
+    for k in args.splits or ():
+        if k > most:
+            parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) make at most "
+                         f"{most} segments of a multiple of {args.multiple_of} tokens")
+        if k > 1 and args.seq_length // k < args.min_segment_length:
+            parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) in {k} segments "
+                         f"are shorter than --min-segment-length {args.min_segment_length}; "
+                         "use at most "
+                         f"{max(args.seq_length // args.min_segment_length, 1)} splits or "
+                         "lower --min-segment-length")
+    if args.hidden_size is not None:
+        missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "num_attention_heads")
+                   if getattr(args, n) is None]
+        if missing:
+            parser.error(f"--hidden-size needs {' and '.join(missing)} too")
+        if args.num_layers % (args.pp * args.vpp):
+            parser.error(f"--num-layers {args.num_layers} must divide by --pp x --vpp "
+                         f"({args.pp * args.vpp}): every virtual stage holds as many layers")
+        if args.num_query_groups and args.num_attention_heads % args.num_query_groups:
+            parser.error(f"--num-query-groups {args.num_query_groups} must divide "
+                         f"--num-attention-heads {args.num_attention_heads}")
+    if args.gpu_memory_gib is not None and (args.hidden_size is None or not args.vocab_size):
+        parser.error("--gpu-memory-gib needs the model (--hidden-size ...) and --vocab-size")
+    if args.calibration is None and args.hidden_size is None:
+        parser.error("give --calibration FILE, or the model (--hidden-size, --num-layers, "
+                     "--num-attention-heads, ...) for FLOP costs")
+    if "balanced" in (args.partitions or ()) and args.hidden_size is None:
+        parser.error("--partitions balanced needs the model (--hidden-size ...): it balances "
+                     "the model's FLOPs")
+    if "zb-h2" in (args.schedules or ()) and args.vpp > 1:
+        parser.error(f"--schedules zb-h2 with --vpp {args.vpp}: {ZB_H2_PROBLEM}")
+
+
+def _model_config(args: argparse.Namespace):
+    """The model's sizes for the FLOP model (checked by :func:`_check`), or None."""
+    if args.hidden_size is None:
+        return None
+    return SimpleNamespace(
+        hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads, kv_channels=None,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        gated_linear_unit=args.swiglu)
+
+
+def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
+    """With the model's sizes and vocabulary: weights, gradients, optimizer and activations
+    per stage; the activations' bytes per token scaled to --bytes-per-token if given."""
+    if config is None or not args.vocab_size:
+        return None
+    shape = ModelShape(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, vocab_size=args.vocab_size,
+        ffn_hidden_size=config.ffn_hidden_size, num_query_groups=config.num_query_groups,
+        gated_linear_unit=config.gated_linear_unit, normalization=args.normalization,
+        add_bias_linear=not args.disable_bias_linear,
+        tied_embeddings=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        max_sequence_length=args.seq_length)
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    training = Training(dtype=dtype, grad_reduce_in_fp32=False if args.no_grad_reduce_in_fp32
+                        else None, optimizer=None if args.optimizer == "none" else "adam",
+                        distributed_optimizer=args.use_distributed_optimizer,
+                        data_parallel_size=args.data_parallel_size)
+    return MemoryModel(shape, training, flash=not args.dense_attention,
+                       bytes_per_token=args.bytes_per_token,
+                       context_parallel_size=args.context_parallel_size)
+
+
+def _exchange_seconds_per_token(args: argparse.Namespace, config, stages: int) -> float:
+    """Seconds a stage's CP exchange takes per token of a segment, in one direction: a rank
+    sends ``(cp - 1) / cp`` of each layer's keys and values
+    (:func:`~megatron_seq1f1b.attention.context_parallel.exchanged_bytes`) at ``--cp-bandwidth-gbps``."""
+    from megatron_seq1f1b.attention.context_parallel import exchanged_bytes
+
+    cp = args.context_parallel_size
+    if cp == 1:
+        return 0.0
+    width = 2 if args.bf16 or args.fp16 else 4
+    head = config.kv_channels or config.hidden_size // config.num_attention_heads
+    kv = 2 * (config.num_query_groups or config.num_attention_heads) * head * width
+    sent = exchanged_bytes([1], config.num_layers / stages, kv, cp, forward_only=True)
+    return sent / (args.cp_bandwidth_gbps * 1e9)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    config = _model_config(args)
+    memory_model = _memory_model(args, config)
+    calibration = None
+    if args.calibration:
+        try:
+            calibration = load_calibration(args.calibration, args.layout)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--calibration {args.calibration}: cannot read it as a calibration "
+                         f"(--layout {args.layout}): {type(exc).__name__}: {exc}")
+    if calibration is None:
+        stages = args.pp * args.vpp
+        calibration = Calibration.from_cost_model(
+            CostModel.from_config(config, args.vocab_size, args.dense_attention), stages,
+            flop_rate=args.flop_rate * 1e12,
+            host_seconds=args.host_ms_per_layer * 1e-3 * args.num_layers / stages,
+            context_parallel_size=args.context_parallel_size,
+            exchange_seconds_per_token=_exchange_seconds_per_token(args, config, stages))
+    if args.memory_budget_gib is not None and not (args.bytes_per_token
+                                                   or calibration.bytes_per_token):
+        parser.error("--memory-budget-gib needs --bytes-per-token (or a calibration that has "
+                     "bytes_per_token) to turn micro-batches of activations into bytes")
+    if args.message_latency is not None:
+        calibration = replace(calibration, message=Fit(0.0, 0.0, args.message_latency))
+    try:
+        choice = choose_plan(
+            args.seq_length, args.pp, args.microbatches, num_model_chunks=args.vpp,
+            micro_batch_size=args.micro_batch_size, calibration=calibration, config=config,
+            vocab_size=args.vocab_size, dense_attention=args.dense_attention,
+            memory_budget=args.memory_budget_microbatches,
+            memory_budget_bytes=args.memory_budget_gib * GIB if args.memory_budget_gib else None,
+            bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,
+            max_splits=args.max_splits, multiple_of=args.multiple_of, splits=args.splits,
+            partitions=args.partitions, schedules=args.schedules, send_slack=args.send_slack,
+            tie_tolerance=args.tie_tolerance, memory_model=memory_model,
+            memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None,
+            context_parallel_size=args.context_parallel_size)
+    except BudgetError as exc:  # the flags are fine; no plan fits them
+        raise SystemExit(f"{parser.prog}: error: {exc}") from None
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(f"seq_length {args.seq_length}, p={args.pp}, v={args.vpp}, m={args.microbatches}, "
+          f"micro-batch size {args.micro_batch_size}; costs: {calibration.source or 'calibration'}"
+          f" ({calibration.unit})")
+    print(choice.table())
+    plan = choice.plan
+    print(f"chosen: --seq1f1b-splits {plan.num_splits} --seq1f1b-partition {plan.partition} "
+          f"--seq1f1b-schedule {plan.schedule}  (split_lengths {list(plan.lengths)})")
+    if args.save_calibration:
+        save_calibration(calibration, args.save_calibration)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "plan": _plan_dict(plan), "reason": choice.reason,
+            "candidates": [_plan_dict(c) for c in choice.candidates]}, indent=1) + "\n")
+    return 0
+
+
+def _plan_dict(plan: Plan) -> dict:
+    return {"num_splits": plan.num_splits, "partition": plan.partition,
+            "lengths": list(plan.lengths), "schedule": plan.schedule, "time": plan.time,
+            "unit": plan.unit, "bubble": plan.bubble, "memory_microbatches": plan.memory,
+            "memory_bytes": plan.memory_bytes, "within_budget": plan.within_budget,
+            "segment_costs": plan.segment_costs,
+            "stages": [dict(s) for s in plan.stages] if plan.stages else None}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,13 @@
+"""What runs a plan on a model: the executor, its messages and the model's hooks.
+
+:mod:`~megatron_seq1f1b.runtime.executor` walks this rank's action list with Megatron-Core's
+forward-backward signature; :mod:`~.executor_setup` builds, checks and caches what a call
+needs (:mod:`~.executor_checks`: what is wrong with a call, before any communication);
+:mod:`~.p2p` sends each segment's activations with shapes known in advance;
+:mod:`~.model_hooks` prepares a model for segments (:func:`megatron_seq1f1b.enable`);
+:mod:`~.wgrad` and :mod:`~.te_wgrad` defer weight gradients for zero-bubble schedules;
+:mod:`~.trace` times a real run's actions; :mod:`~.cpu` lets Megatron-Core run on CPU.
+
+May import: :mod:`megatron_seq1f1b.base`, :mod:`~megatron_seq1f1b.schedules`,
+:mod:`~megatron_seq1f1b.segments`, :mod:`~megatron_seq1f1b.attention`, torch, Megatron-Core.
+"""

@@ -1,0 +1,157 @@
+"""``enable(model)``: make a Megatron-Core GPTModel run sequence segments.
+
+It finds every self-attention layer and the rotary embedding of each model
+chunk and installs the segment-aware forwards of
+:mod:`megatron_seq1f1b.attention.segmented` as instance attributes, so parameters,
+buffers and ``state_dict()`` keys stay exactly as they were. Without an
+active segment the model behaves as before. Configurations that would be
+silently wrong are rejected here, with the option to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_seq1f1b.attention import segmented as attention
+
+from megatron_seq1f1b.base.checks import SUPPORTED_POSITIONS, model_config_problems, raise_if
+from megatron_seq1f1b.segments import moe
+
+_ENABLED = "_seq1f1b_enabled"
+
+
+def unwrap(module) -> Any:
+    """The GPTModel inside DDP / Float16Module / other ``.module`` wrappers."""
+    from megatron.core.models.gpt import GPTModel
+
+    inner = module
+    while not isinstance(inner, GPTModel):
+        if not hasattr(inner, "module"):
+            raise TypeError(
+                f"megatron_seq1f1b.enable() supports Megatron-Core GPTModel (possibly wrapped "
+                f"in DDP or Float16Module); got {type(module).__name__}"
+            )
+        inner = inner.module
+    return inner
+
+
+def chunks_of(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def is_enabled(model) -> bool:
+    return all(getattr(unwrap(chunk), _ENABLED, False) for chunk in chunks_of(model))
+
+
+def dense_attention(model) -> bool:
+    """True if a chunk uses Megatron's local attention, which computes masked scores too.
+
+    (Transformer Engine's flash attention and megatron_seq1f1b.attention.flash
+    skip masked blocks; the balanced partition weighs attention cost accordingly.)
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return any(
+        isinstance(module, DotProductAttention)
+        for chunk in chunks_of(model)
+        for module in unwrap(chunk).modules()
+    )
+
+
+def _check(gpt) -> list[str]:
+    problems = model_config_problems(gpt.config)
+    position = getattr(gpt, "position_embedding_type", "learned_absolute")
+    if position not in SUPPORTED_POSITIONS:
+        problems.append(
+            f"position_embedding_type={position!r} is not supported; use one of "
+            f"{SUPPORTED_POSITIONS}"
+        )
+    return problems
+
+
+def _is_mla(module) -> bool:
+    """Megatron's unfused MLASelfAttention (its fused subclass applies RoPE inside TE)."""
+    names = [cls.__name__ for cls in type(module).__mro__]
+    return "MLASelfAttention" in names and "FusedMLASelfAttention" not in names
+
+
+def _attention_modules(gpt):
+    """(core attention, its segment forward) per attention layer, plus MLA's own rotary modules.
+
+    Multi-latent attention caches the *up-projected*, post-RoPE keys and values at
+    its core attention, like standard attention: exactly the tensors the full
+    sequence's attention saves for its backward, so the cache costs nothing
+    extra. Caching the compressed latent instead would be smaller but would
+    re-run the up-projection of the whole prefix for every segment (and its
+    backward), k times the work for memory that attention keeps anyway.
+    """
+    from megatron.core.transformer.attention import Attention, SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    found, problems = [], []
+    for name, module in gpt.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        if _is_mla(module):
+            found.append((module.rotary_pos_emb, attention.rotary_forward))
+        elif type(module).__name__ == "FusedMLASelfAttention":
+            problems.append(f"{name}: FusedMLASelfAttention applies RoPE inside a fused kernel "
+                            "without a position offset; build MLA with MLASelfAttention")
+            continue
+        elif not isinstance(module, SelfAttention):
+            problems.append(f"{name}: {type(module).__name__} (only self-attention is supported; "
+                            "build with a self-attention transformer_layer_spec)")
+            continue
+        core = module.core_attention
+        cp = getattr(gpt.config, "context_parallel_size", 1) or 1
+        if isinstance(core, DotProductAttention):
+            if cp > 1 and not getattr(core, "seq1f1b_context_parallel", False):
+                problems.append(
+                    f"{name}.core_attention: Megatron's DotProductAttention cannot be built "
+                    f"with context parallelism (context_parallel_size={cp}); build the layer "
+                    "spec with megatron_seq1f1b.attention.context_parallel.context_parallel_layer_spec(spec)")
+            found.append((core, attention.local_attention_forward))
+        elif attention.is_te_attention(core):
+            if cp > 1 and not getattr(type(core), "bottom_right_causal", False):
+                problems.append(
+                    f"{name}.core_attention: Transformer Engine's attention does its own context-"
+                    f"parallel exchange (context_parallel_size={cp}), which Seq1F1B's segments "
+                    "do not drive yet; use "
+                    "Megatron's local attention or megatron_seq1f1b's flash attention "
+                    "(--transformer-impl local) with context parallelism")
+            found.append((core, attention.te_attention_forward))
+        else:
+            problems.append(
+                f"{name}.core_attention: {type(core).__name__} is neither Megatron's "
+                "DotProductAttention nor Transformer Engine's TEDotProductAttention; build with a "
+                "transformer_layer_spec that uses one of them (or megatron_seq1f1b."
+                "flash_attention.flash_layer_spec for PyTorch SDPA)"
+            )
+    return found, problems
+
+
+def enable(model):
+    """Prepare a GPTModel chunk (or list of chunks, possibly wrapped) for segments.
+
+    Idempotent; returns `model`. Raises :class:`~megatron_seq1f1b.ConfigError`
+    for unsupported models or options.
+    """
+    plans = []
+    problems: list[str] = []
+    for chunk in chunks_of(model):
+        gpt = unwrap(chunk)
+        problems += _check(gpt)
+        cores, core_problems = _attention_modules(gpt)
+        problems += core_problems
+        plans.append((gpt, cores))
+    raise_if(sorted(set(problems), key=problems.index))
+    for gpt, cores in plans:
+        for core, make_forward in cores:
+            attention.install_forward(core, make_forward)
+        for router in moe.routers(gpt):
+            moe.install(router)
+        rotary = getattr(gpt, "rotary_pos_emb", None)
+        if getattr(gpt, "position_embedding_type", None) == "rope" and rotary is not None:
+            attention.install_forward(rotary, attention.rotary_forward)
+        setattr(gpt, _ENABLED, True)
+    return model

@@ -1,0 +1,128 @@
+"""Pipeline schedules as data: for every rank, the ordered list of compute actions.
+
+A *unit* is one segment of one micro-batch on one model chunk. Schedules are
+built by pure functions here; the same lists drive the executor, the
+validator, the simulator and the pictures. Nothing here touches torch.
+
+Non-interleaved Seq1F1B (``num_model_chunks == 1``): 1F1B over the ``m*k``
+units. Forwards run in order ``(mb 0, seg 0), (mb 0, seg 1), ...``;
+backwards run micro-batches first-in-first-out but the segments of one
+micro-batch last-in-first-out, because later segments read the keys and
+values of earlier ones and so produce gradient for them. Rank ``r`` of ``p``
+warms up with ``min(p - r - 1 + k - 1, m*k)`` forwards: the last stage needs
+``k - 1`` because its first backward (segment ``k-1`` of micro-batch 0) can
+only start after that micro-batch's last forward. ``k == 1`` is exactly
+Megatron-Core's 1F1B.
+
+Interleaved Seq1F1B (``num_model_chunks == v > 1``) lives in
+:mod:`megatron_seq1f1b.schedules.interleaved`; :func:`build_schedule` dispatches to it.
+Both builders share :mod:`megatron_seq1f1b.schedules.actions` (``Action``, ``F``/``B``,
+the text format, the errors), whose names are re-exported here: import them
+from this module.
+"""
+
+from __future__ import annotations
+
+from megatron_seq1f1b.schedules.actions import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Action,
+    B,
+    DeadlockError,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+    format_actions,
+    format_schedule,
+    one_forward_one_backward,
+    parse_schedule,
+    schedule_shape,
+    splits_backward,
+)
+from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM, interleaved_orders
+from megatron_seq1f1b.schedules.interleaved import warmup_forwards as interleaved_warmup
+from megatron_seq1f1b.schedules.zero_bubble import (
+    VARIANTS,
+    SegmentCosts,
+    build_zero_bubble,
+    plan_variant,
+    segment_cost_fn,
+)
+
+__all__ = [
+    "FORWARD", "BACKWARD", "WEIGHT", "Action", "F", "B", "W", "Schedule", "ScheduleError",
+    "DeadlockError", "format_actions", "format_schedule", "parse_schedule", "schedule_shape",
+    "splits_backward",
+    "one_forward_one_backward", "forward_units", "backward_units", "warmup_forwards",
+    "build_schedule", "SCHEDULES",
+]
+
+
+def forward_units(num_microbatches: int, num_splits: int) -> list[tuple[int, int]]:
+    """(micro-batch, segment) in forward order."""
+    return [(mb, s) for mb in range(num_microbatches) for s in range(num_splits)]
+
+
+def backward_units(num_microbatches: int, num_splits: int) -> list[tuple[int, int]]:
+    """(micro-batch, segment) in backward order: micro-batches FIFO, segments LIFO."""
+    return [(mb, s) for mb in range(num_microbatches) for s in reversed(range(num_splits))]
+
+
+def warmup_forwards(num_stages: int, rank: int, num_microbatches: int, num_splits: int) -> int:
+    """Forwards before the first backward on `rank` (non-interleaved)."""
+    return min(num_stages - rank - 1 + num_splits - 1, num_microbatches * num_splits)
+
+
+def _check_sizes(num_stages: int, num_microbatches: int, num_splits: int, num_model_chunks: int):
+    for name, value in (
+        ("num_stages", num_stages),
+        ("num_microbatches", num_microbatches),
+        ("num_splits", num_splits),
+        ("num_model_chunks", num_model_chunks),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+SCHEDULES = ("1f1b",) + VARIANTS  # "1f1b": Seq1F1B itself; the others split B and W
+
+
+def build_schedule(
+    num_stages: int,
+    num_microbatches: int,
+    num_splits: int,
+    num_model_chunks: int = 1,
+    *,
+    forward_only: bool = False,
+    schedule: str = "1f1b",
+    costs: SegmentCosts | None = None,
+) -> Schedule:
+    """Per-rank action lists of Seq1F1B (interleaved when ``num_model_chunks > 1``).
+
+    ``schedule``: ``"1f1b"`` (Seq1F1B), or a zero-bubble variant (``"zb-h1"``,
+    ``"zb-h2"``: see :mod:`megatron_seq1f1b.schedules.zero_bubble`) that keeps Seq1F1B's
+    orders and adds ``W`` actions, placed for per-segment ``costs`` (F, B, W;
+    default all equal). Forward-only schedules are the same for all.
+    """
+    _check_sizes(num_stages, num_microbatches, num_splits, num_model_chunks)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    if schedule == "zb-h2" and num_model_chunks > 1 and not forward_only:
+        raise ValueError(ZB_H2_PROBLEM)
+    p, m, k, v = num_stages, num_microbatches, num_splits, num_model_chunks
+    if v > 1:
+        forwards, backwards = interleaved_orders(p, m, k, v)
+        warmups = [interleaved_warmup(p, m, k, v, rank) for rank in range(p)]
+    else:
+        forwards = [F(mb, s) for mb, s in forward_units(m, k)]
+        backwards = [B(mb, s) for mb, s in backward_units(m, k)]
+        warmups = [warmup_forwards(p, rank, m, k) for rank in range(p)]
+    if forward_only:
+        return [list(forwards) for _ in range(p)]
+    if schedule == "1f1b":
+        return [one_forward_one_backward(forwards, backwards, w) for w in warmups]
+    zb_warmups, caps = plan_variant(schedule, warmups, len(forwards))
+    cost = segment_cost_fn(costs) if costs is not None else None
+    return build_zero_bubble(forwards, backwards, zb_warmups, caps, v, cost)

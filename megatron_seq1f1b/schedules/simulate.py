@@ -1,0 +1,281 @@
+"""Simulate a schedule: makespan, bubble, peak in-flight activations, timeline.
+
+Costs are per action. The default (forward 1, backward 2 per unit) makes the
+textbook formulas exact: bubble ``(p-1)/(k*m+p-1)`` and a rank-0 peak of
+``min(p+k-1, m*k)`` in-flight segments for non-interleaved Seq1F1B. An
+attention-aware cost (:func:`segment_cost`) shows why the balanced partition
+matters for long sequences.
+
+Command line::
+
+    python -m megatron_seq1f1b.simulate --pp 4 --microbatches 4 --splits 1 4 \
+        --png docs/schedule.png --trace schedule.json
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from megatron_seq1f1b.base.flags import ArgumentParser, positive_int
+from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
+from megatron_seq1f1b.schedules.partition import CostModel, split_sequence
+from megatron_seq1f1b.schedules.plan import plan_steps
+from megatron_seq1f1b.schedules.replay import Timeline, replay
+from megatron_seq1f1b.schedules.schedule import (
+    SCHEDULES,
+    Action,
+    build_schedule,
+    schedule_shape,
+    splits_backward,
+)
+
+CostFn = Callable[[Action, int], float]
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]  # compute time per rank
+    bubble_fraction: float  # idle share of all ranks' time
+    peak_inflight: list[int]  # per rank: max units forwarded and not yet (weight-)backwarded
+    timeline: Timeline
+
+    def summary(self) -> str:
+        return (
+            f"makespan {self.makespan:.2f}  bubble {self.bubble_fraction:.1%}  "
+            f"peak in-flight units per rank {self.peak_inflight}"
+        )
+
+
+def uniform_cost(forward: float = 1.0, backward: float = 2.0, weight: float = 1.0) -> CostFn:
+    """Every unit costs the same: F `forward`, B `backward`, W `weight`.
+
+    ``backward`` is the whole backward in schedules without W; for zero-bubble
+    schedules :func:`simulate` defaults to ``uniform_cost(1, 1, 1)``.
+    """
+    costs = {"F": forward, "B": backward, "W": weight}
+    return lambda action, rank: costs[action.kind]
+
+
+def segment_cost(
+    lengths: Sequence[int],
+    model: CostModel,
+    backward_ratio: float = 2.0,
+    num_model_chunks: int = 1,
+    split_backward: bool = False,
+) -> CostFn:
+    """Cost proportional to a segment's FLOPs (linear part + causal attention).
+
+    Normalized so that the mean forward of a segment costs 1. With
+    ``split_backward`` (zero-bubble schedules) B and W get the input- and
+    weight-gradient FLOPs (:meth:`CostModel.backward_parts`), scaled so that
+    B + W = ``backward_ratio`` x forward.
+    """
+    flops = model.split_costs(list(lengths))
+    mean = sum(flops) / len(flops) * num_model_chunks
+    table = {}
+    end = 0
+    for segment, (length, forward) in enumerate(zip(lengths, flops)):
+        end += length
+        input_grads, weight_grads = model.backward_parts(length, end)
+        scale = backward_ratio * forward / (input_grads + weight_grads)
+        backward = (input_grads * scale, weight_grads * scale) if split_backward \
+            else (backward_ratio * forward, 0.0)
+        table[segment] = {"F": forward / mean, "B": backward[0] / mean, "W": backward[1] / mean}
+    return lambda a, rank: table[a.segment][a.kind]
+
+
+def peak_inflight(actions: Sequence[Action]) -> int:
+    """Most units alive at once: from F until B, or until W where W is split off.
+
+    A pending W keeps the inputs and output gradients of its layers, so a
+    zero-bubble unit counts as in flight until its W.
+    """
+    release = "W" if any(a.is_weight for a in actions) else "B"
+    live = peak = 0
+    for action in actions:
+        live += action.is_forward - (action.kind == release)
+        peak = max(peak, live)
+    return peak
+
+
+def simulate(schedule: Sequence[Sequence[Action]], cost: CostFn | None = None) -> SimResult:
+    """Replay the schedule with `cost(action, rank)` per action.
+
+    Default: F=1, B=2; with W split off (zero bubble) F=B=W=1.
+    """
+    _, _, _, chunks = schedule_shape(schedule)
+    if cost is None:
+        cost = uniform_cost(1.0, 1.0, 1.0) if splits_backward(schedule) else uniform_cost()
+    timeline = replay(plan_steps(schedule, chunks), cost)
+    makespan = timeline.makespan
+    busy = [sum(iv.end - iv.start for iv in rank) for rank in timeline.compute]
+    total = makespan * len(schedule)
+    bubble = 1.0 - sum(busy) / total if total else 0.0
+    return SimResult(makespan, busy, bubble, [peak_inflight(a) for a in schedule], timeline)
+
+
+def bubble_formula(num_stages: int, num_microbatches: int, num_splits: int,
+                   num_model_chunks: int = 1) -> float:
+    """Idle share with equal unit costs: ``(p-1) / (v*k*m + p-1)``.
+
+    Exact for non-interleaved Seq1F1B; for the interleaved variant it is what
+    the simulator observes when the micro-batch groups are full (e.g. m a
+    multiple of p for k=1, Megatron's interleaved 1F1B).
+    """
+    units = num_model_chunks * num_splits * num_microbatches
+    return (num_stages - 1) / (units + num_stages - 1)
+
+
+def zero_bubble_formula(num_stages: int, num_microbatches: int, num_splits: int,
+                        num_model_chunks: int = 1) -> float:
+    """Idle share of zb-h1 with F = B = W: ``(p-1) / (3*v*k*m + p-1)``.
+
+    The least any schedule can have: the last stage starts ``p-1`` units late
+    and has ``3*v*k*m`` units of work. zb-h1 reaches it once the first stage
+    has a steady state (``k*m >= p + k - 1``).
+    """
+    units = 3 * num_model_chunks * num_splits * num_microbatches
+    return (num_stages - 1) / (units + num_stages - 1)
+
+
+# ------------------------------------------------------------------ command line
+
+
+def build_parser() -> ArgumentParser:
+    """The simulator's flags; every number is checked as it is read."""
+    parser = ArgumentParser(
+        prog="python -m megatron_seq1f1b.simulate",
+        description="Compare 1F1B and Seq1F1B schedules: bubble and peak activations.",
+    )
+    parser.add_argument("--pp", type=positive_int, default=4, help="pipeline stages")
+    parser.add_argument("--microbatches", type=positive_int, default=4)
+    parser.add_argument("--splits", type=positive_int, nargs="+", default=[1, 4],
+                        help="segments per micro-batch; 1 is Megatron's 1F1B")
+    parser.add_argument("--chunks", type=positive_int, default=1,
+                        help="model chunks per rank (vpp)")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["1f1b"],
+                        help="1f1b (Seq1F1B) and/or the zero-bubble variants zb-h1, zb-h2 "
+                             "(weight gradients W split off: F = B = W = 1)")
+    parser.add_argument("--cost", choices=["uniform", "attention"], default="uniform",
+                        help="uniform unit costs, or FLOPs of causal segments")
+    parser.add_argument("--partition", choices=["uniform", "balanced"], default="balanced")
+    parser.add_argument("--seq-length", type=positive_int, default=32768)
+    parser.add_argument("--hidden-size", type=positive_int, default=4096)
+    parser.add_argument("--num-layers", type=positive_int, default=32)
+    parser.add_argument("--num-attention-heads", type=positive_int, default=32)
+    parser.add_argument("--vocab-size", type=positive_int, default=50257)
+    parser.add_argument("--png", help="draw the timeline(s) here, all on one time axis: with "
+                                      "several, one picture each (suffix _k<splits>"
+                                      "[_<schedule>]) and all of them stacked in this file")
+    parser.add_argument("--trace", help="write a Chrome trace (Perfetto) here, same suffix rule")
+    return parser
+
+
+def _parse_args(argv=None):
+    """Parsed and checked flags: a problem is one line on stderr and exit status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.chunks > 1 and args.pp < 2:
+        parser.error(f"--chunks {args.chunks} needs --pp >= 2 (interleaving spreads model "
+                     "chunks over pipeline stages), got --pp 1")
+    if args.chunks > 1 and "zb-h2" in args.schedules:
+        parser.error(f"--schedules zb-h2 with --chunks {args.chunks}: {ZB_H2_PROBLEM}")
+    if args.cost == "attention":
+        for k in args.splits:
+            if k > args.seq_length:
+                parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) make at "
+                             f"most {args.seq_length} segments")
+    return args
+
+
+def _config_from_args(args):
+    """A stand-in for TransformerConfig with the fields the cost model reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        kv_channels=None, num_query_groups=None, ffn_hidden_size=4 * args.hidden_size,
+        gated_linear_unit=False, num_layers=args.num_layers,
+    )
+
+
+def _output_path(path: str, splits: int, schedule: str, many_splits: bool,
+                 many_schedules: bool) -> Path:
+    out = Path(path)
+    suffix = (f"_k{splits}" if many_splits else "") + (f"_{schedule}" if many_schedules else "")
+    return out.with_name(f"{out.stem}{suffix}{out.suffix}")
+
+
+def schedule_name(splits: int, schedule: str, chunks: int = 1) -> str:
+    """'1F1B', 'Seq1F1B k=4', 'ZB-H1', 'Seq1F1B ZB-H1 k=4' (+ ' (v=2)')."""
+    zero_bubble = schedule.upper() if schedule != "1f1b" else ""
+    if splits == 1:
+        name = zero_bubble or "1F1B"
+    else:
+        name = f"Seq1F1B {zero_bubble} k={splits}" if zero_bubble else f"Seq1F1B k={splits}"
+    return name + (f" (v={chunks})" if chunks > 1 else "")
+
+
+def main(argv=None) -> int:
+    from megatron_seq1f1b.schedules import draw
+
+    args = _parse_args(argv)
+    p, m, v = args.pp, args.microbatches, args.chunks
+    many_splits, many_schedules = len(args.splits) > 1, len(args.schedules) > 1
+    print(f"pipeline stages p={p}, micro-batches m={m}, model chunks v={v}, cost={args.cost}")
+    header = (f"{'schedule':<26}{'bubble':>8}{'formula':>9}{'peak units':>12}"
+              f"{'peak (micro-batches)':>21}")
+    print(header)
+    print("-" * len(header))
+    drawn = []  # (k, schedule, title, timeline in micro-batch forwards)
+    for k in args.splits:
+        for kind in args.schedules:
+            schedule = build_schedule(p, m, k, v, schedule=kind)
+            split = kind != "1f1b"
+            cost = None
+            if args.cost == "attention":
+                config = _config_from_args(args)
+                lengths = split_sequence(
+                    args.seq_length, k, args.partition, config=config, vocab_size=args.vocab_size
+                )
+                model = CostModel.from_config(config, args.vocab_size)
+                cost = segment_cost(lengths, model, num_model_chunks=v, split_backward=split)
+            result = simulate(schedule, cost)
+            name = schedule_name(k, kind, v)
+            peak_mb = result.peak_inflight[0] / (k * v)
+            formula = "-"
+            if args.cost == "uniform":
+                formula = f"{(zero_bubble_formula if split else bubble_formula)(p, m, k, v):.1%}"
+            print(f"{name:<26}{result.bubble_fraction:>8.1%}{formula:>9}"
+                  f"{result.peak_inflight[0]:>12}{peak_mb:>21.2f}")
+            # Costs are per unit (a segment of a chunk); in one micro-batch's forward on one
+            # stage they compare across k: uniform units are 1/(k*v) of it, segment_cost's
+            # (mean forward of a segment over v chunks) 1/k.
+            per_forward = k * v if args.cost == "uniform" else k
+            drawn.append((k, kind, f"{name}: p={p}, m={m}, bubble {result.bubble_fraction:.1%}",
+                          result.timeline.scaled(1.0 / per_forward)))
+    time_label = "time (1 = one micro-batch's forward on one stage)"
+    x_max = draw.shared_time_axis([timeline for *_, timeline in drawn])
+    for k, kind, title, timeline in drawn:
+        if args.png:
+            out = _output_path(args.png, k, kind, many_splits, many_schedules)
+            draw.draw_png(timeline, out, title=title, time_label=time_label, x_max=x_max)
+            print(f"  timeline picture: {out}")
+        if args.trace:
+            out = _output_path(args.trace, k, kind, many_splits, many_schedules)
+            draw.write_chrome_trace(timeline, out, time_unit_us=1000.0)
+            print(f"  Chrome trace: {out}")
+    if args.png and len(drawn) > 1:
+        out = draw.draw_timelines([t for *_, t in drawn], args.png, [t for *_, t, _ in drawn],
+                                  time_label=time_label, x_max=x_max)
+        print(f"  all timelines on one time axis: {out}")
+    print("peak (micro-batches): rank-0 in-flight activations in micro-batches of a stage "
+          "(units / (splits * chunks))")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,455 @@
+"""Which segment is running: SegmentInfo, the active-segment context, batch slicing.
+
+The schedule (or a test driving segments by hand) opens a :class:`SegmentRun`
+per iteration and runs every forward and backward of a unit inside
+``run.forward(mb, seg)`` / ``run.backward(mb, seg)``. Inside, model hooks and
+the user's ``forward_step_func`` see :func:`current_segment`. The active
+context exists only inside those ``with`` blocks; the run (and its key/value
+caches) dies with the iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from megatron_seq1f1b.base.checks import raise_if, segment_length_problems
+from megatron_seq1f1b.segments.documents import (
+    Chain, Documents, SegmentView, chains, rank_ranges, roles, views_of,
+)
+from megatron_seq1f1b.segments.kv_cache import KVStore
+from megatron_seq1f1b.segments.packed import Packed
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """Segment `index` of micro-batch `microbatch`: tokens ``[start, end)``."""
+
+    microbatch: int
+    index: int
+    num_splits: int
+    start: int
+    end: int
+    lengths: tuple[int, ...]
+    chunk: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_splits - 1
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One micro-batch's segments for layers of one window: what each sees, and the chains.
+
+    ``views`` are whole segments (their keys, the chains); ``queries`` what this rank's
+    queries of each see (a context-parallel rank's chunks; the views without CP).
+    """
+
+    views: tuple[SegmentView, ...]
+    chains: tuple[Chain, ...]
+    roles: tuple[tuple[str, int], ...]
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    queries: tuple[SegmentView, ...] = ()
+
+
+def _starts(lengths: Sequence[int]) -> tuple[int, ...]:
+    out, total = [], 0
+    for n in lengths:
+        out.append(total)
+        total += n
+    return tuple(out)
+
+
+@dataclass
+class _Active:
+    info: SegmentInfo
+    phase: str
+    run: "SegmentRun"
+
+
+_active: _Active | None = None
+
+
+def active() -> _Active | None:
+    """The running unit (info, phase, run) or None outside segmented steps."""
+    return _active
+
+
+def current_segment() -> SegmentInfo | None:
+    """The segment being computed, or None outside a segmented step."""
+    return _active.info if _active is not None else None
+
+
+class SegmentRun:
+    """One iteration's segmented computation: segment geometry and K/V caches.
+
+    ``forward(mb, seg)`` and ``backward(mb, seg)`` are context managers in which
+    one unit runs. Recomputation (activation checkpointing) re-runs forwards
+    inside ``backward``; the model hooks see phase ``"backward"`` and neither
+    write caches again nor count a second forward.
+    """
+
+    def __init__(self, lengths: Sequence[int], *, forward_only: bool = False, config=None,
+                 documents: Sequence[Documents | None] | None = None,
+                 microbatch_lengths: Sequence[Sequence[int]] | None = None,
+                 cp_group=None, cp_meter=None):
+        raise_if(segment_length_problems(lengths, config=config))
+        self.lengths = tuple(int(n) for n in lengths)
+        self.starts = _starts(self.lengths)
+        self.forward_only = forward_only
+        self.kv = KVStore()
+        # Per micro-batch (plan data, the same on every rank): its documents, and its own
+        # segment lengths where they differ between micro-batches (``documents`` partition).
+        self.documents = tuple(documents) if documents is not None else None
+        self.microbatch_lengths = (tuple(tuple(int(n) for n in row) for row in microbatch_lengths)
+                                   if microbatch_lengths is not None else None)
+        if self.microbatch_lengths is not None:
+            for row in self.microbatch_lengths:
+                raise_if(segment_length_problems(row, sum(self.lengths), config))
+                if len(row) != len(self.lengths):
+                    raise_if([f"micro-batch segment lengths {list(row)} differ in number from "
+                              f"{list(self.lengths)}"])
+        self._masks: dict = {}
+        self._views: dict = {}
+        self._packed: dict = {}
+        # Context parallelism: this rank holds two chunks of every segment
+        # (:mod:`megatron_seq1f1b.attention.context_parallel`); ``cp_meter`` counts the bytes exchanged.
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        self.cp_rank = self.cp_group.rank() if self.cp_group is not None else 0
+        self.cp_meter = cp_meter
+
+    @property
+    def segmented(self) -> bool:
+        """Whether attention must treat even one segment as such (documents, or CP)."""
+        return self.num_splits > 1 or self.documents is not None or self.cp_size > 1
+
+    def rank_ranges(self, info: SegmentInfo) -> tuple[tuple[int, int], ...]:
+        """The positions of the segment this rank holds (all of it without CP)."""
+        return rank_ranges(info.start, info.end, self.cp_size, self.cp_rank)
+
+    @property
+    def num_splits(self) -> int:
+        return len(self.lengths)
+
+    def lengths_of(self, microbatch: int) -> tuple[int, ...]:
+        """The segment lengths of one micro-batch."""
+        if self.microbatch_lengths is None:
+            return self.lengths
+        return self.microbatch_lengths[microbatch]
+
+    def documents_of(self, microbatch: int) -> Documents | None:
+        if self.documents is None:
+            return None
+        return self.documents[microbatch]
+
+    def info(self, microbatch: int, segment: int, chunk: int = 0) -> SegmentInfo:
+        if not 0 <= segment < self.num_splits:
+            raise IndexError(f"segment {segment} outside 0..{self.num_splits - 1}")
+        if self.microbatch_lengths is None:
+            lengths, start = self.lengths, self.starts[segment]
+        else:
+            lengths = self.microbatch_lengths[microbatch]
+            start = sum(lengths[:segment])
+        return SegmentInfo(microbatch, segment, self.num_splits, start, start + lengths[segment],
+                           lengths, chunk)
+
+    def geometry(self, microbatch: int, window: int | None) -> Geometry:
+        """Views, chains and roles of one micro-batch's segments for layers with ``window``."""
+        key = (microbatch, window)
+        found = self._views.get(key)
+        if found is None:
+            lengths = self.lengths_of(microbatch)
+            documents, starts = self.documents_of(microbatch), _starts(lengths)
+            views = views_of(starts, lengths, documents, window)
+            mine = views if self.cp_size == 1 else views_of(
+                starts, lengths, documents, window,
+                lambda start, end: rank_ranges(start, end, self.cp_size, self.cp_rank))
+            linked = chains(views)
+            found = Geometry(views, linked, roles(views, linked), starts, lengths, mine)
+            self._views[key] = found
+        return found
+
+    @contextlib.contextmanager
+    def _enter(self, info: SegmentInfo, phase: str) -> Iterator[SegmentInfo]:
+        global _active
+        outer = _active
+        _active = _Active(info, phase, self)
+        try:
+            yield info
+        finally:
+            _active = outer
+
+    @contextlib.contextmanager
+    def forward(self, microbatch: int, segment: int, chunk: int = 0) -> Iterator[SegmentInfo]:
+        info = self.info(microbatch, segment, chunk)
+        with self._enter(info, FORWARD):
+            yield info
+        if self.forward_only and info.is_last:
+            self.kv.release(microbatch, chunk)
+            self.forget(microbatch)
+
+    @contextlib.contextmanager
+    def backward(self, microbatch: int, segment: int, chunk: int = 0) -> Iterator[SegmentInfo]:
+        info = self.info(microbatch, segment, chunk)
+        with self._enter(info, BACKWARD):
+            yield info
+        if segment == 0:
+            # Normally already released layer by layer inside the backward pass.
+            self.kv.release(microbatch, chunk)
+            self.forget(microbatch)
+
+    def local_mask(self, info: SegmentInfo, view: SegmentView, device,
+                   key_start: int | None = None) -> torch.Tensor:
+        """Boolean mask of queries x keys ``[key_start, end)``, True = masked (local attention).
+
+        Without documents ``[1, 1, L, keys]``: query i sees keys ``<= start + i``
+        (and, with a window of w keys, ``>= start + i - w``). With documents
+        ``[b, 1, L, keys]``: the keys of its own document only. The queries are
+        ``view``'s (a context-parallel rank's chunks), the keys from ``key_start``
+        (default the view's).
+        """
+        key_start = view.key_start if key_start is None else key_start
+        key = (info.microbatch if view.pieces is not None else None, info.start, info.end,
+               key_start, view.window, device, view.num_queries)
+        mask = self._masks.get(key)
+        if mask is None:
+            keys = torch.arange(key_start, info.end, device=device)
+            if view.pieces is None:
+                queries = torch.arange(info.start, info.end, device=device).unsqueeze(1)
+                mask = keys > queries
+                if view.window is not None:
+                    mask |= keys < queries - view.window
+                mask = mask.view(1, 1, info.length, len(keys))
+            else:
+                rows = []
+                for sample in view.pieces:
+                    queries = torch.tensor([t for piece in sample
+                                            for t in range(piece.q0, piece.q1)],
+                                           device=device).unsqueeze(1)
+                    lows = [piece.doc for piece in sample for _ in range(piece.queries)]
+                    lowest = torch.tensor(lows, device=device).unsqueeze(1)
+                    if view.window is not None:
+                        lowest = torch.maximum(lowest, queries - view.window)
+                    rows.append((keys > queries) | (keys < lowest))
+                mask = torch.stack(rows).unsqueeze(1)
+            self._masks[key] = mask
+        return mask
+
+    def packed(self, info: SegmentInfo, view: SegmentView, device,
+               key_start: int | None = None) -> Packed:
+        """The segment as variable-length (THD) attention sees it, its index tensors on
+        ``device`` (made once per segment and window, shared by its layers)."""
+        key = (info.microbatch, info.index, view.window, device)
+        found = self._packed.get(key)
+        if found is None:
+            samples = len(view.pieces) if view.pieces is not None else 1
+            documents = self.documents_of(info.microbatch)
+            if documents is not None:
+                samples = documents.micro_batch_size
+            found = Packed.of(view, samples, device, key_start)
+            self._packed[key] = found
+        return found
+
+    def document_positions(self, info: SegmentInfo) -> tuple[torch.Tensor, int]:
+        """Each token's position within its document (one sample), and one more than the
+        largest: the rows of a packed segment's rotary table (cached per segment)."""
+        key = (info.microbatch, "positions", info.index)
+        found = self._packed.get(key)
+        if found is None:
+            positions = self.documents_of(info.microbatch).positions(0, info.start, info.end)
+            found = (torch.tensor(positions, dtype=torch.long), max(positions) + 1)
+            self._packed[key] = found
+        return found
+
+    def packed_fields(self, info: SegmentInfo, batch: dict) -> dict:
+        """A packed (THD) batch's ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``
+        for this segment (see :func:`slice_batch`), shaped and placed as given."""
+        documents = self.documents_of(info.microbatch)
+        if documents is None:
+            raise ValueError(
+                "slice_batch: a packed batch (cu_seqlens) in a segment, but the schedule was not "
+                "given its documents; pass documents='cu_seqlens' to get_forward_backward_func")
+        if documents.micro_batch_size != 1:
+            raise ValueError("slice_batch: packed (THD) batches hold one sample per micro-batch")
+        (pieces,) = documents.view(info.start, info.end).sample_pieces(1)
+        lengths = [piece.queries for piece in pieces]
+        out = {}
+        for key in _PACKED_KEYS:
+            value = batch.get(key)
+            if value is None:
+                continue
+            if key == "max_seqlen":
+                out[key] = (torch.full_like(value, max(lengths)) if isinstance(value, torch.Tensor)
+                            else max(lengths))
+                continue
+            cache_key = (info.microbatch, key, info.index, value.device, value.dim())
+            cut = self._packed.get(cache_key)
+            if cut is None:
+                cumulative = [0]
+                for n in lengths:
+                    cumulative.append(cumulative[-1] + n)
+                cut = torch.tensor(cumulative, dtype=value.dtype, device=value.device)
+                cut = cut.view(1, -1) if value.dim() == 2 else cut
+                self._packed[cache_key] = cut
+            out[key] = cut
+        return out
+
+    def forget(self, microbatch: int) -> None:
+        """Drop a finished micro-batch's masks and index tensors."""
+        for cache in (self._masks, self._packed):
+            for key in [k for k in cache if k[0] == microbatch]:
+                del cache[key]
+        for key in [k for k in self._views if k[0] == microbatch]:
+            del self._views[key]
+
+    def close(self) -> None:
+        """End of iteration: caches must be empty (every micro-batch finished)."""
+        leftover = self.kv.live_entries()
+        self.kv.clear()
+        self._masks.clear()
+        self._views.clear()
+        self._packed.clear()
+        if leftover:
+            raise RuntimeError(
+                f"Seq1F1B: key/value caches of {leftover} layer(s) were still alive at the end "
+                "of the iteration; a micro-batch's segment 0 was never backwarded"
+            )
+
+
+class SegmentData:
+    """Iterator wrapper: every segment of a micro-batch gets that micro-batch.
+
+    The caller's iterator advances once per micro-batch, on the first
+    ``next()`` inside that micro-batch's segments; the executor drops the
+    batch after the micro-batch's last segment. With a ``device`` (CUDA), a
+    micro-batch that is a dict of host tensors is moved there once, from
+    pinned memory without blocking the host, so its segments are views of one
+    device copy: a ``get_batch`` that copies to the device (``.cuda()``,
+    ``.to(device)``) then copies nothing per segment, and the host never waits
+    for the device to catch up before a segment.
+    """
+
+    def __init__(self, iterator, device: torch.device | None = None):
+        self._iterator = iterator
+        self._batches: dict[int, Any] = {}
+        self._fetched = 0
+        self._device = device
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        info = current_segment()
+        if info is None:
+            return next(self._iterator)
+        mb = info.microbatch
+        if mb not in self._batches:
+            if mb != self._fetched:
+                raise RuntimeError(
+                    f"Seq1F1B: data for micro-batch {mb} requested before micro-batch "
+                    f"{self._fetched}; call next(data_iterator) in every forward step"
+                )
+            self._batches[mb] = to_device(next(self._iterator), self._device)
+            self._fetched += 1
+        return self._batches[mb]
+
+    def release(self, microbatch: int) -> None:
+        self._batches.pop(microbatch, None)
+
+    def prefetch(self, count: int) -> list:
+        """Read the next ``count`` micro-batches now (their documents are plan data); the
+        segments get them later, as from :meth:`__next__`. Returns them as read (host)."""
+        if self._fetched or self._batches:
+            raise RuntimeError("Seq1F1B: micro-batches prefetched after the iteration began")
+        read = []
+        for microbatch in range(count):
+            batch = next(self._iterator)
+            read.append(batch)
+            self._batches[microbatch] = to_device(batch, self._device)
+        self._fetched = count
+        return read
+
+
+def to_device(batch: Any, device: torch.device | None) -> Any:
+    """A dict's host tensors on ``device`` (pinned, non-blocking copies); anything else as is."""
+    if device is None or device.type != "cuda" or not isinstance(batch, dict):
+        return batch
+    moved = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            if not value.is_pinned():
+                value = value.pin_memory()
+            value = value.to(device, non_blocking=True)
+        moved[key] = value
+    return moved
+
+
+_SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "input_ids")
+_PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+
+
+def slice_batch(batch: dict) -> dict:
+    """This segment's part of a micro-batch (identity outside a segmented step).
+
+    ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, input_ids) are
+    cut to ``[:, start:end]``; a ``[b, 1, s, s]`` attention mask to rows
+    ``start:end`` and columns ``0:end``. With context parallelism, to this
+    rank's two chunks of the segment (:mod:`megatron_seq1f1b.attention.context_parallel`). Slices are contiguous copies (loss
+    functions call ``.view(-1)``; fused kernels want dense masks). A packed
+    (THD) batch's ``cu_seqlens`` (and ``cu_seqlens_padded``) become the
+    segment's own document pieces and ``max_seqlen`` the longest of them, in
+    the form they came in (for Megatron's ``PackedSeqParams``: positions
+    restart per document, the part of a document that crossed from earlier
+    segments continues where it was; the attention adds the keys before the
+    segment). Other entries, and None, stay as they are.
+    """
+    active_now = _active
+    if active_now is None or batch is None:
+        return batch
+    info, run = active_now.info, active_now.run
+    seq = sum(info.lengths)
+    out = dict(batch)
+    if any(batch.get(key) is not None for key in _PACKED_KEYS):
+        if run.cp_size > 1:
+            raise ValueError("slice_batch: packed (THD) batches with context parallelism are "
+                             "not supported; give documents by end-of-document tokens")
+        out.update(run.packed_fields(info, batch))
+    # This rank's positions of the segment: all of it, or a context-parallel rank's chunks.
+    ranges = run.rank_ranges(info)
+
+    def cut(value, dim):
+        if len(ranges) == 1:
+            return value.narrow(dim, info.start, info.length).contiguous()
+        return torch.cat([value.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+    for key in _SEQUENCE_KEYS:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            if value.dim() < 2 or value.shape[-1] != seq:
+                raise ValueError(
+                    f"slice_batch: {key!r} has shape {tuple(value.shape)}, expected [..., {seq}] "
+                    "(the full micro-batch sequence)"
+                )
+            out[key] = cut(value, value.dim() - 1)
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        if mask.dim() != 4 or mask.shape[-1] != seq or mask.shape[-2] != seq:
+            raise ValueError(
+                f"slice_batch: attention_mask has shape {tuple(mask.shape)}, expected "
+                f"[b, 1, {seq}, {seq}]"
+            )
+        out["attention_mask"] = cut(mask[..., : info.end], 2)
+    return out
