@@ -54,6 +54,12 @@ def get_forward_backward_func(
     attention then keeps documents apart (a segment reads earlier segments' keys
     only for the document crossing into it), and ``partition="documents"`` cuts
     every micro-batch by its own documents into segments of equal cost.
+
+    Drop-in: with one segment (``num_splits=1``, the 1F1B schedule, no recorder, no documents)
+    a model that :func:`~megatron_seq1f1b.enable` did not prepare (a reward model, a vision
+    encoder, Megatron's mock models), or a call without ``seq_length``, runs Megatron's own
+    schedule (:func:`megatron_schedule`): nothing is cut, so everything Megatron's schedule
+    accepts is accepted, with its results. Segments on such a model are refused.
     """
     problems = []
     if not isinstance(num_splits, int) or num_splits < 1:
@@ -86,8 +92,8 @@ def get_forward_backward_func(
         data_iterator,
         model,
         num_microbatches: int,
-        seq_length: int,
-        micro_batch_size: int,
+        seq_length: int | None,
+        micro_batch_size: int | None,
         decoder_seq_length: int | None = None,
         forward_only: bool = False,
         collect_non_loss_data: bool = False,
@@ -97,6 +103,20 @@ def get_forward_backward_func(
         pg_collection=None,
         force_all_reduce: bool | None = False,
     ):
+        if num_splits == 1 and schedule == "1f1b" and recorder is None and documents is None:
+            from megatron_seq1f1b.runtime.model_hooks import is_prepared
+
+            if seq_length is None or not is_prepared(model):
+                # Nothing to cut: Megatron's own schedule, with everything it accepts.
+                return megatron_schedule(model, pg_collection)(
+                    forward_step_func=forward_step_func, data_iterator=data_iterator,
+                    model=model, num_microbatches=num_microbatches, seq_length=seq_length,
+                    micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+                    forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                    first_val_step=first_val_step,
+                    adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+                    p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+                    force_all_reduce=force_all_reduce)
         from megatron_seq1f1b.runtime.executor import forward_backward
 
         return forward_backward(
@@ -117,6 +137,22 @@ def get_forward_backward_func(
     forward_backward_func.__qualname__ = (
         f"seq1f1b_forward_backward[k={num_splits},{partition},{schedule}]")
     return forward_backward_func
+
+
+def megatron_schedule(model, pg_collection=None) -> Callable:
+    """Megatron-Core's own forward-backward function for this layout, as its getter picks it:
+    no pipelining on one stage, interleaving for several model chunks."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules
+
+    pp_group = getattr(pg_collection, "pp", None)
+    stages = (pp_group.size() if pp_group is not None
+              else parallel_state.get_pipeline_model_parallel_world_size())
+    if stages == 1:
+        return schedules.forward_backward_no_pipelining
+    if isinstance(model, (list, tuple)) and len(model) > 1:
+        return schedules.forward_backward_pipelining_with_interleaving
+    return schedules.forward_backward_pipelining_without_interleaving
 
 
 def install(num_splits: int | Callable, partition: str = "uniform", **kwargs) -> Callable:

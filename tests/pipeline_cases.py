@@ -192,6 +192,9 @@ def configuration_errors(model: ModelSpec) -> dict:
     _, config, models, batches = _layout(model, data, 2)
     attempt("not_enabled", s1.get_forward_backward_func(2), models, batches)
     attempt("lengths_sum", s1.get_forward_backward_func(2, split_lengths=[10, 10]), models, batches)
+    # One segment on a model enable() did not prepare is Megatron's own schedule (the drop-in
+    # contract, tests/test_dropin.py): the executor's rules below apply to prepared ones.
+    s1.enable(models)
     attempt("adjust_shapes", s1.get_forward_backward_func(1), models, batches,
             adjust_tensor_shapes_fn=lambda r, s: (r, s))
     config.variable_seq_lengths = True

@@ -43,6 +43,18 @@ def is_enabled(model) -> bool:
     return all(getattr(unwrap(chunk), _ENABLED, False) for chunk in chunks_of(model))
 
 
+def is_prepared(model) -> bool:
+    """Whether :func:`enable` prepared every chunk; False (not an error) for any other model,
+    e.g. one :func:`enable` does not take."""
+    for chunk in chunks_of(model):
+        inner = chunk
+        while not getattr(inner, _ENABLED, False):
+            inner = getattr(inner, "module", None)
+            if inner is None:
+                return False
+    return True
+
+
 def dense_attention(model) -> bool:
     """True if a chunk uses Megatron's local attention, which computes masked scores too.
 
