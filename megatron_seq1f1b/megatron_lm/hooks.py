@@ -47,6 +47,8 @@ own ``pretrain_gpt.py --help`` fails in core_v0.18.2 and core_v0.19.0).
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import sys
 from typing import Any, Callable, Optional
 
@@ -68,7 +70,7 @@ __all__ = [
     "extra_args_provider", "flash_attention_problems", "flash_attention_requested",
     "moe_flag_problems", "packed_documents_flag", "splits_value",
     # what the hunks call, and the batch cut
-    "layer_spec", "context_parallel_cut", "validate_args", "prepare_model",
+    "layer_spec", "context_parallel_cut", "validate_args", "help_with_flags", "prepare_model",
     "wrap_model_provider", "add_post_wrap_hook", "end_of_document_id", "use_flash_attention",
     "GPT_BATCH_KEYS", "slice_gpt_batch", "slice_gpt_batch_fields", "flags_parser", "main",
 ]
@@ -143,6 +145,44 @@ def validate_args(args: Any) -> None:
     virtual pipeline size and reset ``overlap_p2p_comm``). No-op without ``--seq1f1b``.
     """
     raise_if(args_problems(args))
+
+
+def help_with_flags(other: Optional[Callable] = None) -> None:
+    """Answer ``-h`` / ``--help`` with the ``--seq1f1b`` flags listed; otherwise nothing.
+
+    ``pretrain_gpt.py`` wraps ``pretrain`` for in-process restarts first, and the wrapper
+    parses the command line without the extra arguments ``pretrain()`` adds later, so
+    argparse answers ``--help`` there, without ours. This parses it first, with them
+    (``other``: the script's own provider, ModelOpt's, chained as in ``pretrain()``).
+    """
+    if not {"-h", "--help"} & set(sys.argv[1:]):
+        return
+    from megatron.training.arguments import parse_args
+
+    provider = extra_args_provider(other)
+
+    def with_printable_help(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = provider(parser)
+        for action in parser._actions:
+            if action.help and "%" in action.help:
+                action.help = _printable_help(action.help)
+        return parser
+
+    parse_args(extra_args_provider=with_printable_help, ignore_unknown_args=True)
+
+
+def _printable_help(text: str) -> str:
+    """``text`` with every bare '%' doubled where argparse could not format it.
+
+    core_v0.18.2+ has a help text with a bare '%' ('(e.g. 1.10 = 10%)'), on which argparse's
+    ``--help`` stops with a ValueError; '%%' and '%(default)s' stay as they are.
+    """
+    try:
+        text % collections.defaultdict(str)
+        return text
+    except (ValueError, TypeError):
+        return re.sub(r"%%|%\([^)]*\)|%", lambda m: m.group(0) if len(m.group(0)) > 1 else "%%",
+                      text)
 
 
 def _megatron_args() -> Any:
