@@ -10,8 +10,10 @@ import functools
 from dataclasses import replace
 import itertools
 import json
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -434,6 +436,153 @@ def test_cli_module_runs_from_flops():
          "--num-attention-heads", "8", "--vocab-size", "32000", "--max-splits", "3"],
         capture_output=True, text=True, check=True, timeout=60)
     assert "FLOP" in done.stdout and "chosen:" in done.stdout
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--seq-length", "8192", "--pp", "4", "--microbatches", "4", "--hidden-size", "1024",
+         "--num-layers", "8", "--num-attention-heads", "8", "--vocab-size", "32000"]
+
+
+def readme_planner_command(needle: str) -> list[str]:
+    """The README's planner command line that contains ``needle``, as argv for main()."""
+    text = (ROOT / "README.md").read_text()
+    for block in text.split("```bash")[1:]:
+        command = block.split("```")[0].replace("\\\n", " ")
+        for line in command.splitlines():
+            if line.startswith("python -m megatron_seq1f1b.planner") and needle in line:
+                return shlex.split(line)[3:]
+    raise AssertionError(f"README.md has no planner command with {needle!r}")
+
+
+def run_cli(argv, capsys, tmp_path=None) -> tuple[list[str], dict | None]:
+    """main(argv): its printed lines, and its --json output where tmp_path is given."""
+    extra = ["--json", str(tmp_path / "plan.json")] if tmp_path else []
+    assert main(argv + extra) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return lines, json.loads((tmp_path / "plan.json").read_text()) if tmp_path else None
+
+
+def test_readme_tp2_pp4_example_plans_and_top_3_stays_short(capsys):
+    """Issue 44 (4): Megatron-LM's TP 2 x PP 4 example is planned per TP rank, and the
+    short list fits on a screen: header, chosen flags, 3 rows (+ the chosen one), the count
+    of the others, why, the busiest stage, the lengths."""
+    argv = readme_planner_command("--tp 2")
+    assert {"--sequence-parallel", "--pp", "--gpu-memory-gib"} <= set(argv)
+    lines, _ = run_cli(argv + ["--top", "3"], capsys)
+    assert len(lines) <= 15, "\n".join(lines)
+    assert "tensor parallel 2 with sequence parallelism" in lines[0]
+    assert any("TP all-reduces at 200 GB/s" in line for line in lines[:4])
+    assert lines[3].startswith("chosen: --seq1f1b-splits ")
+    assert sum(line.startswith("*") for line in lines) == 1
+    assert any("more candidates not shown (--top 0 lists all)" in line for line in lines)
+    assert any(line.startswith("predicted memory of the busiest stage") for line in lines)
+
+
+def test_top_lists_the_fastest_and_the_chosen_one(capsys, tmp_path):
+    argv = SMALL + ["--host-ms-per-layer", "0", "--schedules", "1f1b", "--partitions",
+                    "balanced", "--splits", "2", "3", "4", "5", "6", "7", "8"]
+    every, data = run_cli(argv + ["--top", "0"], capsys, tmp_path)
+    rows = [line for line in every if line[:1] in "* " and "balanced" in line.split()[:3]]
+    assert len(rows) == len(data["candidates"]) == 7
+    short, _ = run_cli(argv + ["--top", "1"], capsys)
+    shown = [line for line in short if line[:1] in "* " and "balanced" in line.split()[:3]]
+    assert shown[0] == rows[0] and shown[-1].startswith("*")  # the fastest, then the chosen
+    assert len(shown) == 2 and rows[0][0] == " "
+    assert "  ... 5 more candidates not shown (--top 0 lists all)" in short
+    assert len(short) == len(every) - 5 - 4 + 1  # 5 rows less, 4 stage lines into 1, a count
+
+
+def test_every_planner_flag_says_what_it_is():
+    """Every flag has a help text; every one that reads a number names its unit or default."""
+    from megatron_seq1f1b.planner import build_parser
+
+    actions = [a for a in build_parser()._actions if a.option_strings]
+    assert len(actions) > 40
+    for action in actions:
+        assert action.help and action.help.strip(), action.option_strings
+        if action.type is not None and action.dest != "help":
+            assert action.metavar or action.choices, action.option_strings
+
+
+def _flop_run(argv, capsys, tmp_path, *extra):
+    """One k=1 1F1B plan from FLOPs alone (no host time): its time and its costs."""
+    path = tmp_path / "calib.json"
+    _, data = run_cli(SMALL + ["--host-ms-per-layer", "0", "--splits", "1", "--schedules",
+                               "1f1b", "--bf16", "--save-calibration", str(path),
+                               *argv, *extra], capsys, tmp_path)
+    return data["plan"]["time"], load_calibration(path).stages[0].forward.a
+
+
+def test_tensor_parallelism_halves_compute_and_adds_its_all_reduces(capsys, tmp_path):
+    """TP 2: a compute-bound plan takes half the time per rank where communication is free,
+    and at --tp-bandwidth-gbps it pays 2 all-reduces of [tokens, hidden] per layer and
+    direction: 2 x 2 (tp-1)/tp x hidden x 2 bytes per token and layer."""
+    one, per_token = _flop_run([], capsys, tmp_path)
+    free, free_token = _flop_run(["--tp", "2", "--tp-bandwidth-gbps", "1e9"], capsys, tmp_path)
+    paid, paid_token = _flop_run(["--tp", "2", "--tp-bandwidth-gbps", "100"], capsys, tmp_path)
+    assert free == pytest.approx(one / 2, rel=1e-6)
+    assert free_token == pytest.approx(per_token / 2, rel=1e-6)
+    layers_per_stage, hidden = 8 / 4, 1024
+    all_reduces = 2 * 2 * (2 - 1) / 2 * hidden * 2 * layers_per_stage / 100e9
+    assert paid_token - free_token == pytest.approx(all_reduces, rel=1e-3)
+    assert paid > free * 1.05
+    # measured costs already hold TP: --tp leaves them alone
+    calibrated = SMALL[:6] + ["--calibration", str(tmp_path / "calib.json"), "--splits", "1",
+                              "--schedules", "1f1b"]
+    _, one_data = run_cli(calibrated, capsys, tmp_path)
+    lines, tp_data = run_cli(calibrated + ["--tp", "2"], capsys, tmp_path)
+    assert tp_data["plan"]["time"] == one_data["plan"]["time"]
+    assert "--tp 2 are in the measured times" in lines[1]
+
+
+def test_tensor_parallelism_divides_memory_per_rank(capsys, tmp_path):
+    """Per TP rank: the layers' and the vocabulary's weights halve (norms and row-parallel
+    biases stay whole), activations of split heads and MLP columns too, and with sequence
+    parallelism nearly all of them (RoPE's cosines and sines stay whole)."""
+    argv = SMALL + ["--bf16", "--splits", "4", "--partitions", "balanced", "--schedules", "1f1b",
+                    "--top", "0"]
+    stage = {}
+    for name, extra in [("tp1", []), ("tp2", ["--tp", "2"]),
+                        ("sp", ["--tp", "2", "--sequence-parallel"])]:
+        _, data = run_cli(argv + extra, capsys, tmp_path)
+        stage[name] = data["plan"]["stages"][0]
+    assert 0.5 < stage["tp2"]["weights"] / stage["tp1"]["weights"] < 0.502
+    assert stage["sp"]["weights"] == stage["tp2"]["weights"]
+    assert 0.5 < stage["sp"]["activations"] / stage["tp1"]["activations"] < 0.52
+    # per layer (bf16, hidden 1024): 8 KiB of [s, b, h] inputs stay whole without SP, of
+    # 35 KiB: TP 2 keeps 63 % of TP 1's, with SP 51 %
+    assert 0.6 < stage["tp2"]["activations"] / stage["tp1"]["activations"] < 0.65
+    assert stage["sp"]["activations"] < 0.85 * stage["tp2"]["activations"]
+    assert stage["tp2"]["total"] < 0.6 * stage["tp1"]["total"]
+
+
+def test_sequence_parallelism_keeps_segments_divisible_by_tp(capsys, tmp_path):
+    _, data = run_cli(SMALL + ["--tp", "4", "--sequence-parallel", "--multiple-of", "3",
+                               "--seq-length", "8196", "--max-splits", "6"], capsys, tmp_path)
+    assert data["segment_multiple"] == 12
+    assert all(n % 12 == 0 for c in data["candidates"] for n in c["lengths"])
+    _, data = run_cli(SMALL + ["--tp", "4", "--max-splits", "6"], capsys, tmp_path)
+    assert data["segment_multiple"] == 1 and not data["sequence_parallel"]
+
+
+def test_a_tie_override_is_said_first_and_by_how_much(capsys, tmp_path):
+    """Where the 2 % tie rule keeps a slower plan, the lines right after the header say by
+    how much and why; with --tie-tolerance 0 the fastest wins and nothing is said."""
+    argv = SMALL + ["--host-ms-per-layer", "0", "--partitions", "balanced", "--schedules",
+                    "1f1b", "--splits", "2", "3", "4", "5", "6", "7", "8"]
+    lines, data = run_cli(argv, capsys, tmp_path)
+    times = {c["num_splits"]: c["time"] for c in data["candidates"]}
+    fastest = min(times, key=times.get)
+    assert data["plan"]["num_splits"] < fastest
+    slower = f"{data['plan']['time'] / times[fastest] - 1:.1%} slower than the fastest"
+    head = "\n".join(lines[:4])
+    assert f"chosen: --seq1f1b-splits {data['plan']['num_splits']} " in head
+    assert slower in head and f"k={fastest} balanced 1f1b" in head
+    assert "kept because that is within the 2% tie tolerance" in head
+    assert slower in data["tie_note"]
+    exact, data = run_cli(argv + ["--tie-tolerance", "0"], capsys, tmp_path)
+    assert data["plan"]["num_splits"] == fastest and data["tie_note"] == ""
+    assert not any("slower than the fastest" in line for line in exact)
 
 
 # ------------------------------------------------------------------ tie tolerance

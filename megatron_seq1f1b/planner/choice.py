@@ -11,7 +11,7 @@ from megatron_seq1f1b.schedules.partition import METHODS
 from megatron_seq1f1b.schedules.schedule import SCHEDULES
 
 __all__ = ["Plan", "PlanChoice", "BudgetError", "TIE_TOLERANCE", "MEASURED_TIE_TOLERANCE",
-           "explain", "format_table"]
+           "explain", "format_table", "tie_note"]
 
 
 @dataclass(frozen=True)
@@ -37,17 +37,25 @@ class Plan:
         """The busiest stage's predicted total bytes (with a memory model)."""
         return max(s["total"] for s in self.stages) if self.stages else None
 
-    def stages_text(self) -> str:
-        """One line per stage: its predicted GB and what they are."""
+    def stages_text(self, busiest_only: bool = False) -> str:
+        """One line per stage: its predicted GB and what they are; ``busiest_only``: one line,
+        the stage that decides whether the plan fits (a short report)."""
         if not self.stages:
             return ""
-        parts = ["predicted memory per stage (weights + gradients + optimizer + activations "
-                 "= total):"]
-        for rank, s in enumerate(self.stages):
-            parts.append(f"  stage {rank}: {s['weights'] / GIB:.2f} + {s['gradients'] / GIB:.2f}"
-                         f" + {s['optimizer'] / GIB:.2f} + {s['activations'] / GIB:.2f} = "
-                         f"{s['total'] / GIB:.2f} GiB ({s['total'] / 1e9:.2f} GB)")
+        terms = "weights + gradients + optimizer + activations = total"
+        if busiest_only:
+            rank = max(range(len(self.stages)), key=lambda r: self.stages[r]["total"])
+            return (f"predicted memory of the busiest stage ({terms}): stage {rank} of "
+                    f"{len(self.stages)}: {self._stage_text(rank)}; --top 0 lists every stage")
+        parts = [f"predicted memory per stage ({terms}):"]
+        parts += [f"  stage {rank}: {self._stage_text(rank)}" for rank in range(len(self.stages))]
         return "\n".join(parts)
+
+    def _stage_text(self, rank: int) -> str:
+        s = self.stages[rank]
+        return (f"{s['weights'] / GIB:.2f} + {s['gradients'] / GIB:.2f} + "
+                f"{s['optimizer'] / GIB:.2f} + {s['activations'] / GIB:.2f} = "
+                f"{s['total'] / GIB:.2f} GiB ({s['total'] / 1e9:.2f} GB)")
 
     def describe(self) -> str:
         part = f" {self.partition}" if self.num_splits > 1 else ""
@@ -67,9 +75,12 @@ class PlanChoice:
     reason: str
     source: str = ""  # where the costs came from (the calibration's source)
 
-    def table(self) -> str:
-        text = format_table(self.candidates, self.plan, self.reason)
-        return text + ("\n" + self.plan.stages_text() if self.plan.stages else "")
+    def table(self, top: int = 0) -> str:
+        """The candidates (``top``: only the fastest ``top`` and the chosen one), why the
+        winner won and its memory per stage (only the busiest where candidates were cut)."""
+        text = format_table(self.candidates, self.plan, self.reason, top)
+        cut = len(_shown(self.candidates, self.plan, top)) < len(self.candidates)
+        return text + ("\n" + self.plan.stages_text(cut) if self.plan.stages else "")
 
 
 class BudgetError(ValueError):
@@ -129,6 +140,21 @@ def _tie_reason(chosen: Plan, other: Plan) -> str:
     return f"schedule order {SCHEDULES}"
 
 
+def tie_note(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float) -> str:
+    """Where the tie rule kept a plan slower than the fastest within the budget: by how much
+    and why, in one phrase for a report's first lines ("" where the chosen plan is the
+    fastest: nothing was overridden)."""
+    ranked = sorted(candidates, key=_rank_key)
+    fastest = next(c for c in ranked if c.within_budget is not False)
+    if fastest == chosen:
+        return ""
+    within = " within the budget" if ranked[0].within_budget is False else ""
+    return (f"{chosen.time / fastest.time - 1:.1%} slower than the fastest{within}, "
+            f"{fastest.describe()}; kept because that is within the {tie_tolerance * 100:g}% "
+            f"tie tolerance and it leans less on the cost model "
+            f"({_robust_reason(chosen, fastest)})")
+
+
 def explain(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float = 0.0) -> str:
     """One line: why `chosen` won over the others."""
     ranked = sorted(candidates, key=_rank_key)
@@ -181,9 +207,21 @@ def _lengths_text(lengths: Sequence[int]) -> str:
     return f"{lengths[0]},{lengths[1]},..,{lengths[-1]}"
 
 
-def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = None) -> str:
-    """All candidates, fastest first (``*`` = chosen), then why the winner won."""
+def _shown(candidates: Sequence[Plan], chosen: Plan, top: int) -> list[Plan]:
+    """The rows of a table: all candidates, fastest first, or the ``top`` fastest and the
+    chosen one (``top`` 0: all)."""
     ranked = sorted(candidates, key=_rank_key)
+    if not top or top >= len(ranked):
+        return ranked
+    return ranked[:top] + ([] if chosen in ranked[:top] else [chosen])
+
+
+def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = None,
+                 top: int = 0) -> str:
+    """All candidates, fastest first (``*`` = chosen), then why the winner won; ``top``:
+    only the fastest ``top`` and the chosen one, and a line counting the others."""
+    ranked = sorted(candidates, key=_rank_key)
+    shown = _shown(ranked, chosen, top)
     best = ranked[0].time
     with_bytes = any(c.memory_bytes for c in ranked)
     with_stages = any(c.stages for c in ranked)
@@ -192,7 +230,7 @@ def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = 
               + (f" {'act. bytes':>10}" if with_bytes else "")
               + (f" {'max stage':>10}" if with_stages else "") + f" {'budget':>6}  lengths")
     lines = [header, "-" * len(header)]
-    for c in ranked:
+    for c in shown:
         budget = {None: "-", True: "ok", False: "over"}[c.within_budget]
         gib = f" {bytes_text(c.memory_bytes):>10}" if with_bytes and c.memory_bytes else ""
         if with_stages:
@@ -201,6 +239,9 @@ def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = 
             f"{'*' if c == chosen else ' '} {c.num_splits:>3} {c.partition:<9} {c.schedule:<8} "
             f"{_time_text(c.time, c.unit):>14} {c.time / best - 1:>+8.1%} {c.bubble:>7.1%} "
             f"{c.memory:>20.2f}{gib} {budget:>6}  {_lengths_text(c.lengths)}")
+    if len(shown) < len(ranked):
+        lines.append(f"  ... {len(ranked) - len(shown)} more candidates not shown "
+                     "(--top 0 lists all)")
     lines.append(reason or explain(ranked, chosen))
     return "\n".join(lines)
 

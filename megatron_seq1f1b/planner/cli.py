@@ -4,28 +4,39 @@ Without a calibration the offline command line turns FLOPs into seconds at
 :data:`OFFLINE_FLOP_RATE` and charges every unit (one segment through one
 stage) :data:`OFFLINE_HOST_SECONDS_PER_LAYER` of host time per layer of the
 stage: the fixed cost that makes many short segments slower than few (FLOPs
-alone chose k=16 for a 7B model at 32k tokens; see docs/design.md)::
+alone chose k=16 for a 7B model at 32k tokens; see docs/design.md). With
+``--tp`` (Megatron-LM's ``--tensor-model-parallel-size``) a rank computes 1/TP
+of the FLOPs and pays the TP group's all-reduces at ``--tp-bandwidth-gbps``,
+and memory is per TP rank (``--sequence-parallel`` splits the rest of the
+activations)::
 
     python -m megatron_seq1f1b.planner --seq-length 32768 --pp 4 --microbatches 8 \\
         (--calibration calib.json | --hidden-size 4096 --num-layers 32 ...) \\
+        [--tp 2 --sequence-parallel] [--top 5] \\
         [--memory-budget-microbatches 2.0 | --memory-budget-gib 40 --bytes-per-token 65536] \\
         [--vocab-size 50257 --bf16 --data-parallel-size 2 --use-distributed-optimizer \\
          --gpu-memory-gib 80]     # GB per stage: weights, gradients, optimizer, activations
+
+It prints what it planned for and the costs in words, the chosen flags (and,
+where the tie rule kept a plan slower than the fastest, by how much and why),
+the ``--top`` fastest candidates and the winner's memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+from megatron_seq1f1b.base.checks import segment_multiple
 from megatron_seq1f1b.base.flags import (
-    ArgumentParser, OldSpelling, fraction, integer, non_negative_float, positive_float,
-    positive_int,
+    ArgumentParser, OldSpelling, fraction, integer, non_negative_float, non_negative_int,
+    positive_float, positive_int,
 )
-from megatron_seq1f1b.planner.choice import TIE_TOLERANCE, BudgetError, Plan
+from megatron_seq1f1b.planner.choice import TIE_TOLERANCE, BudgetError, Plan, tie_note
 from megatron_seq1f1b.planner.costs import Calibration, Fit, load_calibration, save_calibration
 from megatron_seq1f1b.planner.footprint import ModelShape, Training
 from megatron_seq1f1b.planner.memory_model import GIB, MemoryModel
@@ -42,6 +53,12 @@ OFFLINE_FLOP_RATE = 400e12
 #: GPU idle meanwhile, measured on an H200 with torch 2.11 (17-23 ms for a 4-layer chunk
 #: whatever the segment length up to ~2k tokens; ../shared/notes/gpu-device.md).
 OFFLINE_HOST_SECONDS_PER_LAYER = 4.75e-3
+#: Default bus bandwidth (GB/s, as nccl-tests reports busbw) of a tensor-parallel group's
+#: all-reduces: a conservative figure for NVLink inside one node (measure yours with
+#: nccl-tests' all_reduce_perf); TP across nodes gets the network's.
+TP_BANDWIDTH_GBPS = 200.0
+#: Candidates the command line lists by default (--top; 0 lists all).
+TOP = 5
 
 # ------------------------------------------------------------------ command line
 
@@ -52,22 +69,64 @@ def build_parser() -> ArgumentParser:
         prog="python -m megatron_seq1f1b.planner",
         description="Pick segments per micro-batch, partition and schedule from per-segment "
                     "costs (a calibration file, or FLOPs of the model) and a memory budget.")
-    parser.add_argument("--seq-length", type=positive_int, required=True)
-    parser.add_argument("--pp", type=positive_int, required=True, help="pipeline stages")
-    parser.add_argument("--vpp", type=positive_int, default=1, help="model chunks per rank")
-    parser.add_argument("--microbatches", type=positive_int, required=True)
-    parser.add_argument("--micro-batch-size", type=positive_int, default=1)
-    parser.add_argument("--calibration", help="calibration JSON, or a benchmark's results.json")
+    parser.add_argument("--seq-length", type=positive_int, required=True, metavar="TOKENS",
+                        help="tokens per sample (Megatron's --seq-length)")
+    parser.add_argument("--pp", type=positive_int, required=True, metavar="STAGES",
+                        help="pipeline stages (Megatron's --pipeline-model-parallel-size)")
+    parser.add_argument("--vpp", type=positive_int, default=1, metavar="CHUNKS",
+                        help="model chunks per pipeline rank (interleaving; default 1)")
+    parser.add_argument("--microbatches", type=positive_int, required=True, metavar="M",
+                        help="micro-batches per iteration and data-parallel rank (global batch "
+                             "/ (micro-batch size x data-parallel size))")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=1, metavar="SAMPLES",
+                        help="samples per micro-batch (default 1; scales activation memory)")
+    parser.add_argument("--tensor-model-parallel-size", "--tp", type=positive_int, default=1,
+                        dest="tensor_model_parallel_size", metavar="TP",
+                        help="tensor-parallel ranks per stage, as Megatron-LM's flag: per rank "
+                             "1/TP of the FLOPs, of the split layers' weights, gradients and "
+                             "optimizer states and of their activations, plus the TP "
+                             "all-reduces (FLOP costs only: a --calibration measured with TP "
+                             "has it in its times, then --tp only sizes memory and segment "
+                             "lengths; default 1)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp > 1, as Megatron-LM's flag: the norms' and linear "
+                             "inputs' activations split over TP too, and every segment's "
+                             "tokens must divide by TP (ignored with --tp 1, as Megatron-LM "
+                             "does)")
+    parser.add_argument("--tp-bandwidth-gbps", type=positive_float, default=TP_BANDWIDTH_GBPS,
+                        metavar="GB/S",
+                        help="with --tp and FLOP costs: the TP group's bus bandwidth in GB/s "
+                             "(nccl-tests' busbw: an all-reduce of N bytes takes 2(TP-1)/TP x "
+                             "N / busbw seconds); 2 all-reduces of a layer's [tokens x hidden] "
+                             "activations per layer in the forward (with --sequence-parallel "
+                             "2 all-gathers and 2 reduce-scatters, as many bytes), as many in "
+                             f"the backward (default {TP_BANDWIDTH_GBPS:g}: NVLink inside a "
+                             "node, conservatively; TP across nodes gets the network's, e.g. "
+                             "50 for 400 Gb/s)")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="measured costs: a calibration JSON (--save-calibration, the "
+                             "trainer's start-up measurement) or a benchmark's results.json; "
+                             "without it, costs come from the model's FLOPs")
     parser.add_argument("--layout", default="plain",
-                        help="which fits of a results.json (plain or interleaved)")
+                        help="which fits of a benchmark's results.json: plain (default) or "
+                             "interleaved")
     model = parser.add_argument_group("model (FLOP costs; the balanced partition)")
-    model.add_argument("--hidden-size", type=positive_int)
-    model.add_argument("--num-layers", type=positive_int)
-    model.add_argument("--num-attention-heads", type=positive_int)
-    model.add_argument("--num-query-groups", type=positive_int)
-    model.add_argument("--ffn-hidden-size", type=positive_int)
-    model.add_argument("--swiglu", action="store_true", help="gated linear unit")
-    model.add_argument("--vocab-size", type=positive_int)
+    model.add_argument("--hidden-size", type=positive_int, metavar="H",
+                       help="hidden size (width of the residual stream)")
+    model.add_argument("--num-layers", type=positive_int, metavar="LAYERS",
+                       help="transformer layers of the whole model")
+    model.add_argument("--num-attention-heads", type=positive_int, metavar="HEADS",
+                       help="attention heads (query heads with GQA)")
+    model.add_argument("--num-query-groups", type=positive_int, metavar="GROUPS",
+                       help="key/value heads with grouped-query attention (default: one per "
+                            "head)")
+    model.add_argument("--ffn-hidden-size", type=positive_int, metavar="FFN",
+                       help="MLP width (default 4 x --hidden-size)")
+    model.add_argument("--swiglu", action="store_true",
+                       help="gated linear unit (SwiGLU): the MLP's first layer twice as wide")
+    model.add_argument("--vocab-size", type=positive_int, metavar="TOKENS",
+                       help="vocabulary size: the output layer's FLOPs, and needed for memory "
+                            "per stage")
     model.add_argument("--dense-attention", action="store_true",
                        help="attention computes the masked scores too (non-flash kernels)")
     parser.add_argument("--memory-budget-microbatches", "--memory-budget", type=positive_float,
@@ -79,27 +138,36 @@ def build_parser() -> ArgumentParser:
                         help="peak activations per stage in GiB (as the trainer's "
                              "--seq1f1b-memory-budget); needs --bytes-per-token or a "
                              "calibration that has them")
-    parser.add_argument("--bytes-per-token", type=positive_float,
-                        help="activation bytes one token of one sample leaves on a stage")
-    parser.add_argument("--context-parallel-size", type=positive_int, default=1,
+    parser.add_argument("--bytes-per-token", type=positive_float, metavar="BYTES",
+                        help="activation bytes one token of one sample leaves on a stage's "
+                             "rank, as measured there (TP, SP and CP already in it)")
+    parser.add_argument("--context-parallel-size", type=positive_int, default=1, metavar="CP",
                         help="context parallelism inside segments: each rank holds 1/N of a "
-                             "segment (FLOPs and activations per rank; keys and values whole)")
+                             "segment (FLOPs and activations per rank; keys and values whole; "
+                             "default 1)")
     parser.add_argument("--cp-bandwidth-gbps", type=positive_float, default=100.0,
                         metavar="GB/S",
                         help="with --context-parallel-size and the FLOP model: what a rank's "
-                             "all-gather / reduce-scatter of keys and values moves per second")
-    parser.add_argument("--min-segment-length", type=positive_int, default=128)
-    parser.add_argument("--max-splits", type=positive_int, default=MAX_SPLITS)
-    parser.add_argument("--multiple-of", type=positive_int, default=1,
-                        help="every segment length's divisor (tp with sequence parallelism, "
-                             "x8 with FP8)")
-    parser.add_argument("--splits", type=positive_int, nargs="+", help="only these k")
-    parser.add_argument("--partitions", nargs="+", choices=METHODS)
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES)
+                             "all-gather / reduce-scatter of keys and values moves per second, "
+                             "in GB/s (default 100)")
+    parser.add_argument("--min-segment-length", type=positive_int, default=128, metavar="TOKENS",
+                        help="shortest segment a plan may use (default 128)")
+    parser.add_argument("--max-splits", type=positive_int, default=MAX_SPLITS, metavar="K",
+                        help=f"most segments per micro-batch to try (default {MAX_SPLITS})")
+    parser.add_argument("--multiple-of", type=positive_int, default=1, metavar="TOKENS",
+                        help="every segment length's divisor (e.g. 8 with FP8); combined (least "
+                             "common multiple) with what the layout needs: TP x CP with "
+                             "--sequence-parallel, 2 x CP with context parallelism (default 1)")
+    parser.add_argument("--splits", type=positive_int, nargs="+", metavar="K",
+                        help="only these segment counts (default: 1 to --max-splits)")
+    parser.add_argument("--partitions", nargs="+", choices=METHODS,
+                        help="only these partitions (default: all that apply)")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES,
+                        help="only these schedules (default: all the layout allows)")
     parser.add_argument("--message-latency", type=non_negative_float, default=None,
                         metavar="SECONDS",
-                        help="one-way time of a pipeline message (default: the calibration's "
-                             "message fit, else 0)")
+                        help="one-way time of a pipeline message in seconds (default: the "
+                             "calibration's message fit, else 0)")
     parser.add_argument("--send-slack", type=integer(0, 1), choices=(0, 1),
                         default=RUNTIME_SEND_SLACK,
                         help="1 (default): sends finish a step later, as the executor runs on "
@@ -107,14 +175,14 @@ def build_parser() -> ArgumentParser:
                              "(SEQ1F1B_P2P=batch on NCCL, Megatron's own schedules)")
     parser.add_argument("--flop-rate", type=positive_float, default=OFFLINE_FLOP_RATE / 1e12,
                         metavar="TFLOPS",
-                        help="without --calibration: sustained TFLOP/s that turn FLOPs into "
-                             f"seconds (default {OFFLINE_FLOP_RATE / 1e12:g})")
-    parser.add_argument("--host-ms-per-layer", type=non_negative_float,
+                        help="without --calibration: sustained TFLOP/s per GPU that turn FLOPs "
+                             f"into seconds (default {OFFLINE_FLOP_RATE / 1e12:g})")
+    parser.add_argument("--host-ms-per-layer", type=non_negative_float, metavar="MS",
                         default=OFFLINE_HOST_SECONDS_PER_LAYER * 1e3,
-                        help="without --calibration: host time a unit pays per layer of its "
-                             "stage, forward + backward (default "
-                             f"{OFFLINE_HOST_SECONDS_PER_LAYER * 1e3:g}, measured on an H200; 0: "
-                             "FLOPs alone)")
+                        help="without --calibration: host time in milliseconds a unit (one "
+                             "segment through one stage) pays per layer of its stage, forward "
+                             f"+ backward (default {OFFLINE_HOST_SECONDS_PER_LAYER * 1e3:g}, "
+                             "measured on an H200; 0: FLOPs alone)")
     parser.add_argument("--tie-tolerance", type=fraction, default=TIE_TOLERANCE,
                         metavar="FRACTION",
                         help="plans predicted this close to the fastest count as a tie, won by "
@@ -122,27 +190,42 @@ def build_parser() -> ArgumentParser:
                              f"segments (default {TIE_TOLERANCE}, measured and FLOP costs "
                              "alike: neither predicts closer than that; 0: the fastest "
                              "prediction wins)")
+    parser.add_argument("--top", type=non_negative_int, default=TOP, metavar="N",
+                        help=f"list the N fastest candidates and the chosen one (default {TOP}"
+                             "; with candidates left out, only the busiest stage's memory); "
+                             "0: every candidate and every stage")
     memory = parser.add_argument_group(
         "memory per stage (with the model: weights, main gradients, Adam states, activations)")
     memory.add_argument("--bf16", action="store_true", help="bf16 weights (default fp32)")
     memory.add_argument("--fp16", action="store_true", help="fp16 weights")
     memory.add_argument("--no-grad-reduce-in-fp32", action="store_true",
                         help="half-precision main gradients (default: fp32 with bf16/fp16)")
-    memory.add_argument("--optimizer", choices=["adam", "none"], default="adam")
+    memory.add_argument("--optimizer", choices=["adam", "none"], default="adam",
+                        help="adam: two fp32 moments (and fp32 master weights in half "
+                             "precision) per parameter; none: weights and gradients only")
     memory.add_argument("--use-distributed-optimizer", action="store_true",
                         help="shard master weights and Adam moments over data-parallel ranks")
-    memory.add_argument("--data-parallel-size", type=positive_int, default=1)
+    memory.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="DP",
+                        help="data-parallel ranks the distributed optimizer shards over "
+                             "(default 1)")
     memory.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                        help="(default: tied, as Megatron-LM)")
+                        help="the output layer has its own weights (default: tied to the "
+                             "embedding, as Megatron-LM)")
     memory.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
-                        default="rope")
-    memory.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    memory.add_argument("--disable-bias-linear", action="store_true")
-    memory.add_argument("--gpu-memory-gib", type=positive_float, default=None,
-                        help="budget for the busiest stage's total (weights, gradients, "
-                             "optimizer, activations)")
-    parser.add_argument("--json", help="write the choice and all candidates here")
-    parser.add_argument("--save-calibration", help="write the costs used as a calibration file")
+                        default="rope",
+                        help="rope (default; RoPE's cosines and sines per layer) or "
+                             "learned_absolute (--seq-length x --hidden-size more weights)")
+    memory.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                        help="LayerNorm (default: weight and bias) or RMSNorm (weight only)")
+    memory.add_argument("--disable-bias-linear", action="store_true",
+                        help="linear layers without biases (Megatron-LM's flag)")
+    memory.add_argument("--gpu-memory-gib", type=positive_float, default=None, metavar="GIB",
+                        help="GiB per GPU for the busiest stage's total (weights, gradients, "
+                             "optimizer, activations): plans over it are ruled out")
+    parser.add_argument("--json", metavar="FILE",
+                        help="write the choice and all candidates here (JSON)")
+    parser.add_argument("--save-calibration", metavar="FILE",
+                        help="write the costs used as a calibration file (JSON)")
     return parser
 
 
@@ -153,14 +236,18 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
                      "pipeline stages), got --pp 1")
     if args.bf16 and args.fp16:
         parser.error("--bf16 and --fp16 are exclusive")
-    if args.seq_length % args.multiple_of:
-        parser.error(f"--seq-length {args.seq_length} must be a multiple of --multiple-of "
-                     f"{args.multiple_of}")
-    most = args.seq_length // args.multiple_of
+    multiple = _segment_multiple(args)
+    if args.seq_length % multiple:
+        layout = "" if multiple == args.multiple_of else (
+            f" (the least common multiple of --multiple-of {args.multiple_of} and the layout's "
+            f"{segment_multiple(_layout(args))}: {_layout_rule(args)})")
+        parser.error(f"--seq-length {args.seq_length} must be a multiple of "
+                     f"{'--multiple-of ' if not layout else ''}{multiple}{layout}")
+    most = args.seq_length // multiple
     for k in args.splits or ():
         if k > most:
             parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) make at most "
-                         f"{most} segments of a multiple of {args.multiple_of} tokens")
+                         f"{most} segments of a multiple of {multiple} tokens")
         if k > 1 and args.seq_length // k < args.min_segment_length:
             parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) in {k} segments "
                          f"are shorter than --min-segment-length {args.min_segment_length}; "
@@ -178,6 +265,13 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
         if args.num_query_groups and args.num_attention_heads % args.num_query_groups:
             parser.error(f"--num-query-groups {args.num_query_groups} must divide "
                          f"--num-attention-heads {args.num_attention_heads}")
+        tp = args.tensor_model_parallel_size
+        for flag in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            value = getattr(args, flag)
+            if value and value % tp:
+                parser.error(f"--{flag.replace('_', '-')} {value} must be a multiple of "
+                             f"--tensor-model-parallel-size {tp}: every TP rank computes as "
+                             "many of them")
     if args.gpu_memory_gib is not None and (args.hidden_size is None or not args.vocab_size):
         parser.error("--gpu-memory-gib needs the model (--hidden-size ...) and --vocab-size")
     if args.calibration is None and args.hidden_size is None:
@@ -223,18 +317,21 @@ def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
                         data_parallel_size=args.data_parallel_size)
     return MemoryModel(shape, training, flash=not args.dense_attention,
                        bytes_per_token=args.bytes_per_token,
-                       context_parallel_size=args.context_parallel_size)
+                       context_parallel_size=args.context_parallel_size,
+                       tensor_parallel_size=args.tensor_model_parallel_size,
+                       sequence_parallel=_sequence_parallel(args))
 
 
 def _exchange_seconds_per_token(args: argparse.Namespace, config, stages: int) -> float:
     """Seconds a stage's CP exchange takes per token of a segment, in one direction: a rank
     sends ``(cp - 1) / cp`` of each layer's keys and values
-    (:func:`~megatron_seq1f1b.attention.context_parallel.exchanged_bytes`) at ``--cp-bandwidth-gbps``."""
-    from megatron_seq1f1b.attention.context_parallel import exchanged_bytes
-
+    (:func:`~megatron_seq1f1b.attention.context_parallel.exchanged_bytes`) at
+    ``--cp-bandwidth-gbps``."""
     cp = args.context_parallel_size
     if cp == 1:
         return 0.0
+    from megatron_seq1f1b.attention.context_parallel import exchanged_bytes  # imports torch
+
     width = 2 if args.bf16 or args.fp16 else 4
     head = config.kv_channels or config.hidden_size // config.num_attention_heads
     kv = 2 * (config.num_query_groups or config.num_attention_heads) * head * width
@@ -242,12 +339,114 @@ def _exchange_seconds_per_token(args: argparse.Namespace, config, stages: int) -
     return sent / (args.cp_bandwidth_gbps * 1e9)
 
 
+def _tensor_parallel_seconds_per_token(args: argparse.Namespace, config,
+                                       stages: int) -> float:
+    """Seconds a stage's TP communication takes per token of a segment, in one direction:
+    per layer 2 all-reduces of the ``[s, b, h]`` activations (with sequence parallelism 2
+    all-gathers and 2 reduce-scatters, as many bytes), each ``2 (tp - 1) / tp`` of them
+    over ``--tp-bandwidth-gbps`` (a bus bandwidth); a CP rank holds ``1 / cp`` of the
+    tokens. The embedding's and the output layer's exchanges (once per stage) are left out."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        return 0.0
+    width = 2 if args.bf16 or args.fp16 else 4
+    per_layer = 2 * 2 * (tp - 1) / tp * config.hidden_size * width
+    sent = per_layer * config.num_layers / stages / args.context_parallel_size
+    return sent / (args.tp_bandwidth_gbps * 1e9)
+
+
+def _sequence_parallel(args: argparse.Namespace) -> bool:
+    """Sequence parallelism in effect: Megatron-LM turns it off with TP 1."""
+    return args.sequence_parallel and args.tensor_model_parallel_size > 1
+
+
+def _layout(args: argparse.Namespace) -> SimpleNamespace:
+    """The parallel layout as :func:`~megatron_seq1f1b.base.checks.segment_multiple` reads it."""
+    return SimpleNamespace(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                           sequence_parallel=_sequence_parallel(args),
+                           context_parallel_size=args.context_parallel_size)
+
+
+def _segment_multiple(args: argparse.Namespace) -> int:
+    """Every segment length's divisor: --multiple-of and what the layout needs."""
+    return math.lcm(args.multiple_of, segment_multiple(_layout(args)))
+
+
+def _layout_rule(args: argparse.Namespace) -> str:
+    """Why the layout needs its multiple, in words."""
+    rules = []
+    if args.context_parallel_size > 1:
+        rules.append(f"context parallelism cuts a segment into 2 x {args.context_parallel_size}"
+                     " chunks")
+    if _sequence_parallel(args):
+        rules.append(f"sequence parallelism splits each rank's tokens over "
+                     f"{args.tensor_model_parallel_size} TP ranks")
+    return " and ".join(rules)
+
+
+def _layout_text(args: argparse.Namespace) -> str:
+    """The first line of the report: what was planned for."""
+    text = (f"plan for: {args.seq_length} tokens per sample, {args.micro_batch_size} "
+            f"sample(s) per micro-batch, {args.microbatches} micro-batches per iteration; "
+            f"{args.pp} pipeline stages")
+    if args.vpp > 1:
+        text += f" x {args.vpp} model chunks"
+    if args.tensor_model_parallel_size > 1:
+        text += f", tensor parallel {args.tensor_model_parallel_size}"
+        text += " with sequence parallelism" if _sequence_parallel(args) else ""
+    if args.context_parallel_size > 1:
+        text += f", context parallel {args.context_parallel_size}"
+    return text
+
+
+def _costs_text(args: argparse.Namespace, calibration: Calibration, config,
+                stages: int) -> list[str]:
+    """What the costs are, in words: measured (which file) or the FLOP model's assumptions,
+    and the communication inside a stage that the FLOP costs add."""
+    if args.calibration:
+        text = (f"costs: measured, from {args.calibration} ({calibration.source or 'no source'}"
+                f"): fitted forward and backward times of a segment on each stage")
+        groups = [f"--{flag} {value}" for flag, value in (
+            ("tp", args.tensor_model_parallel_size),
+            ("context-parallel-size", args.context_parallel_size)) if value > 1]
+        if groups:
+            text += (f"; {' and '.join(groups)} are in the measured times (here they set "
+                     "memory per rank and segment lengths only)")
+    else:
+        layers = config.num_layers / stages
+        text = (f"costs: not measured; the model's FLOPs per GPU at {args.flop_rate:g} TFLOP/s, "
+                f"{args.host_ms_per_layer * layers:.3g} ms host time per unit (one segment's "
+                f"forward + backward on one stage: {args.host_ms_per_layer:g} ms x {layers:g} "
+                "layers)")
+    if args.message_latency is not None:
+        text += f"; pipeline messages {args.message_latency * 1e3:g} ms each"
+    elif calibration.message is not None:
+        text += "; pipeline messages as measured"
+    lines = [text]
+    if not args.calibration:
+        parts = []
+        if args.tensor_model_parallel_size > 1:
+            tp = _tensor_parallel_seconds_per_token(args, config, stages)
+            parts.append(f"TP all-reduces at {args.tp_bandwidth_gbps:g} GB/s: "
+                         f"{tp * 1e9:.3g} ns")
+        if args.context_parallel_size > 1:
+            cp = _exchange_seconds_per_token(args, config, stages)
+            parts.append(f"CP exchange of keys and values at {args.cp_bandwidth_gbps:g} GB/s: "
+                         f"{cp * 1e9:.3g} ns")
+        if parts:
+            lines.append("communication inside a stage per token of a segment, forward and "
+                         f"backward each: {'; '.join(parts)}")
+    return lines
+
+
 def main(argv=None) -> int:
+    """Plan from the command line: print the choice first, then the candidates."""
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
     config = _model_config(args)
     memory_model = _memory_model(args, config)
+    stages = args.pp * args.vpp
     calibration = None
     if args.calibration:
         try:
@@ -256,13 +455,15 @@ def main(argv=None) -> int:
             parser.error(f"--calibration {args.calibration}: cannot read it as a calibration "
                          f"(--layout {args.layout}): {type(exc).__name__}: {exc}")
     if calibration is None:
-        stages = args.pp * args.vpp
+        exchange = (_exchange_seconds_per_token(args, config, stages)
+                    + _tensor_parallel_seconds_per_token(args, config, stages))
         calibration = Calibration.from_cost_model(
             CostModel.from_config(config, args.vocab_size, args.dense_attention), stages,
             flop_rate=args.flop_rate * 1e12,
             host_seconds=args.host_ms_per_layer * 1e-3 * args.num_layers / stages,
             context_parallel_size=args.context_parallel_size,
-            exchange_seconds_per_token=_exchange_seconds_per_token(args, config, stages))
+            exchange_seconds_per_token=exchange,
+            tensor_parallel_size=args.tensor_model_parallel_size)
     if args.memory_budget_gib is not None and not (args.bytes_per_token
                                                    or calibration.bytes_per_token):
         parser.error("--memory-budget-gib needs --bytes-per-token (or a calibration that has "
@@ -277,7 +478,7 @@ def main(argv=None) -> int:
             memory_budget=args.memory_budget_microbatches,
             memory_budget_bytes=args.memory_budget_gib * GIB if args.memory_budget_gib else None,
             bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,
-            max_splits=args.max_splits, multiple_of=args.multiple_of, splits=args.splits,
+            max_splits=args.max_splits, multiple_of=_segment_multiple(args), splits=args.splits,
             partitions=args.partitions, schedules=args.schedules, send_slack=args.send_slack,
             tie_tolerance=args.tie_tolerance, memory_model=memory_model,
             memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None,
@@ -286,19 +487,27 @@ def main(argv=None) -> int:
         raise SystemExit(f"{parser.prog}: error: {exc}") from None
     except ValueError as exc:
         parser.error(str(exc))
-    print(f"seq_length {args.seq_length}, p={args.pp}, v={args.vpp}, m={args.microbatches}, "
-          f"micro-batch size {args.micro_batch_size}; costs: {calibration.source or 'calibration'}"
-          f" ({calibration.unit})")
-    print(choice.table())
     plan = choice.plan
+    costs = _costs_text(args, calibration, config, stages)
+    note = tie_note(choice.candidates, plan, args.tie_tolerance)
+    print("\n".join([_layout_text(args), *costs]))
     print(f"chosen: --seq1f1b-splits {plan.num_splits} --seq1f1b-partition {plan.partition} "
-          f"--seq1f1b-schedule {plan.schedule}  (split_lengths {list(plan.lengths)})")
+          f"--seq1f1b-schedule {plan.schedule}")
+    if note:
+        print(f"  ({note}; --tie-tolerance 0 takes the fastest)")
+    print(choice.table(args.top))
+    print(f"split_lengths {list(plan.lengths)} (the chosen plan's segments, tokens)")
     if args.save_calibration:
         save_calibration(calibration, args.save_calibration)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "plan": _plan_dict(plan), "reason": choice.reason,
-            "candidates": [_plan_dict(c) for c in choice.candidates]}, indent=1) + "\n")
+            "candidates": [_plan_dict(c) for c in choice.candidates],
+            "tie_note": note, "costs": costs, "source": calibration.source,
+            "tensor_model_parallel_size": args.tensor_model_parallel_size,
+            "sequence_parallel": _sequence_parallel(args),
+            "context_parallel_size": args.context_parallel_size,
+            "segment_multiple": _segment_multiple(args)}, indent=1) + "\n")
     return 0
 
 

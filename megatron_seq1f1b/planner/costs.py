@@ -179,7 +179,8 @@ class Calibration:
     def from_cost_model(cls, model: CostModel, num_stages: int = 1, *,
                         flop_rate: float | None = None, host_seconds: float = 0.0,
                         context_parallel_size: int = 1,
-                        exchange_seconds_per_token: float = 0.0) -> "Calibration":
+                        exchange_seconds_per_token: float = 0.0,
+                        tensor_parallel_size: int = 1) -> "Calibration":
         """FLOPs when nothing is measured: the model split evenly over ``num_stages``;
         backward = input gradients + weight gradients (:meth:`CostModel.backward_parts`).
 
@@ -187,11 +188,14 @@ class Calibration:
         ``host_seconds`` of fixed time on top (forward and backward half each): the
         host's dispatch, which FLOPs do not see, as a floor (:class:`Fit`): a unit whose
         kernels take less than that waits for the host. With ``context_parallel_size``
-        each rank computes ``1 / cp`` of the work, and per token of a segment a stage
-        spends ``exchange_seconds_per_token`` in the CP group's exchange of keys and values
-        in its forward, and as much in its backward (seconds only).
+        and ``tensor_parallel_size`` each rank computes ``1 / (cp * tp)`` of the work (TP
+        splits every layer's heads and MLP columns and the vocabulary), and per token of
+        a segment a stage spends ``exchange_seconds_per_token`` communicating inside its
+        stage (the CP group's exchange of keys and values, the TP group's all-reduces) in
+        its forward, and as much in its backward (seconds only).
         """
-        n = float(num_stages) * context_parallel_size
+        cp, tp = context_parallel_size, tensor_parallel_size
+        n = float(num_stages) * cp * tp
         a, c = model.per_token / n, model.per_pair / n
         quadratic = "rectangle" if model.dense_attention else "causal_pairs"
         if flop_rate is None:
@@ -201,11 +205,12 @@ class Calibration:
         x = exchange_seconds_per_token
         stage = StageCosts(Fit(a + x, c, floor=host), Fit(2 * a + x, 2 * c, floor=host),
                            Fit(a, 0.0))
-        cp = (f", context parallelism {context_parallel_size} "
-              f"({x * 1e9:.3g} ns exchange per token)" if context_parallel_size > 1 else "")
+        groups = ", ".join(([f"tensor parallelism {tp}"] if tp > 1 else [])
+                           + ([f"context parallelism {cp}"] if cp > 1 else []))
+        exchange = f", {groups} ({x * 1e9:.3g} ns exchange per token)" if groups else ""
         return cls((stage,) * num_stages, quadratic, unit="s",
                    source=f"FLOP cost model at {flop_rate / 1e12:g} TFLOP/s, "
-                          f"{host_seconds * 1e3:.3g} ms host time per unit{cp}")
+                          f"{host_seconds * 1e3:.3g} ms host time per unit{exchange}")
 
     @classmethod
     def from_fits(cls, ordered_fits: Sequence[dict], quadratic: str, source: str = "fits",

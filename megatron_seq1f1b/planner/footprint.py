@@ -17,6 +17,13 @@ The planner predicts memory per pipeline stage as the sum of
 
 Parameter counts are those of Megatron-Core's ``GPTModel`` with the local layer spec
 (checked against built models in ``tests/test_rehearse.py``). Pure: no torch, no Megatron.
+
+With tensor parallelism (``tensor_parallel_size``) everything is per TP rank: the column- and
+row-parallel linear layers, the vocabulary-parallel embedding and output layer and the
+activations of split heads and MLP columns divide by TP; norms and row-parallel biases stay
+whole, and so do the ``[s, b, h]`` activations of the norms and the linear layers' inputs
+unless ``sequence_parallel`` splits them along the sequence (Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models", as Megatron-Core implements it).
 """
 
 from __future__ import annotations
@@ -83,32 +90,39 @@ class ModelShape:
     def _norm(self, width: int) -> int:
         return 2 * width if self.normalization == "LayerNorm" else width
 
-    def layer_parameters(self) -> int:
-        """One transformer layer: two norms, QKV and output projections, the MLP."""
-        h, bias = self.hidden_size, int(self.add_bias_linear)
+    def layer_parameters(self, tensor_parallel_size: int = 1) -> int:
+        """One transformer layer on one TP rank: two norms, QKV and output projections, the
+        MLP (the linear layers' weights and the column-parallel biases split over TP)."""
+        h, bias, t = self.hidden_size, int(self.add_bias_linear), tensor_parallel_size
         qkv = self.q_dim + 2 * self.kv_dim
         fc1 = self.ffn * (2 if self.gated_linear_unit else 1)
         count = 2 * self._norm(h)
-        count += h * qkv + bias * qkv + self.q_dim * h + bias * h
-        count += h * fc1 + bias * fc1 + self.ffn * h + bias * h
+        count += _per_rank(h * qkv + bias * qkv + self.q_dim * h, t) + bias * h
+        count += _per_rank(h * fc1 + bias * fc1 + self.ffn * h, t) + bias * h
         if self.qk_layernorm:
             count += 2 * self._norm(self.head_dim)
         return count
 
-    def embedding_parameters(self) -> int:
+    def embedding_parameters(self, tensor_parallel_size: int = 1) -> int:
+        """Word embeddings (vocabulary-parallel: 1/TP per rank) and learned positions."""
         positions = (self.max_sequence_length * self.hidden_size
                      if self.position_embedding_type == "learned_absolute" else 0)
-        return self.vocab_size * self.hidden_size + positions
+        return _per_rank(self.vocab_size, tensor_parallel_size) * self.hidden_size + positions
 
-    def output_parameters(self, holds_embedding: bool) -> int:
+    def output_parameters(self, holds_embedding: bool, tensor_parallel_size: int = 1) -> int:
         """Final norm and output layer (no weight of its own where tied on the same chunk)."""
         tied_here = self.tied_embeddings and holds_embedding
-        return self._norm(self.hidden_size) + (0 if tied_here else
-                                               self.vocab_size * self.hidden_size)
+        vocab = _per_rank(self.vocab_size, tensor_parallel_size)
+        return self._norm(self.hidden_size) + (0 if tied_here else vocab * self.hidden_size)
 
     def total_parameters(self) -> int:
         return (self.num_layers * self.layer_parameters() + self.embedding_parameters()
                 + self.output_parameters(True))
+
+
+def _per_rank(count: int, tensor_parallel_size: int) -> int:
+    """A TP rank's share of ``count`` split parameters (a vocabulary Megatron pads up)."""
+    return -(-count // tensor_parallel_size)
 
 
 def layers_per_virtual_stage(num_layers: int, num_virtual_stages: int) -> int:
@@ -119,20 +133,23 @@ def layers_per_virtual_stage(num_layers: int, num_virtual_stages: int) -> int:
     return num_layers // num_virtual_stages
 
 
-def virtual_stage_parameters(shape: ModelShape, num_stages: int,
-                             num_model_chunks: int = 1) -> list[int]:
-    """Parameters of each virtual stage, in pipeline order (``chunk * num_stages + rank``)."""
-    count = num_stages * num_model_chunks
-    per_layer = shape.layer_parameters() * layers_per_virtual_stage(shape.num_layers, count)
+def virtual_stage_parameters(shape: ModelShape, num_stages: int, num_model_chunks: int = 1,
+                             tensor_parallel_size: int = 1) -> list[int]:
+    """Parameters of each virtual stage, in pipeline order (``chunk * num_stages + rank``),
+    on one TP rank."""
+    count, t = num_stages * num_model_chunks, tensor_parallel_size
+    per_layer = shape.layer_parameters(t) * layers_per_virtual_stage(shape.num_layers, count)
     params = [per_layer] * count
-    params[0] += shape.embedding_parameters()
-    params[-1] += shape.output_parameters(holds_embedding=count == 1)
+    params[0] += shape.embedding_parameters(t)
+    params[-1] += shape.output_parameters(holds_embedding=count == 1, tensor_parallel_size=t)
     return params
 
 
-def stage_parameters(shape: ModelShape, num_stages: int, num_model_chunks: int = 1) -> list[int]:
-    """Parameters each pipeline rank holds (all its model chunks)."""
-    per_virtual = virtual_stage_parameters(shape, num_stages, num_model_chunks)
+def stage_parameters(shape: ModelShape, num_stages: int, num_model_chunks: int = 1,
+                     tensor_parallel_size: int = 1) -> list[int]:
+    """Parameters each pipeline rank holds (all its model chunks; one TP rank's share)."""
+    per_virtual = virtual_stage_parameters(shape, num_stages, num_model_chunks,
+                                           tensor_parallel_size)
     return [sum(per_virtual[c * num_stages + r] for c in range(num_model_chunks))
             for r in range(num_stages)]
 
@@ -175,8 +192,9 @@ class Training:
 
 def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: bool, last: bool,
                                dtype: str = "bf16", flash: bool = True,
-                               micro_batch_size: int = 1,
-                               whole_qkv: bool = False) -> tuple[float, float]:
+                               micro_batch_size: int = 1, whole_qkv: bool = False,
+                               tensor_parallel_size: int = 1,
+                               sequence_parallel: bool = False) -> tuple[float, float]:
     """(bytes one token leaves for the backward, the part of it that is keys and values) on a
     chunk of ``num_layers`` layers, per sample of the micro-batch.
 
@@ -198,38 +216,44 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
     output: the saved values then keep all of that output alive, its query and key parts
     too (RoPE's rotated copies are what the kernel saves). Segments get their keys and
     values copied into the buffer instead, and the projection's output is freed.
+
+    Per TP rank with ``tensor_parallel_size``: heads, keys and values, the MLP's columns and
+    the vocabulary's softmax divide by TP; the ``[s, b, h]`` inputs of the norms, of QKV,
+    of the first MLP layer and of the output layer only with ``sequence_parallel``.
     """
-    e, h = DTYPE_BYTES[dtype], shape.hidden_size
+    e, h, t = DTYPE_BYTES[dtype], shape.hidden_size, tensor_parallel_size
+    whole = t if sequence_parallel else 1  # what Megatron keeps whole on every TP rank
     fc1 = shape.ffn * (2 if shape.gated_linear_unit else 1)
-    kv = 2 * shape.kv_dim * e
-    per_layer = e * (4 * h + 2 * shape.q_dim + fc1 + shape.ffn) + kv
+    kv = 2 * shape.kv_dim * e / t
+    split = e * (2 * shape.q_dim + fc1 + shape.ffn)
     if flash:  # SDPA's output and its fp32 log-sum-exp per head, kept for its backward
-        per_layer += e * shape.q_dim + 4 * shape.num_attention_heads
+        split += e * shape.q_dim + 4 * shape.num_attention_heads
+    if whole_qkv and shape.position_embedding_type == "rope":
+        split += e * (shape.q_dim + shape.kv_dim)  # the rest of the viewed QKV output
+    per_layer = e * 4 * h / whole + split / t + kv
     if shape.position_embedding_type == "rope":  # unfused RoPE: cos and sin for q and for k
         per_layer += 4 * shape.head_dim * e
-    if whole_qkv and shape.position_embedding_type == "rope":
-        per_layer += e * (shape.q_dim + shape.kv_dim)  # the rest of the viewed QKV output
     total = num_layers * per_layer
     if first:
         total += 8  # token ids (int64)
-    if last:
-        total += 2 * e * h + 4 * shape.vocab_size + 8  # norm and output inputs, fp32 softmax
+    if last:  # norm and output inputs, fp32 softmax
+        total += 2 * e * h / whole + 4 * shape.vocab_size / t + 8
     return float(total), float(num_layers * kv)
 
 
 def attention_pair_bytes(shape: ModelShape, num_layers: int, *, dtype: str = "bf16",
-                         flash: bool = True) -> float:
+                         flash: bool = True, tensor_parallel_size: int = 1) -> float:
     """Bytes per query-key pair (one sample) that attention keeps for its backward on a chunk.
 
     Flash kernels keep none. Megatron's unfused attention keeps its probabilities
     for every pair it computes (masked ones too): the softmax's output, in fp32
     (``attention_softmax_in_fp32``), and in half precision the copy cast back for
-    the product with the values, per head and layer.
+    the product with the values, per head and layer (a TP rank's heads: 1/TP of them).
     """
     if flash:
         return 0.0
     per_head = 4 + (DTYPE_BYTES[dtype] if DTYPE_BYTES[dtype] < 4 else 0)
-    return float(num_layers * shape.num_attention_heads * per_head)
+    return float(num_layers * shape.num_attention_heads * per_head / tensor_parallel_size)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,8 @@ class MemoryModel:
     ``bytes_per_token`` (measured on a whole micro-batch: what one token of one sample
     leaves on the most loaded stage, all its chunks) every chunk's per-token estimate is
     scaled so that stage matches it (the unfused attention's ``s x s`` pairs taken out of
-    the measurement first: they are counted per pair).
+    the measurement first: they are counted per pair). With ``tensor_parallel_size`` every
+    byte is one TP rank's (a measured ``bytes_per_token`` too: measure on a TP rank).
     """
 
     shape: ModelShape
@@ -74,6 +75,8 @@ class MemoryModel:
     bytes_per_token: float | None = None
     activation_scale: float = 1.0  # e.g. measured / estimated activations of a rehearsal
     context_parallel_size: int = 1  # each rank holds 1/cp of the tokens, all of the K/V
+    tensor_parallel_size: int = 1  # per TP rank: split layers and their activations
+    sequence_parallel: bool = False  # with TP: the [s, b, h] activations split too
 
     def chunk_pair_bytes(self, num_stages: int, num_model_chunks: int = 1
                          ) -> list[list[float]]:
@@ -81,7 +84,9 @@ class MemoryModel:
         p, v = num_stages, num_model_chunks
         layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
         return [[attention_pair_bytes(self.shape, layers, dtype=self.training.dtype,
-                                      flash=self.flash) for _ in range(v)] for _ in range(p)]
+                                      flash=self.flash,
+                                      tensor_parallel_size=self.tensor_parallel_size)
+                 for _ in range(v)] for _ in range(p)]
 
     def chunk_bytes_per_token(self, num_stages: int, num_model_chunks: int = 1,
                               whole_qkv: bool = False, seq_length: int | None = None
@@ -97,7 +102,9 @@ class MemoryModel:
         def estimate(whole: bool) -> list[list[tuple[float, float]]]:
             return [[activation_bytes_per_token(
                 self.shape, layers, first=c * p + r == 0, last=c * p + r == p * v - 1,
-                dtype=self.training.dtype, flash=self.flash, whole_qkv=whole)
+                dtype=self.training.dtype, flash=self.flash, whole_qkv=whole,
+                tensor_parallel_size=self.tensor_parallel_size,
+                sequence_parallel=self.sequence_parallel)
                 for c in range(v)] for r in range(p)]
 
         table = estimate(whole_qkv)
@@ -118,8 +125,8 @@ class MemoryModel:
 
     def static_bytes(self, num_stages: int, num_model_chunks: int = 1) -> list[dict]:
         """Per rank: weights, main gradients and optimizer states, in bytes."""
-        return [self.training.state_bytes(n)
-                for n in stage_parameters(self.shape, num_stages, num_model_chunks)]
+        return [self.training.state_bytes(n) for n in stage_parameters(
+            self.shape, num_stages, num_model_chunks, self.tensor_parallel_size)]
 
     def stage_bytes(self, schedule: Schedule, lengths: Sequence[int], num_model_chunks: int = 1,
                     micro_batch_size: int = 1, documents=None,
@@ -158,17 +165,20 @@ def stage_memory(shape: ModelShape, training: Training, num_stages: int,
                  costs: Sequence[tuple[float, float, float]] | None = None,
                  documents=None,
                  microbatch_lengths: Sequence[Sequence[int]] | None = None,
-                 context_parallel_size: int = 1) -> list[dict]:
+                 context_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                 sequence_parallel: bool = False) -> list[dict]:
     """Each pipeline rank's predicted bytes (weights, gradients, optimizer, activations,
     total) for one plan: ``schedule`` a name (built here; zero bubble placed with
     ``costs``, else unit costs) or every rank's action lists; ``documents`` and
     ``microbatch_lengths`` as :meth:`MemoryModel.stage_bytes` takes them; with
-    ``context_parallel_size`` per rank of the CP group."""
+    ``context_parallel_size`` and ``tensor_parallel_size`` per rank of the CP and TP groups."""
     if isinstance(schedule, str):
         schedule = build_schedule(num_stages, num_microbatches, len(lengths), num_model_chunks,
                                   schedule=schedule, costs=costs)
     model = MemoryModel(shape, training, flash, bytes_per_token,
-                        context_parallel_size=context_parallel_size)
+                        context_parallel_size=context_parallel_size,
+                        tensor_parallel_size=tensor_parallel_size,
+                        sequence_parallel=sequence_parallel)
     return model.stage_bytes(schedule, lengths, num_model_chunks, micro_batch_size,
                              documents=documents, microbatch_lengths=microbatch_lengths)
 
