@@ -6,12 +6,19 @@ entry point's parser is walked: each flag that reads a number must read it throu
 :mod:`megatron_seq1f1b.base.flags` (or ``--seq1f1b-splits``' own reader), and zero, negative
 and non-numeric values must give exit status 2, one line on stderr naming the flag and
 the value, and no traceback. Checks across flags get the same treatment through each
-entry point's ``main``. Everything runs in this process except two end-to-end runs.
+entry point's ``main``. Everything runs in this process except a few end-to-end runs.
+
+Issue 44: a trainer error under torchrun is one line (rank 0's) and status 2 on every rank;
+a missing data set, a data set with token ids beyond the vocabulary and a missing
+make_dataset.py input are one line and status 2 too.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +33,7 @@ from megatron_seq1f1b.bench import cli as bench_cli
 from megatron_seq1f1b.bench import gpu, gpu_check, gpu_long, predictions, rehearsal_check
 from megatron_seq1f1b.schedules import simulate
 from megatron_seq1f1b.trainer import arguments
+from megatron_seq1f1b.trainer.data import write_indexed
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ["--out", "unused-out"]  # parsing stops before anything is written
@@ -132,6 +140,11 @@ REHEARSE = ENTRY_POINTS["rehearse"][1]
     (lambda: planner.main(PLANNER + ["--calibration", "/no/such/file.json"]), "--calibration"),
     (lambda: planner.main(["--seq-length", "4096", "--pp", "2", "--microbatches", "4"]),
      "--calibration"),
+    (lambda: planner.main(PLANNER + ["--tp", "3"]),
+     "--num-attention-heads 8 must be a multiple of --tensor-model-parallel-size 3"),
+    (lambda: planner.main(PLANNER + ["--tp", "2", "--sequence-parallel", "--multiple-of", "3"]),
+     "multiple of 6 (the least common multiple of --multiple-of 3 and the layout's 2: sequence "
+     "parallelism"),
     (lambda: simulate.main(["--chunks", "2", "--pp", "1"]), "--chunks 2"),
     (lambda: simulate.main(["--cost", "attention", "--seq-length", "8", "--splits", "16"]),
      "--splits 16"),
@@ -149,9 +162,10 @@ REHEARSE = ENTRY_POINTS["rehearse"][1]
      "--pipeline-model-parallel-size 3"),
 ], ids=["planner-splits-sequence", "planner-splits-min-length", "planner-vpp", "planner-layers",
         "planner-gib-needs-bytes", "planner-multiple", "planner-calibration-file",
-        "planner-no-costs", "simulate-chunks", "simulate-splits-sequence", "rehearse-stage",
-        "rehearse-splits", "rehearse-layers", "benchmark-splits", "benchmark-sweep", "gpu",
-        "gpu-long", "gpu-check", "predictions", "trainer"])
+        "planner-no-costs", "planner-tp-heads", "planner-sequence-parallel", "simulate-chunks",
+        "simulate-splits-sequence", "rehearse-stage", "rehearse-splits", "rehearse-layers",
+        "benchmark-splits", "benchmark-sweep", "gpu", "gpu-long", "gpu-check", "predictions",
+        "trainer"])
 def test_checks_across_flags_are_one_line_too(call, flag, capsys):
     assert flag in _refused(call, capsys)
 
@@ -203,3 +217,89 @@ def test_end_to_end_no_traceback(module, argv, flag):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"python -m {module}: error: argument {flag}: must be an integer >= 1, got '0'"]
+
+
+# Issue 44: what a new user of the trainer trips on, end to end.
+SCRIPTS = ROOT / "scripts"
+ONE_THREAD = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _run(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=ONE_THREAD)
+
+
+def _ours(stderr: str, prog: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith(f"{prog}: ")]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_bad_trainer_flag_under_torchrun_is_one_line_and_status_2_on_every_rank():
+    """Rank 0 alone prints; every rank exits 2 (none is ended by torchrun's SIGTERM, -15);
+    torchrun itself exits 1 after its report of the children's codes."""
+    done = _run("-m", "torch.distributed.run", "--nproc-per-node=2",
+                f"--master-port={_free_port()}", str(SCRIPTS / "pretrain_gpt.py"), "--bad-flag")
+    assert _ours(done.stderr, "pretrain_gpt.py") == [
+        "pretrain_gpt.py: error: unrecognized arguments: --bad-flag"], done.stderr
+    assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", done.stderr, re.M) == ["2", "2"], done.stderr
+    assert done.returncode == 1, done.stderr
+
+
+def test_missing_data_path_is_one_line_and_status_2(tmp_path):
+    done = _run(str(SCRIPTS / "pretrain_gpt.py"), "--data-path", str(tmp_path / "nope"),
+                "--tokenizer-type", "ByteTokenizer", timeout=60)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == [
+        f"pretrain_gpt.py: error: --data-path {tmp_path}/nope: {tmp_path}/nope.idx and "
+        f"{tmp_path}/nope.bin not found (a Megatron indexed data set is a prefix.idx and "
+        f"prefix.bin; scripts/make_dataset.py --output {tmp_path}/nope makes one)"]
+
+
+def test_make_dataset_missing_input_is_one_line_and_a_good_one_prints_no_warnings(tmp_path):
+    done = _run(str(SCRIPTS / "make_dataset.py"), "--input", str(tmp_path / "nope.txt"),
+                "--output", str(tmp_path / "out"), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"make_dataset.py: error: --input {tmp_path}/nope.txt: No such file or directory"]
+    assert not (tmp_path / "out.bin").exists()
+    (tmp_path / "a.txt").write_text("a document")
+    done = _run(str(SCRIPTS / "make_dataset.py"), "--input", str(tmp_path / "a.txt"),
+                "--output", str(tmp_path / "out"), timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr  # Megatron's import: quiet
+    assert "1 documents, 11 byte tokens" in done.stdout
+
+
+def test_tokens_beyond_the_vocabulary_are_one_line_naming_both(tmp_path, capsys):
+    prefix = write_indexed(["byte text", "more"], tmp_path / "bytes")  # end of document: 256
+    data = ["--data-path", str(prefix), "--tokenizer-type", "NullTokenizer"]
+    line = _refused(lambda: arguments.parse([*data, "--vocab-size", "128"]), capsys)
+    assert line == (f"pretrain_gpt.py: error: --data-path {prefix}: token id 256 is beyond "
+                    "--vocab-size 128 (--tokenizer-type NullTokenizer: ids 0..127); give "
+                    "--vocab-size 257 or more, or the tokenizer the data set was made with")
+    assert arguments.parse([*data, "--vocab-size", "257"]).vocab_size == 257
+    line = _refused(lambda: arguments.parse(["--data-path", f"{prefix}.bin",
+                                             "--tokenizer-type", "ByteTokenizer"]), capsys)
+    assert line.endswith(f"give the prefix without .bin: --data-path {prefix}")
+
+
+@pytest.mark.parametrize("given, missing", [
+    ({}, "add --seq1f1b --seq1f1b-splits auto"),
+    ({"seq1f1b": True}, "add --seq1f1b-splits auto"),
+    ({"seq1f1b_splits": "auto"}, "add --seq1f1b"),
+])
+def test_memory_budget_message_names_only_what_is_missing(given, missing):
+    from types import SimpleNamespace
+
+    from megatron_seq1f1b.megatron_lm.arguments import auto_flag_problems
+
+    args = SimpleNamespace(**{"seq1f1b": False, "seq1f1b_splits": 1,
+                              "seq1f1b_memory_budget": 20.0, **given})
+    (problem,) = auto_flag_problems(args)
+    assert problem.endswith(missing), problem
+    assert not auto_flag_problems(SimpleNamespace(**{**vars(args), "seq1f1b": True,
+                                                     "seq1f1b_splits": "auto"}))

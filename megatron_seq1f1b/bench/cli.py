@@ -50,9 +50,11 @@ from megatron_seq1f1b.runtime.model_hooks import dense_attention
 from megatron_seq1f1b.trainer import arguments, data, setup
 
 
-def build_parser() -> ArgumentParser:
-    """The benchmark's flags; every number is checked as it is read."""
-    p = ArgumentParser(
+def build_parser() -> arguments.StartupParser:
+    """The benchmark's flags; every number is checked as it is read. An error is one line,
+    printed once under torchrun (rank 0), and every rank exits with status 2 before any
+    process group exists (:func:`megatron_seq1f1b.trainer.arguments.refuse`)."""
+    p = arguments.StartupParser(
         prog="scripts/benchmark.py",
         description="Megatron-Core 1F1B vs Seq1F1B, side by side (launch with torchrun).",
         allow_abbrev=False,

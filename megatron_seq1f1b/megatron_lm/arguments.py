@@ -126,10 +126,13 @@ def auto_flag_problems(args: Any) -> list[str]:
     microbatches = _flag(args, "seq1f1b_memory_budget_microbatches")
     shortest = _flag(args, "seq1f1b_min_segment_length", DEFAULT_MIN_SEGMENT)
     steered = gib is not None or microbatches is not None or shortest != DEFAULT_MIN_SEGMENT
-    if steered and not (_flag(args, "seq1f1b", False)
-                        and _flag(args, "seq1f1b_splits", DEFAULT_SPLITS) == AUTO):
+    missing = [flag for flag, given in (
+        ("--seq1f1b", _flag(args, "seq1f1b", False)),
+        ("--seq1f1b-splits auto", _flag(args, "seq1f1b_splits", DEFAULT_SPLITS) == AUTO))
+        if not given]
+    if steered and missing:  # say only what is missing
         problems.append("--seq1f1b-memory-budget(-microbatches) / --seq1f1b-min-segment-length "
-                        "steer --seq1f1b-splits auto; add --seq1f1b --seq1f1b-splits auto")
+                        f"steer --seq1f1b-splits auto; add {' '.join(missing)}")
     if gib is not None and not gib > 0:
         problems.append(f"--seq1f1b-memory-budget must be > 0 (GiB), got {gib}")
     if microbatches is not None and not microbatches > 0:

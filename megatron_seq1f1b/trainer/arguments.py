@@ -1,15 +1,21 @@
 """Command-line flags of the standalone trainer, with Megatron-LM's names and meanings.
 
-Only what this trainer implements is accepted; an unknown flag, or a
-contradictory combination, stops the run before any process group exists.
+Only what this trainer implements is accepted; an unknown flag, a contradictory
+combination or a ``--data-path`` that is no usable data set stops the run before any
+process group exists: rank 0 prints one line per problem, every rank exits with status 2
+(:func:`refuse`).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import math
+import os
+import signal
 import sys
+from typing import NoReturn
 
 from megatron_seq1f1b.base.checks import segment_multiple
 from megatron_seq1f1b.base.flags import (
@@ -21,6 +27,60 @@ from megatron_seq1f1b.megatron_lm.arguments import (
 )
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import split_sequence
+from megatron_seq1f1b.trainer import data as trainer_data
+
+PROG = "pretrain_gpt.py"
+#: Seconds a refusing rank under torchrun waits for every other rank to refuse too.
+REFUSAL_WAIT_S = 30.0
+
+
+def refuse(problems: list[str], prog: str = PROG) -> NoReturn:
+    """``<prog>: error: <problem>`` lines, printed once, and exit status 2 on every rank.
+
+    Every rank finds the same problems before any process group exists; rank 0 (env
+    ``RANK`` 0 or unset) prints them. Under torchrun the ranks first meet at its agent's
+    store and then leave at once, skipping the interpreter's teardown (seconds): torchrun
+    ends the other ranks (SIGTERM, status -15) as soon as one exits, which would cut off
+    rank 0's line or a peer's status 2. Outside torchrun: ``SystemExit(2)``.
+    """
+    rank = os.environ.get("RANK", "0")
+    lines = "".join(f"{prog}: error: {problem}\n" for problem in problems)
+    if rank == "0":
+        sys.stderr.write(lines)
+        sys.stderr.flush()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        raise SystemExit(2)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))  # torchrun ends us: still a 2
+    if not _all_ranks_refused() and rank != "0" and os.environ.get("LOCAL_RANK") == "0":
+        sys.stderr.write(lines)  # rank 0 went on (e.g. a data set missing on this node only)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
+
+
+def _all_ranks_refused() -> bool:
+    """Wait at torchrun's agent store until every rank has refused (False: not all did in
+    :data:`REFUSAL_WAIT_S`, or the store cannot be reached)."""
+    import torch.distributed as dist
+
+    key = f"seq1f1b/refused/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False,
+                              timeout=datetime.timedelta(seconds=REFUSAL_WAIT_S))
+        if store.add(key, 1) == int(os.environ.get("WORLD_SIZE", "1")):
+            store.set(f"{key}/all", "1")
+        store.wait([f"{key}/all"])
+    except (RuntimeError, KeyError, ValueError):  # DistStoreError is a RuntimeError
+        return False
+    return True
+
+
+class StartupParser(ArgumentParser):
+    """The one-line parser whose errors go through :func:`refuse` (once under torchrun)."""
+
+    def error(self, message: str) -> NoReturn:
+        refuse([message], self.prog)
 
 
 def _int_pair(text: str) -> tuple[int, int]:
@@ -34,9 +94,10 @@ def _int_pair(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected two integers like '(1024, 0)', got {text!r}")
 
 
-def build_parser() -> ArgumentParser:
-    p = ArgumentParser(
-        prog="pretrain_gpt.py",
+def build_parser() -> StartupParser:
+    """The trainer's flags; errors are one line, status 2 (once per job under torchrun)."""
+    p = StartupParser(
+        prog=PROG,
         description="Train a GPT with Megatron-Core and (optionally) Seq1F1B. Launch with "
                     "torchrun.",
         allow_abbrev=False,
@@ -280,9 +341,10 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         problems += moe_flag_problems(args)
     if cp > 1:
         problems += context_parallel_problems(args)
+    if args.data_path and not args.mock_data:
+        problems += trainer_data.data_path_problems(args)
     if problems:  # all at once, one line each, as argparse's own errors: status 2
-        sys.stderr.write("".join(f"pretrain_gpt.py: error: {p}\n" for p in problems))
-        raise SystemExit(2)
+        refuse(problems)
     return args
 
 
@@ -325,4 +387,5 @@ def document_problems(args: argparse.Namespace, auto: bool) -> list[str]:
 
 
 def parse(argv=None, world_size: int = 1) -> argparse.Namespace:
+    """The checked flags of a run on `world_size` ranks (or every rank exits with status 2)."""
     return validate(build_parser().parse_args(argv), world_size)

@@ -9,6 +9,7 @@ CPython ships in ``pydoc_data``.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -77,6 +78,84 @@ def write_indexed(documents: Iterable[str], prefix: str | Path, tokenizer=None) 
         builder.end_document()
     builder.finalize(f"{prefix}.idx")
     return prefix
+
+
+#: Most tokens of a .bin the start-up check reads; a larger data set is read in evenly spaced
+#: windows of this many tokens in all (256 MiB of uint16).
+SCAN_TOKENS = 2**27
+_WINDOW = 2**22
+_IDX_HEADER = b"MMIDIDX\x00\x00"  # Megatron's .idx: this, version 1 (<Q), dtype code (<B), ...
+
+
+def data_path_problems(args) -> list[str]:
+    """Why the ``--data-path`` prefixes cannot be trained on with ``--vocab-size`` (one line
+    each; empty: they can; the vocabulary is checked where ``args.vocab_size`` is known).
+
+    Checked at start-up, before any process group: otherwise a wrong prefix surfaces as a
+    traceback from inside Megatron's dataset builder, and a token id beyond the vocabulary
+    as an index error in the embedding (a device-side assert on a GPU).
+    """
+    problems = []
+    for prefix in args.data_path:
+        problem = _prefix_problem(prefix)
+        if problem is None and args.vocab_size is not None:
+            problem = _vocabulary_problem(prefix, args)
+        if problem is not None:
+            problems.append(f"--data-path {prefix}: {problem}")
+    return problems
+
+
+def _prefix_problem(prefix: str) -> str | None:
+    """Why `prefix` names no readable ``.idx``/``.bin`` pair (None: it does)."""
+    files = [Path(f"{prefix}.{ext}") for ext in ("idx", "bin")]
+    absent = [str(path) for path in files if not path.is_file()]
+    stem, ext = os.path.splitext(prefix)
+    if absent and ext in (".idx", ".bin") and _prefix_problem(stem) is None:
+        return f"give the prefix without {ext}: --data-path {stem}"
+    if absent:
+        return (f"{' and '.join(absent)} not found (a Megatron indexed data set is a "
+                f"prefix.idx and prefix.bin; scripts/make_dataset.py --output {prefix} "
+                "makes one)")
+    unreadable = [str(path) for path in files if not os.access(path, os.R_OK)]
+    if unreadable:
+        return f"{' and '.join(unreadable)} not readable"
+    return None
+
+
+def _vocabulary_problem(prefix: str, args) -> str | None:
+    """A token id of the data set beyond ``--vocab-size`` (None: all fit, or none found)."""
+    try:
+        largest = largest_token(prefix)
+    except (ValueError, OSError) as exc:
+        return str(exc)
+    if largest is None or largest < args.vocab_size:
+        return None
+    return (f"token id {largest} is beyond --vocab-size {args.vocab_size} (--tokenizer-type "
+            f"{args.tokenizer_type}: ids 0..{args.vocab_size - 1}); give --vocab-size "
+            f"{largest + 1} or more, or the tokenizer the data set was made with")
+
+
+def largest_token(prefix: str | Path, scan_tokens: int = SCAN_TOKENS) -> int | None:
+    """The largest token id in ``prefix.bin`` (None: no tokens); of a data set beyond
+    `scan_tokens` tokens, the largest in evenly spaced windows of that many in all.
+
+    ValueError: ``prefix.idx`` is not a Megatron index (read here, not by Megatron's
+    IndexedDataset, which leaves tracebacks from ``__del__`` on a broken file).
+    """
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(f"{prefix}.idx", "rb") as index:
+        head = index.read(18)
+    if len(head) < 18 or head[:9] != _IDX_HEADER or int.from_bytes(head[9:17], "little") != 1:
+        raise ValueError(f"{prefix}.idx is not a Megatron indexed data set's index")
+    dtype = numpy.dtype(DType.dtype_from_code(head[17]))  # ValueError: an unknown code
+    count = os.path.getsize(f"{prefix}.bin") // dtype.itemsize
+    if count == 0:
+        return None
+    tokens = numpy.memmap(f"{prefix}.bin", dtype=dtype, mode="r", shape=(count,))
+    starts = (range(0, count, _WINDOW) if count <= scan_tokens else numpy.linspace(
+        0, count - _WINDOW, max(scan_tokens // _WINDOW, 1)).astype(numpy.int64))
+    return max(int(tokens[start:start + _WINDOW].max()) for start in starts)
 
 
 def build_datasets(args, tokenizer, train_samples: int, eval_samples: int):

@@ -178,8 +178,8 @@ def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -
     active exception", seen about once in 20 runs on CPU).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    data.quiet_logs()  # first: the --data-path checks import Megatron-Core's datasets
     args = arguments.parse(argv, world_size)
-    data.quiet_logs()
     device = setup.init_distributed(args)
     summary = _train(args, forward_step_func, model_provider, device, world_size)
     setup.shutdown()  # not after a failure: a peer may be gone, and the error should surface
