@@ -17,13 +17,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 BACKENDS = {"local": "unfused", "flash": "flash"}
 
 
+def _timed(summary: dict) -> list[dict]:
+    """Every timed iteration's stats (older logs: the last iteration's only)."""
+    return summary.get("timelines") or ([summary["timeline"]] if summary.get("timeline") else [])
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
 def _bubble(summary: dict) -> str:
-    timeline = summary.get("timeline")
-    return f"{timeline['bubble_fraction']:.1%}" if timeline else "-"
+    timed = _timed(summary)
+    return f"{_median([t['bubble_fraction'] for t in timed]):.1%}" if timed else "-"
 
 
 def _backend(summary: dict) -> str:
@@ -31,17 +41,39 @@ def _backend(summary: dict) -> str:
                         summary.get("attention_backend", "local"))
 
 
-def split_speedup(base: dict, run: dict) -> tuple[float, float] | None:
-    """The timed iteration's speed-up of `run` over `base` as (bubble part, busy-time part).
+def _parts(a: dict, b: dict) -> tuple[float, float] | None:
+    """One iteration's speed-up of `b` over `a` as (bubble part, busy-time part).
 
     makespan = busy time of all ranks / (ranks * (1 - bubble)), so the speed-up is exactly
-    (1 - bubble_run) / (1 - bubble_base) times busy_base / busy_run.
+    (1 - bubble_b) / (1 - bubble_a) times busy_a / busy_b.
     """
-    a, b = base.get("timeline"), run.get("timeline")
-    if not a or not b or not sum(b["busy_s"]) or a["bubble_fraction"] >= 1:
+    if not sum(b["busy_s"]) or a["bubble_fraction"] >= 1:
         return None
     return ((1 - b["bubble_fraction"]) / (1 - a["bubble_fraction"]),
             sum(a["busy_s"]) / sum(b["busy_s"]))
+
+
+def split_speedup(base: dict, run: dict) -> tuple[tuple[float, float], list] | None:
+    """The speed-up of `run` over `base` split as (bubble part, busy-time part), from the
+    medians of their timed iterations (one slow iteration does not move it), and every
+    iteration's parts (iterations paired by number) for the spread."""
+    timed_a, timed_b = _timed(base), _timed(run)
+    if not timed_a or not timed_b:
+        return None
+    median = {key: [_median([t["bubble_fraction"] for t in timed]),
+                    _median([sum(t["busy_s"]) for t in timed])]
+              for key, timed in (("a", timed_a), ("b", timed_b))}
+    parts = _parts(*({"bubble_fraction": m[0], "busy_s": [m[1]]} for m in median.values()))
+    if parts is None:
+        return None
+    spread = [p for p in map(_parts, timed_a, timed_b) if p]
+    return parts, spread
+
+
+def _with_spread(value: float, values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{value:.2f}x"
+    return f"{value:.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
 def _table(rows: list[tuple[str, list[str]]], head: list[str]) -> None:
@@ -89,32 +121,33 @@ def compare(runs: list[dict]) -> bool:
                     f"{r['peak_gib_per_stage'][0] / max(b['peak_gib_per_stage'][0], 1e-12):.2f}x"
                     for _, b, r in columns]),
                 ("measured bubble", [f"{_bubble(b)} -> {_bubble(r)}" for _, b, r in columns])]
-        parts = [split_speedup(b, r) for _, b, r in columns]
-        if all(parts):
-            rows += [("timed iteration: bubble part", [f"{p[0]:.2f}x" for p in parts]),
-                     ("timed iteration: busy-time part", [f"{p[1]:.2f}x" for p in parts])]
+        splits = [split_speedup(b, r) for _, b, r in columns]
+        if all(splits):
+            timed = min(len(spread) for _, spread in splits)
+            rows += [(f"bubble part (median of {timed} it.)",
+                      [_with_spread(p[0], [s[0] for s in spread]) for p, spread in splits]),
+                     (f"busy-time part (median of {timed} it.)",
+                      [_with_spread(p[1], [s[1] for s in spread]) for p, spread in splits])]
         print(f"{name} vs {' / '.join(sorted(bases))}:")
         _table(rows, head)
-        if all(parts):
-            print(_explanation(columns, parts))
+        if all(splits):
+            print(_explanation(columns))
     return equal
 
 
-def _explanation(columns: list, parts: list) -> str:
-    """Which part of the gain is the schedule's."""
+def _explanation(columns: list) -> str:
+    """Three plain lines: which part is the schedule's, which the kernels'."""
     backends = {backend for backend, _, _ in columns}
-    text = ("The bubble part is the schedule's: shorter units leave fewer idle slots. The "
-            "busy-time part is the compute of an iteration, what segments cost (more, smaller "
-            "steps) against the attention work they save: ")
+    lines = ["speed-up = bubble part x busy-time part (medians; the range over iterations in "
+             "brackets).",
+             "bubble part: the schedule's gain, less time idle waiting for other stages.",
+             "busy-time part: the compute's, what segments cost against the work they save"]
     if "unfused" in backends:
-        text += ("Megatron's unfused kernel computes and masks the whole sequence's [s, s] "
-                 "scores, a segment only its [segment, prefix] block, so with unfused attention "
-                 "Seq1F1B skips most masked scores (a saving that grows with s); ")
-    text += ("flash attention skips masked blocks in both schedules, so " +
-             ("its column is the gain where models train with flash or Transformer Engine "
-              "attention." if "flash" in backends else
-              "with flash or Transformer Engine attention that saving is not there."))
-    return _wrap(text)
+        lines[-1] += ("; unfused attention computes masked scores that segments skip, flash "
+                      "does not, so the flash column is what flash and TE users get.")
+    else:
+        lines[-1] += "."
+    return "\n".join(_wrap(line) for line in lines)
 
 
 def _wrap(text: str, width: int = 100) -> str:

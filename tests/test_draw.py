@@ -161,7 +161,8 @@ def test_demo_summary_compares_both_attention_backends(tmp_path, capsys, monkeyp
     assert "1.50x" in out and "1.10x" in out  # tokens/s per backend
     assert "0.50x" in out  # stage-0 memory
     base, run = (json.loads(Path(p).read_text())["summary"] for p in paths[:2])
-    bubble, busy = compare_runs.split_speedup(base, run)
+    (bubble, busy), spread = compare_runs.split_speedup(base, run)
+    assert spread == [(bubble, busy)]  # these logs hold one timed iteration
     assert bubble * busy == pytest.approx(
         base["timeline"]["makespan_s"] / run["timeline"]["makespan_s"])
     assert f"{bubble:.2f}x" in out and f"{busy:.2f}x" in out
@@ -170,6 +171,31 @@ def test_demo_summary_compares_both_attention_backends(tmp_path, capsys, monkeyp
     assert axes == [pytest.approx(theirs.makespan)] * 4  # every run's picture on one axis
     assert all((tmp_path / name / "timeline.png").exists()
                for name in ("1f1b", "seq1f1b", "1f1b-flash", "seq1f1b-flash"))
+
+
+def test_demo_split_is_from_medians_with_the_spread(capsys):
+    """One slow iteration (a busy time of 30 against 11) moves neither part: medians, with
+    every iteration's parts as the printed range."""
+    spec = importlib.util.spec_from_file_location("compare_runs",
+                                                  ROOT / "scripts" / "compare_runs.py")
+    compare_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_runs)
+
+    def summary(name, bubbles, busy):
+        return {"schedule": name, "attention_backend": "flash", "final_lm_loss": 5.0,
+                "mean_ms_per_iter": 1.0, "tokens_per_s": 1.0, "peak_gib_per_stage": [1.0],
+                "losses": [5.0], "timelines": [{"bubble_fraction": b, "busy_s": [s / 2] * 2}
+                                               for b, s in zip(bubbles, busy)]}
+
+    base = summary("Megatron-Core 1F1B", [0.3, 0.3, 0.3], [10, 10, 10])
+    run = summary("Seq1F1B k=4", [0.15, 0.2, 0.15], [11, 30, 11])
+    (bubble, busy), spread = compare_runs.split_speedup(base, run)
+    assert bubble == pytest.approx(0.85 / 0.7) and busy == pytest.approx(10 / 11)
+    assert [s[1] for s in spread] == pytest.approx([10 / 11, 10 / 30, 10 / 11])
+    compare_runs.compare([base, run])
+    out = capsys.readouterr().out
+    assert "bubble part (median of 3 it.)" in out and "0.91x (0.33-0.91)" in out
+    assert "30.0% -> 15.0%" in out  # the measured bubble: medians too
 
 
 def test_benchmark_pictures_share_one_axis(tmp_path, monkeypatch):

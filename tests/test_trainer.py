@@ -98,6 +98,9 @@ def test_timelines_and_the_side_by_side_summary(tmp_path):
     for run, name in ((ours, "seq"), (theirs, "1f1b")):
         timeline = run["summary"]["timeline"]
         assert 0 <= timeline["bubble_fraction"] < 1 and len(timeline["busy_s"]) == 2
+        # every iteration after the first is timed (the demo's split takes their medians)
+        assert len(run["summary"]["timelines"]) == 2
+        assert run["summary"]["timelines"][-1]["busy_s"] == timeline["busy_s"]
         trace = json.loads((tmp_path / name / "timeline.json").read_text())
         categories = {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"}
         assert categories >= {"forward", "backward"}

@@ -46,8 +46,9 @@ def _timed(args, model, recorder) -> Iterator[Callable]:
         yield _forward_backward_func(args)
 
 
-def _write_timeline(args, recorder, title: str) -> dict:
-    """Gather the recorded iteration over the pipeline; the last rank draws it. Its stats."""
+def _write_timeline(args, recorder, title: str, picture: bool = True) -> dict:
+    """Gather the recorded iteration over the pipeline; its stats. With `picture`, the last
+    rank also writes it (Chrome trace, PNG)."""
     from megatron.core import parallel_state
 
     from megatron_seq1f1b.runtime.trace import timeline_stats
@@ -55,7 +56,7 @@ def _write_timeline(args, recorder, title: str) -> dict:
 
     timeline = recorder.gather(-1, group=parallel_state.get_pipeline_model_parallel_group())
     stats = timeline_stats(timeline)
-    if dist.get_rank() == dist.get_world_size() - 1:
+    if picture and dist.get_rank() == dist.get_world_size() - 1:
         os.makedirs(args.timeline_dir, exist_ok=True)
         png = os.path.join(args.timeline_dir, "timeline.png")
         trace = os.path.join(args.timeline_dir, "timeline.json")
@@ -222,14 +223,17 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
     if memory.warning:
         _print(f"> warning: {memory.warning}")
 
-    records, times, timeline = [], [], None
+    # With --timeline-dir every iteration after the first (warm-up) is timed per action, so
+    # that a summary's bubble and busy time are medians, not one iteration's; the last one
+    # is also drawn.
+    records, times, timeline, timelines = [], [], None, []
     while iteration < args.train_iters:
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         memory.reset()
         recorder = None
-        if args.timeline_dir and iteration == args.train_iters - 1:
+        if args.timeline_dir and (iteration >= 1 or args.train_iters == 1):
             from megatron_seq1f1b.runtime.trace import TimelineRecorder
 
             recorder = TimelineRecorder()
@@ -261,8 +265,11 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
         if args.num_experts:
             record["moe_losses"] = _moe_losses(args)
         records.append(record)
-        if recorder is not None:
-            timeline = _write_timeline(args, recorder, schedule)
+        if recorder is not None:  # after the iteration's time was taken
+            timeline = _write_timeline(args, recorder, schedule,
+                                       picture=iteration == args.train_iters)
+            timelines.append({key: timeline[key] for key in
+                              ("makespan_s", "busy_s", "bubble_fraction")})
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             _print(
                 f" iteration {iteration:6d}/{args.train_iters:6d} | lm loss: {loss:.6E} | "
@@ -297,7 +304,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
         "losses": [r["lm_loss"] for r in records],
     }
     if timeline is not None:
-        summary["timeline"] = timeline
+        summary["timeline"] = timeline  # the last iteration's, drawn
+        summary["timelines"] = timelines  # every timed iteration's, for medians
     summary["weights_sha256"] = _weights_digests(model)
     shown = {k: v for k, v in summary.items() if k not in ("losses", "weights_sha256")}
     _print(f"> summary: {json.dumps(shown)}")
