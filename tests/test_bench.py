@@ -3,6 +3,7 @@
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,8 @@ from megatron_seq1f1b.planner.fit import (
 )
 from megatron_seq1f1b.schedules.schedule import B, F, W, build_schedule
 from megatron_seq1f1b.schedules.simulate import simulate, uniform_cost
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_nonneg_lstsq_recovers_exact_coefficients():
@@ -191,6 +194,25 @@ def test_summarize_ratios_against_megatron():
     assert ours["paired_speedup_vs_1f1b"] == pytest.approx(1.5)  # median of 2.0 and 1.0
     assert ours["paired_speedup_vs_1f1b_range"] == [1.0, 2.0]
     assert ours["peak_ratio_vs_1f1b"] == [0.5, 1.0]
+
+
+def test_fused_backend_row_computing_less_than_megatron_is_flagged():
+    """On flash or TE segments cannot compute less than whole micro-batches: a Seq1F1B row
+    whose CPU time is below 0.95x Megatron's says the baseline ran slower code."""
+    base = _measured("1f1b", [2.0], [100])
+    base.timeline = {"bubble_fraction": 0.4, "busy_s": [1.0, 1.4], "makespan_s": 2.0}
+    ours = _measured("seq1f1b-uniform", [1.5], [50])
+    ours.cpu = [[0.4, 0.4]]  # 0.8 s against Megatron's 2.0 s: 0.40x
+    ours.timeline = {"bubble_fraction": 0.2, "busy_s": [1.2, 1.2], "makespan_s": 1.5}
+    for backend, flagged in (("flash", True), ("te", True), ("local", False)):
+        rows = summarize([base, ours], tokens_per_iter=6, attention_backend=backend)
+        assert (rows[1]["fairness"] is not None) == flagged, backend
+        assert rows[0]["fairness"] is None
+        assert not flagged or "baseline defect" in rows[1]["fairness"]
+    bubble, busy = summarize([base, ours], 6, "flash")[1]["parts_vs_1f1b"]
+    assert bubble == pytest.approx(0.8 / 0.6) and busy == pytest.approx(1.0)
+    ours.cpu = [[1.0, 0.95]]  # 0.975x: within noise, not flagged
+    assert summarize([base, ours], 6, "flash")[1]["fairness"] is None
 
 
 def test_bench_imports_no_megatron():
@@ -508,3 +530,26 @@ def test_document_length_adds_the_documents_row():
                  "--micro-batch-size", "2"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_published_fused_rows_are_fair_or_say_why():
+    """Every flash/TE row of docs/benchmarks/*.json computes at least 0.95x of Megatron's CPU
+    time, or carries the benchmark's explanation (a baseline defect, not a result)."""
+    import json
+
+    from megatron_seq1f1b.bench.summary import FAIR_CPU_RATIO, FUSED_BACKENDS
+
+    checked = 0
+    for path in sorted((ROOT / "docs" / "benchmarks").glob("*.json")):
+        results = json.loads(path.read_text())
+        if (results.get("meta") or {}).get("attention_backend") not in FUSED_BACKENDS:
+            continue
+        for row in results["schedules"]:
+            ratio = row.get("cpu_ratio_vs_1f1b")
+            if row["megatron"] or ratio is None:
+                continue
+            checked += 1
+            assert ratio >= FAIR_CPU_RATIO or "baseline defect" in (row.get("fairness") or ""), \
+                (path.name, row["key"], ratio)
+    assert checked
+

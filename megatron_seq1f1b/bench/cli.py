@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
             draw_simulated_timelines(schedules, simulated, args,
                                      calibration["prediction_variant"], out)
 
-    rows = summarize(schedules, tokens_per_iter)
+    rows = summarize(schedules, tokens_per_iter, args.attention_backend)
     cp_report.add_fields(rows, schedules, measured_bytes(meters), args, layouts["plain"].config,
                          packed_documents)
     # printed with results.md (section "Automatic plan vs a sweep of k")

@@ -46,9 +46,9 @@ def _header(args: argparse.Namespace, meta: dict) -> list[str]:
 def _schedule_table(rows: list[dict], meta: dict) -> list[str]:
     lines = [""]
     lines.append("| schedule | segments | median ms (min–max) | tokens/s | × 1F1B | paired × 1F1B "
-                 "(min–max) | CPU s per stage | CPU × 1F1B | peak MiB per stage | stage-0 mem × "
-                 "1F1B | predicted ms | pred. error |")
-    lines.append("|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|")
+                 "(min–max) | bubble part × busy part | CPU s per stage | CPU × 1F1B | peak MiB "
+                 "per stage | stage-0 mem × 1F1B | predicted ms | pred. error |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|")
     for r in rows:
         ref = "vs_1f1b_interleaved" if r["vpp"] and "speedup_vs_1f1b_interleaved" in r \
             else "vs_1f1b"
@@ -60,10 +60,13 @@ def _schedule_table(rows: list[dict], meta: dict) -> list[str]:
         if r.get(f"paired_speedup_{ref}") is not None:
             low, high = r[f"paired_speedup_{ref}_range"]
             paired = f"{r[f'paired_speedup_{ref}']:.3f} ({low:.2f}–{high:.2f})"
+        parts = r.get(f"parts_{ref}")
+        split = f"{parts[0]:.2f} × {parts[1]:.2f}" if parts else "-"
+        flag = " ⚠" if r.get("fairness") else ""
         lines.append(
-            f"| {r['label']} | {segs} | {r['median_s'] * 1e3:.0f} ({r['min_s'] * 1e3:.0f}–"
+            f"| {r['label']}{flag} | {segs} | {r['median_s'] * 1e3:.0f} ({r['min_s'] * 1e3:.0f}–"
             f"{r['max_s'] * 1e3:.0f}) | {r['tokens_per_s']:.0f} | "
-            f"{_num(r.get(f'speedup_{ref}'), '.3f')} | {paired} | "
+            f"{_num(r.get(f'speedup_{ref}'), '.3f')} | {paired} | {split} | "
             f"{' / '.join(f'{x:.2f}' for x in r['cpu_s_per_stage'])} | "
             f"{_num(r.get(f'cpu_ratio_{ref}'), '.3f')} | "
             f"{' / '.join(fmt_mib(x) for x in r['peak_bytes_per_stage'])} | {_num(mem, '.2f')} | "
@@ -80,7 +83,13 @@ def _schedule_table(rows: list[dict], meta: dict) -> list[str]:
                  "of the forward-backward per stage (insensitive to other processes' load; "
                  "includes p2p threads). Peak memory: real allocations above the resident set at "
                  "the start of the run (median over runs). Load average before/after: "
-                 f"{meta['loadavg_start']:.1f} / {meta['loadavg_end']:.1f}.")
+                 f"{meta['loadavg_start']:.1f} / {meta['loadavg_end']:.1f}. Bubble part × "
+                 "busy part: the speed-up of the recorded timelines split into the schedule's "
+                 "part (less idle time) and the compute's (busy time).")
+    flagged = [r for r in rows if r.get("fairness")]
+    if flagged:
+        lines += ["", "⚠ A baseline defect, not a result:"]
+        lines += [f"- {r['label']}: {r['fairness']}." for r in flagged]
     return lines
 
 

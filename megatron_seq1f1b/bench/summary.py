@@ -20,9 +20,43 @@ def reference_key(schedules: list[BenchSchedule]) -> str | None:
     return next((k for k in ("1f1b", "seq1f1b-k1") if k in keys), None)
 
 
-def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict]:
+#: Backends whose kernels skip masked attention work in Megatron's rows as in ours.
+FUSED_BACKENDS = ("flash", "te", "transformer_engine")
+#: On a fused backend, a Seq1F1B row computing less than this share of Megatron's CPU time
+#: points at a slower baseline path, not at the schedule.
+FAIR_CPU_RATIO = 0.95
+
+
+def fairness_note(row: dict, attention_backend: str | None) -> str | None:
+    """Why a row's ratio is suspect: on a fused backend segments cannot do less work than
+    whole micro-batches, so a Seq1F1B row whose compute (CPU time) is clearly below
+    Megatron's points at a baseline defect (the baseline ran slower code), not a result."""
+    ratio = row.get("cpu_ratio_vs_1f1b")
+    if row["megatron"] or ratio is None or attention_backend not in FUSED_BACKENDS \
+            or ratio >= FAIR_CPU_RATIO:
+        return None
+    return (f"computes {ratio:.2f}x of Megatron's CPU time on {attention_backend} attention, "
+            f"below {FAIR_CPU_RATIO}: segments cannot do less work than whole micro-batches on "
+            "a fused kernel, so the baseline row ran slower code (a baseline defect), and this "
+            "row's speed-up overstates the schedule's")
+
+
+def split_parts(base: dict | None, row: dict) -> tuple[float, float] | None:
+    """The speed-up of `row` over `base` from their recorded timelines, split as (bubble part,
+    busy-time part): makespan = busy of all ranks / (ranks x (1 - bubble)), so speed-up =
+    (1 - bubble_row) / (1 - bubble_base) x busy_base / busy_row."""
+    a, b = (base or {}).get("timeline"), row.get("timeline")
+    if not a or not b or not sum(b.get("busy_s") or ()) or a["bubble_fraction"] >= 1:
+        return None
+    return ((1 - b["bubble_fraction"]) / (1 - a["bubble_fraction"]),
+            sum(a["busy_s"]) / sum(b["busy_s"]))
+
+
+def summarize(schedules: list[BenchSchedule], tokens_per_iter: int,
+              attention_backend: str | None = None) -> list[dict]:
     """One row per schedule, with ratios against the reference row (:func:`reference_key`)
-    and Megatron interleaved 1F1B."""
+    and Megatron interleaved 1F1B; each ratio split into its bubble and busy-time parts where
+    timelines were recorded, and rows flagged by :func:`fairness_note`."""
     ref_key = reference_key(schedules)
     base = next((s for s in schedules if s.key == ref_key), None)
     base_i = next((s for s in schedules if s.key == "1f1b-interleaved"), None)
@@ -59,9 +93,12 @@ def summarize(schedules: list[BenchSchedule], tokens_per_iter: int) -> list[dict
             r[f"paired_speedup_{name}"] = statistics.median(paired)
             r[f"paired_speedup_{name}_range"] = [min(paired), max(paired)]
             r[f"cpu_ratio_{name}"] = r["cpu_s_total"] / b["cpu_s_total"]
+            r[f"parts_{name}"] = split_parts(b, r)
             r[f"peak_ratio_{name}"] = [
                 (x / y if y else None) for x, y in zip(r["peak_bytes_per_stage"],
                                                       b["peak_bytes_per_stage"])]
+    for r in rows:
+        r["fairness"] = fairness_note(r, attention_backend)
     for r in rows:  # zero-bubble rows against the Seq1F1B schedule they refine
         ref = by_key.get(SEQ1F1B_OF.get(r["key"], ""))
         if ref is None:
