@@ -103,33 +103,26 @@ def get_forward_backward_func(
         pg_collection=None,
         force_all_reduce: bool | None = False,
     ):
-        if num_splits == 1 and schedule == "1f1b" and recorder is None and documents is None:
-            from megatron_seq1f1b.runtime.model_hooks import is_prepared
-
-            if seq_length is None or not is_prepared(model):
-                # Nothing to cut: Megatron's own schedule, with everything it accepts.
-                return megatron_schedule(model, pg_collection)(
-                    forward_step_func=forward_step_func, data_iterator=data_iterator,
-                    model=model, num_microbatches=num_microbatches, seq_length=seq_length,
-                    micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
-                    forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-                    first_val_step=first_val_step,
-                    adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-                    p2p_communicator=p2p_communicator, pg_collection=pg_collection,
-                    force_all_reduce=force_all_reduce)
-        from megatron_seq1f1b.runtime.executor import forward_backward
-
-        return forward_backward(
+        call = dict(  # Megatron's keywords, as given
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=num_microbatches, seq_length=seq_length,
             micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
             forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
             p2p_communicator=p2p_communicator, pg_collection=pg_collection,
-            force_all_reduce=force_all_reduce, num_splits=num_splits, partition=partition,
-            split_lengths=lengths, recorder=recorder, schedule=schedule, segment_costs=costs,
-            segment_multiple=segment_multiple, documents=documents,
-        )
+            force_all_reduce=force_all_reduce)
+        if num_splits == 1 and schedule == "1f1b" and recorder is None and documents is None:
+            from megatron_seq1f1b.runtime.model_hooks import is_prepared
+
+            if seq_length is None or not is_prepared(model):
+                # Nothing to cut: Megatron's own schedule, with everything it accepts.
+                return megatron_schedule(model, pg_collection)(**call)
+        from megatron_seq1f1b.runtime.executor import forward_backward
+
+        return forward_backward(
+            **call, num_splits=num_splits, partition=partition, split_lengths=lengths,
+            recorder=recorder, schedule=schedule, segment_costs=costs,
+            segment_multiple=segment_multiple, documents=documents)
 
     forward_backward_func.num_splits = num_splits
     forward_backward_func.partition = partition
