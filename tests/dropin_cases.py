@@ -58,8 +58,12 @@ def _rank() -> int:
 def no_pipelining() -> dict:
     """Megatron's first case: tp 2, pp 1, ``seq_length=None``, a (value, dict) loss; then a
     training step whose gradients must match."""
+    from megatron.core.transformer import TransformerConfig
+
     init_parallel(tp=2, pp=1)
-    model = _mock_model(ModelParallelConfig(pipeline_model_parallel_size=1))
+    # Megatron-Core 0.16's own schedule reads TransformerConfig fields when it trains.
+    model = _mock_model(TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1,
+                                          pipeline_model_parallel_size=1))
 
     def step(data_iterator, model):
         next(data_iterator)
