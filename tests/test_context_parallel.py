@@ -36,6 +36,13 @@ LAYOUTS = {
                                                                   documents=DOCUMENTS),
                                    seq1f1b=dict(num_splits=2, partition="uniform",
                                                 documents=EOD)),
+    # k=4 of 8 tokens: the documents starting at 5 and 12 each span three segments
+    "cp2_k4_documents_spanning_local": dict(
+        model=ROPE, data=DataSpec(num_microbatches=2, documents=DOCUMENTS),
+        seq1f1b=dict(num_splits=4, partition="uniform", documents=EOD)),
+    "cp2_k4_documents_spanning_flash": dict(
+        model=FLASH, data=DataSpec(num_microbatches=2, documents=DOCUMENTS),
+        seq1f1b=dict(num_splits=4, partition="uniform", documents=EOD)),
     "cp2_k3_mla_yarn_mbs2": dict(model=MLA_YARN, data=DataSpec(num_microbatches=2,
                                                                micro_batch_size=2),
                                  seq1f1b=dict(num_splits=3, partition="uniform")),

@@ -100,6 +100,15 @@ PIPELINES = {
         model=dataclasses.replace(GQA, attention="flash"),
         data=DataSpec(num_microbatches=2, documents=PER_MICROBATCH), pp=1, tp=2, sp=True,
         seq1f1b=dict(num_splits=3, partition="documents", documents=EOD)),
+    # through middle stages (pp 4): THD batches and per-sample documents
+    "pp4_k3_flash_thd_documents": dict(
+        model=dataclasses.replace(GQA, attention="flash"),
+        data=DataSpec(num_microbatches=4, documents=PER_MICROBATCH, thd=True), pp=4,
+        seq1f1b=dict(num_splits=3, partition="documents", documents="cu_seqlens")),
+    "pp4_k2_local_eod_two_samples": dict(
+        model=ROPE, data=DataSpec(num_microbatches=4, micro_batch_size=2,
+                                  documents=(TWO_SAMPLES, ((0, 9, 22), (0, 16)))), pp=4,
+        seq1f1b=dict(num_splits=2, partition="uniform", documents=EOD)),
     "pp2_zb_k3_local_two_samples": dict(
         model=ROPE, data=DataSpec(num_microbatches=2, micro_batch_size=2,
                                   documents=(TWO_SAMPLES, ((0, 9, 22), (0, 16)))), pp=2,
