@@ -270,3 +270,32 @@ def test_causal_spans_equal_masked_attention_with_one_key_gradient():
         assert ((e - g).abs().max() / e.abs().max()).item() < 1e-12, name
     with pytest.raises(ValueError, match="span"):
         causal_spans(*inputs, [(0, chunk, 0, chunk - 1)], scale=0.3)
+
+    # Saved: the inputs, one output and one log-sum-exp of the two chunks' rows, nothing
+    # padded to the keys per chunk; the backward makes one key and one value gradient.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class KeySized(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.storages = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for tensor in result if isinstance(result, (tuple, list)) else [result]:
+                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 \
+                        and tensor.shape[-2] >= sk:
+                    self.storages.add(tensor.untyped_storage().data_ptr())
+            return result
+
+    q, k, v = (x.clone().requires_grad_() for x in inputs)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x,
+                                                  lambda x: x):
+        out = causal_spans(q, k, v, spans, scale=0.3)
+    assert saved == [(b, h, 2 * chunk, d), (b, h, sk, d), (b, h, sk, d), (b, h, 2 * chunk, d),
+                     (b, h, 2 * chunk)], saved
+    with KeySized() as mode:
+        (out * weights).sum().backward()
+    inputs_storage = {x.untyped_storage().data_ptr() for x in (k, v)}
+    assert len(mode.storages - inputs_storage) == 2, mode.storages
