@@ -8,6 +8,7 @@ and every parameter gradient. Runs inside harness worker processes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from functools import partial
@@ -533,15 +534,17 @@ def run_layout(
     iterators = [iter(mine) for _ in models]
     fwd_bwd = forward_backward or schedules.get_forward_backward_func()
     clear_moe_losses()
-    store = fwd_bwd(
-        forward_step_func=partial(forward_step, slicer=slicer),
-        data_iterator=iterators if len(models) > 1 else iterators[0],
-        model=models if len(models) > 1 else models[0],
-        num_microbatches=m,
-        seq_length=model.seq_length,
-        micro_batch_size=data.micro_batch_size,
-        forward_only=forward_only,
-    )
+    moved = _count_cp_collectives() if count_cp_bytes else contextlib.nullcontext([])
+    with moved as cp_calls:
+        store = fwd_bwd(
+            forward_step_func=partial(forward_step, slicer=slicer),
+            data_iterator=iterators if len(models) > 1 else iterators[0],
+            model=models if len(models) > 1 else models[0],
+            num_microbatches=m,
+            seq_length=model.seq_length,
+            micro_batch_size=data.micro_batch_size,
+            forward_only=forward_only,
+        )
     if tamper is not None:
         tamper(models, store)
 
@@ -566,7 +569,36 @@ def run_layout(
         result["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
         if count_cp_bytes:
             result["cp_bytes"] = recorder.cp_bytes.bytes
+            result["cp_bytes_moved"] = sum(cp_calls)
     return result
+
+
+@contextlib.contextmanager
+def _count_cp_collectives():
+    """Bytes this rank's CP collectives moved to or from its peers, read off the tensors
+    torch.distributed was given: an all-gather's output less this rank's input, a
+    reduce-scatter's input less this rank's output."""
+    dist = torch.distributed
+    group = parallel_state.get_context_parallel_group()
+    originals = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+    moved: list[int] = []
+
+    def all_gather(output, local, group=None, **kwargs):
+        if group is cp_group:
+            moved.append((output.numel() - local.numel()) * output.element_size())
+        return originals[0](output, local, group=group, **kwargs)
+
+    def reduce_scatter(output, ranked, group=None, **kwargs):
+        if group is cp_group:
+            moved.append((ranked.numel() - output.numel()) * ranked.element_size())
+        return originals[1](output, ranked, group=group, **kwargs)
+
+    cp_group = group
+    dist.all_gather_into_tensor, dist.reduce_scatter_tensor = all_gather, reduce_scatter
+    try:
+        yield moved
+    finally:
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = originals
 
 
 class TEDotProductAttention(torch.nn.Module):

@@ -100,6 +100,9 @@ def test_exchanged_bytes_are_what_the_planner_counts(ranks):
     kv = 2 * model.hidden_size * 4  # keys and values of one token of one layer, fp32
     expected = 2 * exchanged_bytes([16, 16], model.num_layers // 2, kv, 2)  # 2 micro-batches
     assert all(r["cp_bytes"] == expected for r in results), [r["cp_bytes"] for r in results]
+    # ... and the tensors torch.distributed's collectives were given moved as many
+    assert all(r["cp_bytes_moved"] == expected for r in results), \
+        [r["cp_bytes_moved"] for r in results]
 
 
 def test_auto_plans_with_context_parallelism_and_trains_exactly(ranks):
