@@ -40,8 +40,9 @@ without building any ``[sq, sk]`` tensor itself:
   ``cu_seqlens_q`` / ``cu_seqlens_kv``): causal attention per document,
   aligned bottom-right where a document has more keys than queries
   (``padding_causal_bottom_right``), through :func:`megatron_seq1f1b.attention.varlen.attention`
-  (PyTorch's variable-length flash kernel on CUDA where it exists, one SDPA
-  call per document elsewhere); no mask tensor.
+  (PyTorch's variable-length flash kernel ``varlen_attn`` on CUDA in fp16 / bf16 where
+  this torch has one that passes its self-check, one SDPA call per document
+  elsewhere); no mask tensor, and within Seq1F1B's segments no host sync.
 * Context parallelism: only inside Seq1F1B's segments, which gather the keys
   over the CP group (:mod:`megatron_seq1f1b.attention.context_parallel`); elsewhere refused.
 
@@ -236,10 +237,12 @@ class FlashDotProductAttention(MegatronModule):
                                 "for context parallelism)")
         if problems:
             raise ValueError("FlashDotProductAttention does not support " + "; ".join(problems))
-        host = getattr(params, "seq1f1b_host", None)  # (cu_q, cu_k) as integers, if known
-        cu_q, cu_k = host if host is not None else (
-            tuple(params.cu_seqlens_q.tolist()), tuple(params.cu_seqlens_kv.tolist()))
-        if not bottom_right and cu_q != cu_k:
+        # A Seq1F1B segment's cuts as host integers (its plan; it passes bottom-right and int
+        # maxima): nothing below reads a device tensor back. Megatron's own schedules give
+        # tensors only; the per-piece path then reads them (varlen.attention).
+        cu_q, cu_k = getattr(params, "seq1f1b_host", None) or (None, None)
+        if not bottom_right and params.cu_seqlens_q is not params.cu_seqlens_kv \
+                and not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
             raise ValueError(
                 f"FlashDotProductAttention: attn_mask_type={name} with documents of more keys "
                 "than queries is ambiguous (Transformer Engine aligns it top-left); pass "

@@ -7,6 +7,10 @@ variable-length flash kernel take them as one THD batch cut by cumulative length
 window and shared by the segment's layers: with micro-batch size 1 queries and keys are views
 (the K/V buffer's rows ``[key_start, end)`` are exactly the pieces' keys); with more samples,
 or overlapping keys under context parallelism, they are gathered by one index.
+
+The cuts are kept twice, from the plan: as host integers (``cu_q``, ``max_q``, ...: the
+per-piece path slices by them) and as device tensors (``cu_q_tensor``, ...: the kernel's
+arguments), so no layer reads a device tensor back to the host.
 """
 
 from __future__ import annotations
@@ -16,6 +20,16 @@ from dataclasses import dataclass
 import torch
 
 from megatron_seq1f1b.segments.documents import SegmentView
+
+
+def _on_device(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``. To CUDA from pinned memory without blocking: a
+    copy from pageable memory waits for the stream, a host sync at every segment's first
+    layer; the pinned block stays reserved until the copy ran (the caching host allocator)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _cumulative(lengths) -> list[int]:
@@ -56,10 +70,10 @@ class Packed:
             rows = [(row - key_start) * micro_batch_size + sample
                     for sample, own in enumerate(pieces) for piece in own
                     for row in range(piece.k0, piece.q1)]
-            key_index = torch.tensor(rows, dtype=torch.long, device=device)
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+            key_index = _on_device(rows, torch.long, device)
         return cls(micro_batch_size, view.num_queries, tuple(cu_q), tuple(cu_k), max(q_lengths),
-                   max(k_lengths), as_tensor(cu_q), as_tensor(cu_k), key_index)
+                   max(k_lengths), _on_device(cu_q, torch.int32, device),
+                   _on_device(cu_k, torch.int32, device), key_index)
 
     def pack(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """``[L, b, h, d]`` queries and ``[keys, b, g, d]`` K/V -> ``[T, h, d]`` THD tensors."""
