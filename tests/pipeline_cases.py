@@ -520,3 +520,37 @@ def with_setup_lengths(**layout) -> dict:
     result = run_layout(**layout)
     result["lengths"] = list(next(reversed(executor_setup._SETUPS.values())).lengths)
     return result
+
+
+def layout_against_megatron(pp: int, layout: str, k: int, model: ModelSpec,
+                            data: DataSpec) -> dict:
+    """A ``pipeline_model_parallel_layout`` run by Megatron's own schedule and by Seq1F1B (``k``
+    balanced segments) from the same weights: this rank's differences between the two (loss
+    reports per micro-batch, every gradient), its attention layers, and the lengths it cut."""
+    from megatron_seq1f1b.runtime import executor_setup
+    from gpt import RTOL, _close
+
+    outcomes = []
+    for seq1f1b in (False, True):
+        _, _, models, batches = _layout(model, data, pp, enable=seq1f1b,
+                                        pipeline_model_parallel_layout=layout)
+        fwd_bwd = (s1.get_forward_backward_func(k, "balanced") if seq1f1b
+                   else schedules.get_forward_backward_func())
+        store = _run(fwd_bwd, models, batches, model, data,
+                     slicer=s1.slice_batch if seq1f1b else None)
+        reports = (torch.stack([e["lm loss"] for e in store]).view(len(batches), -1, 2).sum(1)
+                   if store else None)
+        grads = {n: p.main_grad.clone() for n, p in unwrap(models[0]).named_parameters()}
+        outcomes.append((reports, grads))
+    (reports_a, grads_a), (reports_b, grads_b) = outcomes
+    problems = [f"{name}: max rel err {rel:.2e}" for name in grads_a
+                for ok, rel in [_close(grads_b[name], grads_a[name], RTOL)] if not ok]
+    if (reports_a is None) != (reports_b is None):
+        problems.append("only one schedule reported losses")
+    elif reports_a is not None:
+        ok, rel = _close(reports_b, reports_a, RTOL)
+        problems += [] if ok else [f"loss reports: max rel err {rel:.2e}"]
+    gpt = unwrap(models[0])
+    return {"problems": problems, "layers": len(gpt.decoder.layers), "params": len(grads_a),
+            "reported": reports_a is not None,
+            "lengths": list(next(reversed(executor_setup._SETUPS.values())).lengths)}

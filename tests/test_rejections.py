@@ -350,6 +350,21 @@ def _per_stage(first: dict, others: dict) -> RankTrigger:
     return trigger
 
 
+def _flash_on_stage_1(at: Layout) -> None:
+    """A balanced k=2 call with stage 1's layers on the flash core attention, stage 0's on
+    Megatron's local one (put back afterwards)."""
+    from megatron.core import parallel_state
+    from megatron_seq1f1b.attention.flash import use_flash_attention
+
+    with contextlib.ExitStack() as restore:
+        for layer in at.gpt().decoder.layers:
+            attention = layer.self_attention
+            restore.enter_context(_changed(attention, core_attention=attention.core_attention))
+        if parallel_state.get_pipeline_model_parallel_rank() == 1:
+            use_flash_attention(at.models)
+        at.run(s1.get_forward_backward_func(2, "balanced"))
+
+
 def _te(make: Callable[[Any], torch.nn.Module], *, hooked: bool = True, schedule: str = "zb-h1",
         ddp: dict | None = None) -> RankTrigger:
     """A k=2 call with a stand-in Transformer Engine layer (tests/test_wgrad_te.py) in the model.
@@ -440,6 +455,7 @@ ON_RANKS: dict[str, dict[str, RankTrigger]] = {
                                                   dict(num_splits=2, split_lengths=[20, 12])),
         "stages-differ-schedule": _per_stage(dict(num_splits=2),
                                              dict(num_splits=2, schedule="zb-h1")),
+        "stages-differ-attention": _flash_on_stage_1,
         "te-too-old": _te(lambda te: te.TE26.Linear(), hooked=False),
         "te-not-delayed": _te(lambda te: te.TELinear(4, 4, "fc", te.config(delay=False))),
         "te-delay-switched-off": _te(_delay_switched_off),

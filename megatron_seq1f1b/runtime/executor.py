@@ -368,9 +368,6 @@ def forward_backward(
         schedule=schedule, segment_costs=segment_costs,
         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, segment_multiple=segment_multiple,
         documents=documents)
-    if peers.pp_size > 1 and rehearse is None:
-        agree_across_stages(pg_collection.pp, setup.agreement, setup.lengths,
-                            num_microbatches, schedule)
     here = device()
     data = [SegmentData(it, here) if it is not None else None for it in iterators]
     found, microbatch_lengths = None, None

@@ -7,9 +7,11 @@ each action's messages, the process groups. :func:`setup_for` computes it on
 the first call of a configuration and keeps it in a small cache (16 entries)
 keyed by the chunks (weak references: a dead model's entry can never match
 again); the cached :class:`Setup` holds no model, config or process group.
-Before the first message of an iteration the pipeline stages all-gather a
-fingerprint of it (:func:`agree_across_stages`). The executor
-(:mod:`megatron_seq1f1b.runtime.executor`) then only runs the steps.
+Before the setup, on every call, the pipeline stages all-gather a fingerprint of
+what it is computed from and the kind of each stage's attention
+(:func:`agree_across_stages`): every stage then cuts from the same inputs, also one
+without attention layers. The executor (:mod:`megatron_seq1f1b.runtime.executor`) then
+only runs the steps.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from megatron_seq1f1b.base.checks import (
 from megatron_seq1f1b.base.checks import segment_multiple as segment_multiple_of
 from megatron_seq1f1b.runtime import te_wgrad, wgrad
 from megatron_seq1f1b.runtime.executor_checks import executor_problems
-from megatron_seq1f1b.runtime.model_hooks import dense_attention, is_enabled, unwrap
+from megatron_seq1f1b.runtime.model_hooks import (
+    AttentionKind, attention_kind, dense_attention, is_enabled, unwrap,
+)
 from megatron_seq1f1b.runtime.p2p import Peers
 from megatron_seq1f1b.schedules import plan as plan_mod
 from megatron_seq1f1b.schedules.partition import METHODS, CostModel, split_sequence
@@ -41,7 +45,7 @@ from megatron_seq1f1b.schedules.replay import replay
 from megatron_seq1f1b.schedules.schedule import SCHEDULES, Action, build_schedule, splits_backward
 from megatron_seq1f1b.schedules.validate import check_link_order
 from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn, segment_cost_problems
-from megatron_seq1f1b.segments.cp_group import StandInGroup
+from megatron_seq1f1b.segments.cp_group import StandInGroup, is_stand_in
 from megatron_seq1f1b.segments.document_plan import source_problems
 
 
@@ -72,13 +76,19 @@ def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_onl
 
 
 def zero_bubble_costs(lengths, chunks, config, vocab_size) -> tuple:
-    """Per-segment (F, B, W) of this model from its FLOPs (:class:`CostModel`), mean F = 1.
+    """Per-segment (F, B, W) of this model from its FLOPs (:func:`flop_costs`), with these
+    chunks' own attention (a stage rehearsed alone; the executor's stages agree on one)."""
+    return flop_costs(lengths, CostModel.from_config(config, vocab_size,
+                                                     dense_attention=dense_attention(chunks)))
+
+
+def flop_costs(lengths, model: CostModel) -> tuple:
+    """Per-segment (F, B, W) from a FLOP model (:class:`CostModel`), mean F = 1.
 
     W is the linear layers' weight GEMMs; B repeats those GEMMs for the input
     gradients and differentiates attention. Rounded so every rank derives the
     same numbers (and the same schedule) from the same configuration.
     """
-    model = CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks))
     forwards = model.split_costs(list(lengths))
     mean = sum(forwards) / len(forwards)
     ends = itertools.accumulate(lengths)
@@ -93,14 +103,25 @@ def resolve_lengths(num_splits: int, partition: str, split_lengths, seq_length: 
     """The segment lengths the executor uses: given ones, else ``split_sequence`` for this model,
     rounded to :func:`~megatron_seq1f1b.base.checks.rounding_multiple` (64 on CUDA by default).
 
-    (Benchmarks call this too, so that they report the lengths that actually ran.)
+    (Benchmarks and a stage rehearsed alone call this, with these chunks' own attention; the
+    executor cuts with :func:`cut_lengths` and the attention its stages agreed on.)
+    """
+    costs = (CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks))
+             if partition == "balanced" and split_lengths is None else None)
+    multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
+    return cut_lengths(num_splits, partition, split_lengths, seq_length, costs, multiple)
+
+
+def cut_lengths(num_splits: int, partition: str, split_lengths, seq_length: int,
+                costs: CostModel | None, multiple: int) -> list[int]:
+    """Given lengths, else ``split_sequence`` (``costs``: the balanced partition's FLOP model).
+
+    A function of its arguments alone, and the stages agree on those: every stage cuts alike.
     """
     if split_lengths is not None:
         return [int(n) for n in split_lengths]
-    dense = partition == "balanced" and dense_attention(chunks)
-    multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
-    return split_sequence(seq_length, num_splits, partition, config=config,
-                          vocab_size=vocab_size, multiple_of=multiple, dense_attention=dense)
+    return split_sequence(seq_length, num_splits, partition, multiple_of=multiple,
+                          cost=costs if partition == "balanced" else None)
 
 
 def process_groups(config, p2p_communicator, pg_collection):
@@ -132,39 +153,126 @@ def process_groups(config, p2p_communicator, pg_collection):
     return p2p_communicator, pg_collection
 
 
-def _agreement(num_microbatches, lengths, num_chunks, forward_only, schedule, costs) -> tuple:
-    """What every pipeline stage must agree on: sizes and a hash of the segment plan."""
-    plan = repr((tuple(lengths), schedule, costs)).encode()
-    return (num_microbatches, len(lengths), num_chunks, int(forward_only), sum(lengths),
-            int.from_bytes(hashlib.sha256(plan).digest()[:7], "big"))
+class Facts(NamedTuple):
+    """What this stage brings to the stage agreement, computed once per configuration without
+    communication (:func:`stage_facts`).
+
+    ``shared`` fingerprints every input of the segment lengths, the zero-bubble costs and the
+    p2p shapes: the inputs, not the lengths, since a stage without attention layers cannot cut
+    alone. ``attention`` (this stage's own) goes beside it, and every stage cuts with the kind
+    of the stages that have attention.
+    """
+
+    shared: tuple[int, ...]  # m, k, model chunks, forward_only, seq_length, digest of the rest
+    attention: AttentionKind
+    reads_attention: bool  # the cut or the zero-bubble costs weigh attention by its kind
+    costs: CostModel  # the whole model's FLOPs, from its config; the agreed kind comes later
+    multiple: int  # what segment lengths round to (rounding_multiple)
+    document_multiple: int  # what the documents partition rounds its cuts to
+    described: str  # this stage's call, for the message when stages differ
 
 
-def agree_across_stages(pp_group, mine: tuple, lengths, num_microbatches, schedule) -> None:
-    """All pipeline ranks run the same schedule; otherwise fail before any p2p message.
+def agree_across_stages(pp_group, facts: Facts) -> bool:
+    """All pipeline ranks cut and schedule alike, or all fail here, before any p2p message;
+    returns whether the cut counts dense attention (the kind the stages have).
 
     One tiny all-gather per call, read at once: a rank whose configuration
     changed alone must stop everyone with this error, not leave its peers
     waiting in a transfer of the wrong shape. Reading it waits for the device,
     once per iteration, where training loops wait anyway (the previous
-    optimizer step's norms and losses); pipeline size 1 skips it.
+    optimizer step's norms and losses); pipeline size 1 skips it. A stage
+    without attention layers takes the kind of those that have them; where the
+    cut reads the kind and the stages' kinds differ, every stage refuses.
     """
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    local = torch.tensor(mine, dtype=torch.int64, device=device)
-    gathered = torch.empty(pp_group.size() * len(mine), dtype=torch.int64, device=device)
+    mine = facts.shared + (int(facts.attention),)
+    local = torch.tensor(mine, dtype=torch.int64, device=device())
+    gathered = torch.empty(pp_group.size() * len(mine), dtype=torch.int64, device=local.device)
     dist.all_gather_into_tensor(gathered, local, group=pp_group)
     rows = gathered.view(pp_group.size(), len(mine)).tolist()
-    differ = [stage for stage, row in enumerate(rows) if row != rows[0]]
+    kinds = [AttentionKind(row[-1]) for row in rows]
+    problems = []
+    differ = [stage for stage, row in enumerate(rows) if row[:-1] != rows[0][:-1]]
     if differ:
-        raise_if([
+        problems.append(
             f"pipeline stages {differ} run a different schedule than stage 0 (num_microbatches, "
-            f"num_splits, split_lengths, schedule, model chunks or forward_only differ: "
-            f"{rows[0]} vs "
-            f"{[rows[d] for d in differ]}); this stage has m={num_microbatches}, "
-            f"lengths={list(lengths)}, schedule={schedule}"
-        ])
+            f"num_splits, partition, split_lengths, segment_multiple, schedule, model chunks, "
+            f"forward_only, seq_length or the model's shape differ: {rows[0][:-1]} vs "
+            f"{[rows[d][:-1] for d in differ]}); this stage has {facts.described}")
+    if facts.reads_attention and len(set(kinds) - {AttentionKind.NONE}) > 1:
+        stages = "; ".join(f"stage {stage}: {kind.describe()}" for stage, kind in enumerate(kinds))
+        problems.append(
+            f"pipeline stages use different core attention ({stages}), and this call's segment "
+            "lengths (partition 'balanced' or 'documents') or zero-bubble costs weigh attention "
+            "by it, so the stages would cut differently: build every stage with the same core "
+            "attention (one transformer_layer_spec), or pass split_lengths (and segment_costs "
+            "for a zero-bubble schedule)")
+    raise_if(problems)
+    return AttentionKind.DENSE in kinds
+
+
+def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
+                micro_batch_size, forward_only, num_splits, partition, split_lengths, schedule,
+                segment_costs, adjust_tensor_shapes_fn, segment_multiple=None,
+                documents=None) -> Facts:
+    """Check the call's arguments and fingerprint what the setup is computed from (no
+    communication: it runs before the stages agree)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    del adjust_tensor_shapes_fn  # checked with the setup
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise_if([f"num_splits must be a positive integer, got {num_splits!r}"])
+    if partition not in METHODS:
+        raise_if([f"unknown partition {partition!r}; choose one of {METHODS}"])
+    if schedule not in SCHEDULES:
+        raise_if([f"unknown schedule {schedule!r}; choose one of {SCHEDULES}"])
+    if segment_costs is not None:
+        raise_if(segment_cost_problems(segment_costs, num_splits))
+        segment_costs = tuple(tuple(float(x) for x in row) for row in segment_costs)
+    raise_if(segment_multiple_problems(segment_multiple))
+    raise_if(document_problems(documents, partition, split_lengths, micro_batch_size))
+    if documents == "cu_seqlens" and (getattr(config, "context_parallel_size", 1) or 1) > 1:
+        raise_if(["packed (THD) documents with context parallelism are not supported (each "
+                  "document would need its own CP split); give documents by end-of-document "
+                  "tokens, or use context_parallel_size=1"])
+    if documents == "cu_seqlens" and getattr(config, "apply_rope_fusion", False) and any(
+            getattr(unwrap(chunk), "position_embedding_type", None) == "rope" for chunk in chunks):
+        raise_if(["packed (THD) documents with apply_rope_fusion: the fused THD RoPE kernel "
+                  "starts every piece of a document at position 0, also the part that crossed "
+                  "into a segment from earlier ones; set apply_rope_fusion=False "
+                  "(--no-rope-fusion)"])
+    try:
+        vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
+    except RuntimeError:
+        vocab_size = None
+    costs = CostModel.from_config(config, vocab_size)
+    multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
+    document_multiple = _document_multiple(config, segment_multiple)
+    cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    split_lengths = None if split_lengths is None else tuple(int(n) for n in split_lengths)
+    rest = repr((partition, split_lengths, schedule, segment_costs, documents, multiple,
+                 document_multiple, dataclasses.astuple(costs), micro_batch_size,
+                 config.hidden_size, cp * tp)).encode()
+    shared = (_number(num_microbatches), num_splits, len(chunks), int(bool(forward_only)),
+              _number(seq_length), int.from_bytes(hashlib.sha256(rest).digest()[:7], "big"))
+    cut_reads = num_splits > 1 and split_lengths is None and partition in ("balanced", "documents")
+    return Facts(
+        shared=shared, attention=attention_kind(chunks),
+        reads_attention=cut_reads or (schedule != "1f1b" and not forward_only
+                                      and segment_costs is None),
+        costs=costs, multiple=multiple, document_multiple=document_multiple,
+        described=(f"m={num_microbatches}, num_splits={num_splits}, partition={partition!r}, "
+                   f"split_lengths={None if split_lengths is None else list(split_lengths)}, "
+                   f"segment_multiple={segment_multiple}, schedule={schedule}"),
+    )
+
+
+def _number(value) -> int:
+    """An integer argument as the agreement carries it; -1 for anything else (the checks that
+    follow the agreement say what is wrong with it)."""
+    return value if isinstance(value, int) else -1
 
 
 def device() -> torch.device:
@@ -200,7 +308,6 @@ class Setup:
     first_backward: int  # index of this rank's first backward action (or the action count)
     splits_backward: bool
     te_layers: tuple  # per chunk, weak references to TE layers with delayed weight gradients
-    agreement: tuple
     # Packed documents (plan data read every iteration), and with the ``documents`` partition
     # what cuts each micro-batch: the FLOP cost model and the layout's multiple.
     documents: Any = None
@@ -215,6 +322,7 @@ class Setup:
 
 
 _SETUPS: "collections.OrderedDict[tuple, Setup]" = collections.OrderedDict()
+_FACTS: "collections.OrderedDict[tuple, Facts]" = collections.OrderedDict()
 _MAX_SETUPS = 16
 _PLAIN = frozenset((type(None), bool, int, float, str, torch.dtype))
 
@@ -239,13 +347,32 @@ def clear_setups() -> None:
     removing modules) call this, so the checks see the new modules.
     """
     _SETUPS.clear()
+    _FACTS.clear()
+
+
+def _cached(cache: collections.OrderedDict, key):
+    """The entry of ``key`` (None: an unhashable call, never cached), now the most recent."""
+    value = cache.get(key) if key is not None else None
+    if value is not None:
+        cache.move_to_end(key)
+    return value
+
+
+def _remember(cache: collections.OrderedDict, key, value) -> None:
+    if key is not None:
+        cache[key] = value
+        while len(cache) > _MAX_SETUPS:
+            cache.popitem(last=False)
 
 
 def setup_for(chunks, config, iterators, pg_collection, peers: Peers, **arguments) -> Setup:
-    """The cached setup of this configuration, or a new one (checked).
+    """The cached setup of this configuration, or a new one (checked), once the stages agreed.
 
     Keyed by the chunks (weakly: a dead model's entry can never match again), the
-    config's identity and scalar fields, the layout and the call's arguments.
+    config's identity and scalar fields, the layout and the call's arguments; this
+    stage's :class:`Facts` under that key, the setup under it and the agreed attention.
+    The agreement runs on every call of a pipeline (not of a stage rehearsed alone)
+    and never inside a cache miss: a rank that lost an entry alone rebuilds it alone.
     """
     layout = (peers.pp_size, peers.pp_rank, tuple(peers.stage_to_global),
               pg_collection.cp.size() if pg_collection.cp is not None else 1,
@@ -257,64 +384,44 @@ def setup_for(chunks, config, iterators, pg_collection, peers: Peers, **argument
         hash(key)
     except TypeError:  # unhashable arguments: the checks will say what is wrong
         key = None
-    setup = _SETUPS.get(key) if key is not None else None
-    if setup is not None:
-        _SETUPS.move_to_end(key)
-        return setup
-    setup = build_setup(chunks, config, iterators, pg_collection, peers, **arguments)
-    if key is not None:
-        _SETUPS[key] = setup
-        while len(_SETUPS) > _MAX_SETUPS:
-            _SETUPS.popitem(last=False)
+    facts = _cached(_FACTS, key)
+    if facts is None:
+        facts = stage_facts(chunks, config, pg_collection, **arguments)
+        _remember(_FACTS, key, facts)
+    if peers.pp_size > 1 and not is_stand_in(pg_collection.pp):
+        dense = agree_across_stages(pg_collection.pp, facts)
+    else:
+        dense = facts.attention == AttentionKind.DENSE
+    setup_key = None if key is None else (key, dense)
+    setup = _cached(_SETUPS, setup_key)
+    if setup is None:
+        setup = build_setup(chunks, config, iterators, pg_collection, peers, facts, dense,
+                            **arguments)
+        _remember(_SETUPS, setup_key, setup)
     return setup
 
 
-def build_setup(chunks, config, iterators, pg_collection, peers, *,
-                 num_microbatches, seq_length, micro_batch_size, forward_only, num_splits,
-                 partition, split_lengths, schedule, segment_costs, adjust_tensor_shapes_fn,
-                 segment_multiple=None, documents=None) -> Setup:
-    """Check the configuration (all problems at once) and derive this rank's steps."""
-    from megatron.core.utils import get_attr_wrapped_model
-
+def build_setup(chunks, config, iterators, pg_collection, peers, facts: Facts, dense: bool, *,
+                num_microbatches, seq_length, micro_batch_size, forward_only, num_splits,
+                partition, split_lengths, schedule, segment_costs, adjust_tensor_shapes_fn,
+                segment_multiple=None, documents=None) -> Setup:
+    """Check the configuration (all problems at once) and derive this rank's steps from the
+    agreed facts (``dense``: the stages' attention computes masked scores too)."""
     pp_size, pp_rank = peers.pp_size, peers.pp_rank
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise_if([f"num_splits must be a positive integer, got {num_splits!r}"])
-    if partition not in METHODS:
-        raise_if([f"unknown partition {partition!r}; choose one of {METHODS}"])
-    if schedule not in SCHEDULES:
-        raise_if([f"unknown schedule {schedule!r}; choose one of {SCHEDULES}"])
-    if segment_costs is not None:
-        raise_if(segment_cost_problems(segment_costs, num_splits))
-    raise_if(segment_multiple_problems(segment_multiple))
-    raise_if(document_problems(documents, partition, split_lengths, micro_batch_size))
-    if documents == "cu_seqlens" and (getattr(config, "context_parallel_size", 1) or 1) > 1:
-        raise_if(["packed (THD) documents with context parallelism are not supported (each "
-                  "document would need its own CP split); give documents by end-of-document "
-                  "tokens, or use context_parallel_size=1"])
-    if documents == "cu_seqlens" and getattr(config, "apply_rope_fusion", False) and any(
-            getattr(unwrap(chunk), "position_embedding_type", None) == "rope" for chunk in chunks):
-        raise_if(["packed (THD) documents with apply_rope_fusion: the fused THD RoPE kernel "
-                  "starts every piece of a document at position 0, also the part that crossed "
-                  "into a segment from earlier ones; set apply_rope_fusion=False (--no-rope-fusion)"])
-    try:
-        vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
-    except RuntimeError:
-        vocab_size = None
     by_documents = partition == "documents" and split_lengths is None
+    flops = dataclasses.replace(facts.costs, dense_attention=dense)
     try:
         # The documents partition cuts each micro-batch by its own documents; its nominal
         # lengths (uniform) stand for it where one set is needed (checks, zero-bubble costs).
-        lengths = resolve_lengths(num_splits, "uniform" if by_documents else partition,
-                                  split_lengths, seq_length, chunks, config, vocab_size,
-                                  segment_multiple)
+        lengths = cut_lengths(num_splits, "uniform" if by_documents else partition,
+                              split_lengths, seq_length, flops, facts.multiple)
     except ValueError as exc:
         raise_if([f"num_splits={num_splits} with seq_length={seq_length}: {exc}"])
     if len(lengths) != num_splits:
         raise_if([f"split_lengths has {len(lengths)} entries but num_splits is {num_splits}"])
-    multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
-    if segment_multiple is not None and any(n % multiple for n in lengths):
+    if segment_multiple is not None and any(n % facts.multiple for n in lengths):
         raise_if([f"split_lengths {list(lengths)} are not all multiples of segment_multiple="
-                  f"{segment_multiple} (with the layout's own multiple: {multiple})"])
+                  f"{segment_multiple} (with the layout's own multiple: {facts.multiple})"])
     raise_if(executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
                                seq_length, pp_size, adjust_tensor_shapes_fn,
                                num_splits == 1 or is_enabled(chunks)))
@@ -333,8 +440,7 @@ def build_setup(chunks, config, iterators, pg_collection, peers, *,
     if schedule != "1f1b" and not forward_only:
         # the planner's measured costs place W as it predicted; else this model's FLOPs
         costs = (tuple(tuple(float(x) for x in row) for row in segment_costs)
-                 if segment_costs is not None
-                 else zero_bubble_costs(lengths, chunks, config, vocab_size))
+                 if segment_costs is not None else flop_costs(lengths, flops))
     steps = rank_steps(pp_size, num_microbatches, num_splits, len(chunks), forward_only, pp_rank,
                        schedule, costs)
     topology = plan_mod.Topology(pp_size, len(chunks))
@@ -352,12 +458,9 @@ def build_setup(chunks, config, iterators, pg_collection, peers, *,
     split = splits_backward([actions])
     te_layers = tuple(tuple((name, weakref.ref(layer)) for name, layer in chunk)
                       for chunk in te_wgrad.delayed_layers(chunks)) if split else ()
-    document_costs, document_multiple = document_cut(chunks, config, vocab_size,
-                                                     segment_multiple)
-    document_costs = document_costs if by_documents else None
     return Setup(
-        documents=documents, document_costs=document_costs,
-        document_multiple=document_multiple, divisor=cp * tp,
+        documents=documents, document_costs=flops if by_documents else None,
+        document_multiple=facts.document_multiple, divisor=cp * tp,
         micro_batch_size=micro_batch_size, hidden_size=config.hidden_size,
         lengths=tuple(lengths), num_microbatches=num_microbatches, forward_only=forward_only,
         steps=tuple(steps), units=units,
@@ -365,8 +468,6 @@ def build_setup(chunks, config, iterators, pg_collection, peers, *,
         final_grad_actions=frozenset(final), last_grad_action=last,
         first_backward=next((i for i, a in enumerate(actions) if a.is_backward), len(actions)),
         splits_backward=split, te_layers=te_layers,
-        agreement=_agreement(num_microbatches, lengths, len(chunks), forward_only, schedule,
-                             costs),
     )
 
 
@@ -375,9 +476,12 @@ def document_cut(chunks, config, vocab_size, segment_multiple=None) -> tuple[Cos
     attention computes them) and the layout's multiple (a requested one too; the CUDA
     default of 64 is not forced on cuts that could fall where documents end)."""
     costs = CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks))
-    multiple = (segment_multiple_of(config) if segment_multiple is None
-                else math.lcm(int(segment_multiple), segment_multiple_of(config)))
-    return costs, multiple
+    return costs, _document_multiple(config, segment_multiple)
+
+
+def _document_multiple(config, segment_multiple: int | None) -> int:
+    return (segment_multiple_of(config) if segment_multiple is None
+            else math.lcm(int(segment_multiple), segment_multiple_of(config)))
 
 
 def document_problems(documents, partition: str, split_lengths, micro_batch_size: int) -> list:

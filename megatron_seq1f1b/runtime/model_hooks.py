@@ -10,6 +10,7 @@ silently wrong are rejected here, with the option to change.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from megatron_seq1f1b.attention import segmented as attention
@@ -55,19 +56,43 @@ def is_prepared(model) -> bool:
     return True
 
 
+class AttentionKind(enum.IntEnum):
+    """What a stage's core attention computes: the balanced partition weighs attention by it."""
+
+    NONE = 0  # no attention layer: an embedding- or loss-only stage of a pipeline layout
+    CAUSAL = 1  # skips masked blocks: Transformer Engine's, megatron_seq1f1b.attention.flash
+    DENSE = 2  # Megatron's local DotProductAttention computes the masked scores too
+
+    def describe(self) -> str:
+        return {AttentionKind.NONE: "no attention layer",
+                AttentionKind.CAUSAL: "flash or Transformer Engine attention, which skips "
+                                      "masked blocks",
+                AttentionKind.DENSE: "Megatron's local DotProductAttention, which computes "
+                                     "masked scores too"}[self]
+
+
+def attention_kind(model) -> AttentionKind:
+    """The attention of these chunks: DENSE if any layer uses Megatron's local attention."""
+    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    kind = AttentionKind.NONE
+    for chunk in chunks_of(model):
+        for module in unwrap(chunk).modules():
+            if isinstance(module, DotProductAttention):
+                return AttentionKind.DENSE
+            if isinstance(module, Attention):
+                kind = AttentionKind.CAUSAL
+    return kind
+
+
 def dense_attention(model) -> bool:
     """True if a chunk uses Megatron's local attention, which computes masked scores too.
 
     (Transformer Engine's flash attention and megatron_seq1f1b.attention.flash
     skip masked blocks; the balanced partition weighs attention cost accordingly.)
     """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    return any(
-        isinstance(module, DotProductAttention)
-        for chunk in chunks_of(model)
-        for module in unwrap(chunk).modules()
-    )
+    return attention_kind(model) == AttentionKind.DENSE
 
 
 def _check(gpt) -> list[str]:
