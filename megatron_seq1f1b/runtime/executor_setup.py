@@ -252,7 +252,7 @@ def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
     cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     split_lengths = None if split_lengths is None else tuple(int(n) for n in split_lengths)
-    rest = repr((partition, split_lengths, schedule, segment_costs, documents, multiple,
+    rest = repr((partition, split_lengths, schedule, segment_costs, _named(documents), multiple,
                  document_multiple, dataclasses.astuple(costs), micro_batch_size,
                  config.hidden_size, cp * tp)).encode()
     shared = (_number(num_microbatches), num_splits, len(chunks), int(bool(forward_only)),
@@ -267,6 +267,15 @@ def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
                    f"split_lengths={None if split_lengths is None else list(split_lengths)}, "
                    f"segment_multiple={segment_multiple}, schedule={schedule}"),
     )
+
+
+def _named(documents):
+    """The documents source as every stage names it: a callable by its qualified name (its
+    repr holds an address, different in every process)."""
+    if not callable(documents):
+        return documents
+    return (f"{getattr(documents, '__module__', '')}."
+            f"{getattr(documents, '__qualname__', type(documents).__qualname__)}")
 
 
 def _number(value) -> int:
