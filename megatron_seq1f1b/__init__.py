@@ -14,7 +14,11 @@ Public API (see README and docs/design.md)::
     s1.cpu.enable()                                   # Megatron-Core on CPU with gloo
 
 Attributes load lazily, so the schedule tools work without importing
-Megatron-Core.
+Megatron-Core. The package is split into rooms by responsibility, bottom floor
+first: ``base``, ``schedules``, ``segments``, ``attention``, ``runtime``, ``api``,
+``planner``, ``megatron_lm``, ``trainer``, ``bench`` (:data:`ROOMS`; docs/design.md,
+"The package's rooms"); every module name from before the rooms still imports
+(:mod:`megatron_seq1f1b.moved`).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ _LAZY = {
 #: the rooms, bottom floor first (docs/design.md, "The package's rooms")
 ROOMS = ("base", "schedules", "segments", "attention", "runtime", "api", "planner",
          "megatron_lm", "trainer", "bench")
-#: modules the public API names as attributes (``s1.schedule.build_schedule``, ...): their
-#: earlier short names, served by :mod:`megatron_seq1f1b.moved` like every earlier name
+#: submodules reachable as attributes: the rooms, and every earlier module name (the public
+#: API's ``s1.schedule.build_schedule``, ``s1.cpu.enable()``, ...) through moved
 _SUBMODULES = set(ROOMS) | set(moved.MOVED)
 
 __all__ = sorted(_LAZY) + sorted(ROOMS)
