@@ -550,7 +550,11 @@ def layout_against_megatron(pp: int, layout: str, k: int, model: ModelSpec,
     elif reports_a is not None:
         ok, rel = _close(reports_b, reports_a, RTOL)
         problems += [] if ok else [f"loss reports: max rel err {rel:.2e}"]
+    from megatron_seq1f1b.planner.measure import pipeline_dense_attention
+    from megatron_seq1f1b.runtime.model_hooks import dense_attention
+
     gpt = unwrap(models[0])
     return {"problems": problems, "layers": len(gpt.decoder.layers), "params": len(grads_a),
-            "reported": reports_a is not None,
+            "reported": reports_a is not None, "own_dense": dense_attention(models),
+            "pipeline_dense": pipeline_dense_attention(models),
             "lengths": list(next(reversed(executor_setup._SETUPS.values())).lengths)}

@@ -56,6 +56,9 @@ def test_stage_without_attention_equals_megatron(ranks, pp, layout, layers, k):
                         layout=layout, k=k, model=MODEL, data=DataSpec(num_microbatches=3))
     _check(results, layers)
     assert [r["lengths"] for r in results] == [_balanced(k, dense=True)] * pp
+    # --seq1f1b-splits auto plans with the pipeline's attention, not a stage's own
+    assert [r["own_dense"] for r in results] == [n > 0 for n in layers]
+    assert all(r["pipeline_dense"] for r in results)
 
 
 def test_stages_without_attention_beside_flash_attention(ranks):

@@ -74,10 +74,9 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
 
     from megatron_seq1f1b.base.checks import raise_if, rounding_multiple, segment_multiple_problems
     from megatron_seq1f1b.planner.choice import TIE_TOLERANCE, BudgetError
-    from megatron_seq1f1b.planner.measure import measure_calibration
+    from megatron_seq1f1b.planner.measure import measure_calibration, pipeline_dense_attention
     from megatron_seq1f1b.planner.memory_model import GIB
     from megatron_seq1f1b.planner.search import choose_plan
-    from megatron_seq1f1b.runtime.model_hooks import dense_attention
     from megatron_seq1f1b.runtime.p2p import send_slack_of_runtime
 
     config = get_model_config(chunks[0])
@@ -102,7 +101,8 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
             memory_budget_bytes=memory_budget_gib * GIB if memory_budget_gib else None,
             # the FLOP model adds the balanced partition to the candidates
             config=config if vocab_size else None, vocab_size=vocab_size,
-            dense_attention=dense_attention(chunks), min_segment_length=min_segment_length,
+            dense_attention=pipeline_dense_attention(chunks),  # as the stages agree on it
+            min_segment_length=min_segment_length,
             multiple_of=multiple,
             send_slack=send_slack_of_runtime(),  # sends finish a step later, on NCCL too
             tie_tolerance=TIE_TOLERANCE,  # closer predictions are within its noise

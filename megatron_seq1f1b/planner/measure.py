@@ -306,7 +306,7 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
     from megatron_seq1f1b.base.checks import segment_multiple
     from megatron_seq1f1b.planner.costs import Calibration
     from megatron_seq1f1b.runtime import wgrad
-    from megatron_seq1f1b.runtime.model_hooks import dense_attention, unwrap
+    from megatron_seq1f1b.runtime.model_hooks import unwrap
 
     config = get_model_config(chunks[0])
     cases = calibration_cases(seq_length, multiple_of or segment_multiple(config),
@@ -341,7 +341,7 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
         tokens = sorted({n for case in cases for n in case})
         message = message_fit(measure_p2p(micro_batch_size, config, tokens), micro_batch_size,
                               config)
-    dense = dense_attention(chunks)
+    dense = pipeline_dense_attention(chunks)
     calibration = [replace(Calibration.from_samples(
         samples, source=f"measured at start-up, cases {cases}"
                         + (", W timed apart" if split_weights else "")
@@ -352,3 +352,18 @@ def measure_calibration(chunks: Sequence, forward_step: Callable, data: Iterator
         floors=stage_floors or None, documents=documents), message=message)]
     dist.broadcast_object_list(calibration, src=0)
     return calibration[0]
+
+
+def pipeline_dense_attention(chunks) -> bool:
+    """Whether the pipeline's attention computes masked scores (Megatron's local attention),
+    as the executor's stages agree on it: a stage without attention layers (an embedding- or
+    loss-only stage of a pipeline layout) takes the others' kind. Collective over the
+    pipeline group (one small all-gather)."""
+    from megatron.core import parallel_state
+
+    from megatron_seq1f1b.runtime.model_hooks import AttentionKind, attention_kind
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    kinds = [None] * dist.get_world_size(group)
+    dist.all_gather_object(kinds, attention_kind(chunks), group=group)
+    return max(kinds) == AttentionKind.DENSE
