@@ -242,3 +242,40 @@ def test_auto_plans_on_the_documents_and_trains_exactly(ranks):
     assert all(p == plans[0] for p in plans), plans
     logged = [r["logged"] for r in results if r["rank"] == 0][0]
     assert " documents " in logged[0], logged[0]
+
+
+def test_cpu_thd_rope_stand_in_equals_megatrons_per_document_loop():
+    """runtime.cpu's THD RoPE (every token's row gathered, one call) gives Megatron-Core's
+    per-document result and gradient bit for bit (a fair baseline for packed batches)."""
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+
+    import megatron_seq1f1b.runtime.cpu as cpu
+
+    cpu.enable()
+    stand_in = rope_utils._apply_rotary_pos_emb_thd
+    assert getattr(stand_in, "seq1f1b_cpu", False)
+    original = stand_in.__wrapped__
+
+    class Group:
+        def __init__(self, size):
+            self.count = size
+
+        def size(self):
+            return self.count
+
+        def rank(self):
+            return 0
+
+    generator = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 17, 18, 40], dtype=torch.int32)
+    x = torch.randn(40, 3, 16, dtype=torch.float64, generator=generator)
+    freqs = torch.randn(30, 1, 1, 16, dtype=torch.float64, generator=generator)
+    weights = torch.randn(40, 3, 16, dtype=torch.float64, generator=generator)
+    results = []
+    for function in (original, stand_in):
+        t = x.clone().requires_grad_()
+        out = function(t, cu, freqs, cp_group=Group(1))
+        (out * weights).sum().backward()
+        results.append((out.detach(), t.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -41,6 +41,14 @@ exactly those, in this process only, and only when called:
     blocks of different lengths, which NCCL does and gloo does not: those
     ``all_gather`` / ``reduce_scatter`` calls are padded to the longest block.
 
+11. RoPE on packed (THD) batches without context parallelism: where a GPU runs
+    Transformer Engine's fused THD kernel, Megatron-Core 0.19's unfused path
+    applies it one document at a time into slices of the output (on CPU its
+    backward makes a whole-sequence gradient per document). The stand-in gathers
+    every token's row of the table (its position within its document) and
+    applies it once: the same products, so the same numbers, at the cost of one
+    call (a fair baseline for packed-document benchmarks; tests compare both).
+
 Calling it twice is harmless. It must not be used in a process that also uses
 a GPU.
 """
@@ -50,6 +58,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import inspect
 import types
 
 import torch
@@ -256,6 +265,35 @@ def _patch_missing_te() -> None:
         multi_latent_attention.HAVE_TE = False
 
 
+def _patch_thd_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+    if getattr(original, "seq1f1b_cpu", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def per_token(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        t, cu_seqlens, freqs, group = (given.pop(n) for n in ("t", "cu_seqlens", "freqs",
+                                                               "cp_group"))
+        total = int(cu_seqlens[-1])
+        if group is None or group.size() != 1 or freqs.size(0) == total:
+            return original(*args, **kwargs)  # CP's halves, or a table of every token: as is
+        starts = cu_seqlens[:-1].to(torch.long)
+        positions = torch.arange(total, device=t.device) - torch.repeat_interleave(
+            starts, cu_seqlens[1:].to(torch.long) - starts)
+        # the remaining arguments are the per-sequence function's, in every version
+        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions],
+                                                     **given).squeeze(1)
+
+    per_token.seq1f1b_cpu = True
+    rope_utils._apply_rotary_pos_emb_thd = per_token
+
+
 def enable() -> None:
     """Patch Megatron-Core (and torch.cuda shims) so it runs on CPU with gloo."""
     global _ENABLED
@@ -283,6 +321,7 @@ def enable() -> None:
     _patch_torch_norm()
     _patch_missing_te()
     _patch_all_to_all_splits()
+    _patch_thd_rope()
     _ENABLED = True
 
 
