@@ -157,8 +157,14 @@ def test_benchmark_packed_documents(tmp_path, backend):
                          "2", "--vocab-size", "64", "--iters", "2", "--warmup", "1",
                          "--timeline-runs", "1", "--no-calibration", "--attention-backend",
                          backend, "--document-length", "12", "--schedules", "1f1b",
-                         "seq1f1b-balanced", "seq1f1b-documents", "--out", str(out))
+                         "seq1f1b-balanced", "seq1f1b-documents", "--out", str(out),
+                         *(["--profile-ops"] if backend == "flash" else []))
     assert "first-iteration loss" in done.stdout and "OK)" in done.stdout, done.stdout[-3000:]
+    if backend == "flash":  # the operator profile: every row, the carry-over's own operators
+        table = (out / "ops_rank0.md").read_text()
+        assert table.startswith("| operator | 1f1b calls | 1f1b ms | seq1f1b-balanced calls")
+        assert "`_CausalSpans" in table and "**all operators**" in table
+        assert (out / "ops_seq1f1b-documents_rank0.txt").exists()
 
     result = json.loads((out / "results.json").read_text())
     assert result["meta"]["attention_backend"] == backend
@@ -263,3 +269,18 @@ def test_compare_benchmarks_stage0_ratio(tmp_path, capsys):
     assert compare_benchmarks.main([base, run, "--measure", "saved", "--max-ratio", "0.6"]) == 0
     assert "| seq1f1b-k4 | 50.0 (0.990) | 27.5 (0.990) | 0.550 | 1.000 |" in \
         capsys.readouterr().out
+
+
+def test_operator_profile_side_by_side():
+    """The table puts first the operators whose time differs most from the baseline's and
+    counts what one row runs that the other does not."""
+    from megatron_seq1f1b.bench.op_profile import OpTotals, side_by_side
+
+    table = side_by_side({"1f1b": OpTotals({"aten::mm": (4, 10.0), "aten::fill_": (1, 1.0)}),
+                          "seq": OpTotals({"aten::mm": (16, 11.0), "aten::fill_": (9, 6.0),
+                                           "KVAppend": (8, 2.0)})}, rows=2)
+    lines = table.splitlines()
+    assert lines[0] == "| operator | 1f1b calls | 1f1b ms | seq calls | seq ms |"
+    assert lines[2] == "| `aten::fill_` | 1 | 1.0 | 9 | 6.0 |"
+    assert lines[3] == "| `KVAppend` | 0 | 0.0 | 8 | 2.0 |"
+    assert lines[4] == "| **all operators** | 5 | 11.0 | 33 | 19.0 |"

@@ -194,7 +194,8 @@ def _sinking_run(lengths, extra=None):
 
 def test_attention_adds_key_gradients_into_the_carry_over_exactly(monkeypatch):
     """The CPU flash attention adds its key/value gradients into the carry-over's buffer
-    (no gradient as large as its keys): equal to the whole sequence's causal attention."""
+    (no gradient as large as its keys; the first contributor writes a fresh one): equal
+    to the whole sequence's causal attention."""
     from megatron_seq1f1b.segments.kv_cache import KVEntry
 
     sunk, take_sunk = [], KVEntry.take_sunk
@@ -202,7 +203,7 @@ def test_attention_adds_key_gradients_into_the_carry_over_exactly(monkeypatch):
                         lambda self, index, *a: sunk.append(index) or take_sunk(self, index, *a))
     lengths = (5, 7, 6, 4)
     got = _sinking_run(lengths)
-    assert sunk == [2, 1]  # the last segment creates the buffer; the first has no prefix
+    assert sunk == [3, 2, 1]  # the last segment's is made for it; the first has no prefix
     torch.manual_seed(0)
     keys, values, queries = (torch.randn(22, 1, 2, 4, dtype=torch.float64, requires_grad=True)
                              for _ in range(3))

@@ -93,31 +93,49 @@ def _parts(span: Span, block: int | None = None):
 
 
 class _CausalSpans(torch.autograd.Function):
-    """Per span: prefix keys (no mask) + own keys (causal), merged by log-sum-exp."""
+    """Per span: prefix keys (no mask) + own keys (causal), merged by log-sum-exp.
+
+    Lean where it runs once per segment and layer: the kernels' outputs are merged in
+    place (one span: the first kernel's output is the result, nothing copied), the first
+    contribution to a gradient is the gradient (no zero-filled buffer to add into), and
+    the key blocks are planned once in the forward."""
 
     @staticmethod
     def forward(ctx, query, key, value, spans, scale, sink):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         b, h, sq, _ = query.shape
-        out = query.new_empty((b, sq, h, value.shape[-1])).transpose(1, 2)  # kernel layout
-        accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
-        lse = query.new_empty((b, sq, h), dtype=accumulate).transpose(1, 2)
+        whole = len(spans) == 1 and spans[0][:2] == (0, sq)
+        out = lse = None
+        if not whole:
+            out = query.new_empty((b, sq, h, value.shape[-1])).transpose(1, 2)  # kernel layout
+            accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
+            lse = query.new_empty((b, sq, h), dtype=accumulate).transpose(1, 2)
         for span in spans:
             rows = slice(span[0], span[0] + span[1])
             q = query[..., rows, :]
             results = [flash(q, key[..., a:z, :], value[..., a:z, :], 0.0, causal, scale=scale)
                        for (a, z), causal in _parts(span)]
-            if len(results) == 1:
-                out[..., rows, :].copy_(results[0][0])
-                lse[..., rows].copy_(results[0][1])
-                continue
-            (out_a, lse_a), (out_b, lse_b) = (r[:2] for r in results)
-            merged = torch.logaddexp(lse_a, lse_b)
-            out[..., rows, :].copy_(out_a * torch.exp(lse_a - merged).unsqueeze(-1)
-                                    + out_b * torch.exp(lse_b - merged).unsqueeze(-1))
-            lse[..., rows].copy_(merged)
+            span_out, span_lse = results[0][:2]
+            if len(results) == 2:
+                other_out, other_lse = results[1][:2]
+                merged = torch.logaddexp(span_lse, other_lse)
+                # out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse), in the kernels'
+                # own buffers
+                span_out.mul_(span_lse.sub_(merged).exp_().unsqueeze(-1))
+                span_out.addcmul_(other_out, other_lse.sub_(merged).exp_().unsqueeze(-1))
+                span_lse = merged
+            if whole:
+                out, lse = span_out, span_lse
+            else:
+                out[..., rows, :].copy_(span_out)
+                lse[..., rows].copy_(span_lse)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.spans, ctx.scale, ctx.sink = spans, scale, sink
+        # The backward's kernels: per span its rows and key blocks of the span's own length
+        # (each kernel's key and value gradients stay that small; the backward splits over
+        # key blocks exactly).
+        ctx.plan = [(slice(span[0], span[0] + span[1]), _parts(span, block=span[1]))
+                    for span in spans]
+        ctx.scale, ctx.sink, ctx.low_high = scale, sink, (spans[0][2], spans[0][3])
         return out
 
     @staticmethod
@@ -125,29 +143,49 @@ class _CausalSpans(torch.autograd.Function):
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         query, key, value, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
-        grad_query = torch.zeros_like(query)
-        grad_key, grad_value = _gradient_buffers(ctx.sink, key, value)
-        for span in ctx.spans:
-            rows = slice(span[0], span[0] + span[1])
-            # The prefix in blocks of the span's own length: each kernel's key and value
-            # gradients stay that small (the backward splits over key blocks exactly).
-            for (a, z), causal in _parts(span, block=span[1]):
+        plan = ctx.plan
+        # One span: every key row gets at most one kernel's gradient, so a fresh buffer is
+        # written, not added into (rows outside the span's keys are zeroed).
+        grad_key, grad_value, fresh = _gradient_buffers(ctx.sink, key, value, len(plan) == 1)
+        if fresh:
+            low, high = ctx.low_high
+            for grad in (grad_key, grad_value):
+                grad[..., :low, :].zero_()
+                grad[..., high:, :].zero_()
+        grad_query = None if len(plan) == 1 and plan[0][0] == slice(0, query.shape[-2]) \
+            else torch.empty_like(query)
+        for rows, parts in plan:
+            for number, ((a, z), causal) in enumerate(parts):
                 gq, gk, gv = backward(grad_out[..., rows, :], query[..., rows, :],
                                       key[..., a:z, :], value[..., a:z, :], out[..., rows, :],
                                       lse[..., rows], 0.0, causal, scale=ctx.scale)
-                grad_query[..., rows, :] += gq
-                grad_key[..., a:z, :] += gk
-                grad_value[..., a:z, :] += gv
+                if grad_query is None:
+                    grad_query = gq
+                elif number == 0:
+                    grad_query[..., rows, :].copy_(gq)
+                else:
+                    grad_query[..., rows, :] += gq
+                if fresh:
+                    grad_key[..., a:z, :].copy_(gk)
+                    grad_value[..., a:z, :].copy_(gv)
+                else:
+                    grad_key[..., a:z, :] += gk
+                    grad_value[..., a:z, :] += gv
         return grad_query, grad_key, grad_value, None, None, None
 
 
-def _gradient_buffers(sink, key: torch.Tensor, value: torch.Tensor):
-    """Zeroed key and value gradients, or the carry-over's rows to add into (``sink``)."""
-    claimed = None if sink is None else sink.claim(key.dtype)
+def _gradient_buffers(sink, key: torch.Tensor, value: torch.Tensor, may_be_fresh: bool):
+    """(key gradient, value gradient, fresh): the carry-over's rows to add into (``sink``;
+    fresh where the carry-over made them for this segment: not yet written), else new
+    buffers (fresh, unwritten, where ``may_be_fresh``; zeroed otherwise)."""
+    claimed = None if sink is None else sink.claim(key.dtype, fresh_ok=may_be_fresh)
     if claimed is None:
-        return torch.zeros_like(key), torch.zeros_like(value)
-    grads = tuple(rows.permute(1, 2, 0, 3) for rows in claimed)  # [sk, b, h, d] -> [b, h, sk, d]
+        if may_be_fresh:
+            return torch.empty_like(key), torch.empty_like(value), True
+        return torch.zeros_like(key), torch.zeros_like(value), False
+    rows_k, rows_v, fresh = claimed
+    grads = tuple(rows.permute(1, 2, 0, 3) for rows in (rows_k, rows_v))  # [sk, b, h, d] -> [b, h, sk, d]
     if grads[0].shape != key.shape or grads[1].shape != value.shape:
         raise RuntimeError(f"causal_spans: the carry-over's gradient rows {tuple(grads[0].shape)}"
                            f" do not match the keys {tuple(key.shape)}")
-    return grads
+    return grads[0], grads[1], fresh

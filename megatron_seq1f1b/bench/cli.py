@@ -40,7 +40,7 @@ from megatron_seq1f1b.bench.pictures import (
 from megatron_seq1f1b.bench.predict import calibrated_predictions, shared_cores_per_pipeline
 from megatron_seq1f1b.bench.ranks import rank0, say
 from megatron_seq1f1b.bench.runner import (
-    confirm_rounds, count_saved_runs, measure_rounds, profile_runs,
+    confirm_rounds, count_saved_runs, measure_rounds, op_profile_runs, profile_runs,
 )
 from megatron_seq1f1b.bench.summary import auto_vs_sweep, reference_key, summarize
 from megatron_seq1f1b.bench.timelines import record_timelines
@@ -155,6 +155,9 @@ def build_parser() -> arguments.StartupParser:
                         "temporaries)")
     p.add_argument("--profile", action="store_true",
                    help="cProfile one extra run of every schedule on --profile-rank")
+    p.add_argument("--profile-ops", action="store_true",
+                   help="torch.profiler of one extra run of every schedule on --profile-rank: "
+                        "calls and self CPU time per operator, side by side (ops_rank<r>.md)")
     p.add_argument("--profile-rank", type=non_negative_int, default=0)
     p.add_argument("--loss-rtol", type=non_negative_float, default=1e-4,
                    help="first-iteration losses of all schedules must agree this closely")
@@ -366,6 +369,8 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         count_saved_runs(schedules, batches, args, forward_step, memory)
     if args.profile:
         profile_runs(schedules, batches, args, forward_step, memory, out)
+    if args.profile_ops:
+        op_profile_runs(schedules, batches, args, forward_step, memory, out)
     if not args.no_timelines:
         measured = record_timelines(schedules, batches, args, forward_step, memory)
         if rank0():

@@ -38,7 +38,7 @@ def loss_of(store: list) -> tuple[float, float]:
 
 def run_once(sched: BenchSchedule, batches: list, args: argparse.Namespace,
              forward_step: Callable, memory: PeakMemory, *, fb: Callable | None = None,
-             profile: cProfile.Profile | None = None,
+             profile: cProfile.Profile | _OpProfile | None = None,
              on_start: Callable[[], object] | None = None) -> dict:
     """One forward-backward of all micro-batches; collective; returns time, peaks, loss.
 
@@ -133,6 +133,44 @@ def measure_rounds(schedules: list[BenchSchedule], batches: list, args: argparse
             s.record(result)
             _log_run(i + 1, args.iters, s, result, tokens_per_iter)
     return True
+
+
+class _OpProfile:
+    """torch.profiler over one run, with cProfile's enable/disable (what ``run_once`` calls)."""
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        self.profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+
+    def enable(self) -> None:
+        self.profiler.start()
+
+    def disable(self) -> None:
+        self.profiler.stop()
+
+
+def op_profile_runs(schedules: list[BenchSchedule], batches: list, args: argparse.Namespace,
+                    forward_step: Callable, memory: PeakMemory, out: Path) -> None:
+    """torch.profiler of one extra run of every schedule on --profile-rank: per operator,
+    calls and self CPU time side by side (``ops_rank<r>.md``), and each schedule's own
+    table, also by input shapes (``ops_<key>_rank<r>.txt``)."""
+    from megatron_seq1f1b.bench.op_profile import OpTotals, side_by_side
+
+    totals: dict[str, OpTotals] = {}
+    for s in schedules:
+        profile = _OpProfile() if dist.get_rank() == args.profile_rank else None
+        run_once(s, batches, args, forward_step, memory, profile=profile)
+        if profile is not None:
+            events = profile.profiler.key_averages()
+            totals[s.key] = OpTotals.of(events)
+            shapes = profile.profiler.key_averages(group_by_input_shape=True)
+            path = out / f"ops_{s.key}_rank{args.profile_rank}.txt"
+            path.write_text(events.table(sort_by="self_cpu_time_total", row_limit=40) + "\n"
+                            + shapes.table(sort_by="self_cpu_time_total", row_limit=60))
+    if totals:
+        path = out / f"ops_rank{args.profile_rank}.md"
+        path.write_text(side_by_side(totals))
+        print(f"> operator profile on rank {args.profile_rank}: {path}", flush=True)
 
 
 def profile_runs(schedules: list[BenchSchedule], batches: list, args: argparse.Namespace,

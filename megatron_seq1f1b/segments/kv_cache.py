@@ -94,12 +94,17 @@ class KVEntry:
         last_row = first_row + grad_keys.shape[0]
         self._owe(first_row, last_row)
         if not self.windowed:
-            if self.prefix is None:  # the first contributor reaches furthest: rows [base, R)
-                dtype = self._accumulation_dtype(grad_keys)
-                self.prefix = [grad.new_zeros((last_row - self.base,) + tuple(grad.shape[1:]),
-                                              dtype=dtype)
-                               for grad in (grad_keys, grad_values)]
             low, high = first_row - self.base, last_row - self.base
+            if self.prefix is None:  # the first contributor reaches furthest: rows [base, R)
+                # Its rows are the buffer's first writes: copied in (converted), not added
+                # to zeros; only rows before it are zeroed.
+                dtype = self._accumulation_dtype(grad_keys)
+                self.prefix = [grad.new_empty((high,) + tuple(grad.shape[1:]), dtype=dtype)
+                               for grad in (grad_keys, grad_values)]
+                for buffer, grad in zip(self.prefix, (grad_keys, grad_values)):
+                    buffer[:low].zero_()
+                    buffer[low:high].copy_(grad)
+                return
             self.prefix[0][low:high] += grad_keys
             self.prefix[1][low:high] += grad_values
             return
@@ -124,16 +129,35 @@ class KVEntry:
             if start + length > first_row:
                 self.owed.add(index)
 
-    def sink_rows(self, index: int, first_row: int, end: int, dtype: torch.dtype):
-        """Views of ``prefix`` rows ``[first_row, end)`` for segment ``index``'s attention to
-        add its key and value gradients into, or ``None`` (no buffer yet, a window, or
-        another accumulation dtype): :class:`GradientSink`."""
-        if self.windowed or self.prefix is None or self.prefix[0].dtype != dtype \
-                or end - self.base > self.prefix[0].shape[0] or first_row < self.base:
+    def sink_rows(self, index: int, first_row: int, end: int, dtype: torch.dtype,
+                  fresh_ok: bool = False):
+        """Rows ``[first_row, end)`` of ``prefix`` for segment ``index``'s attention to add its
+        key and value gradients into, and whether they are fresh, or ``None`` (a window,
+        another accumulation dtype, rows the buffer does not hold): :class:`GradientSink`.
+
+        The first contributor finds no buffer: it gets one made for rows ``[base, end)``,
+        fresh (its attention writes them; rows before ``first_row`` zeroed) where
+        ``fresh_ok``, zeroed otherwise. So no contributor allocates a key-sized gradient
+        of its own, and nothing is copied from one buffer into another."""
+        if self.windowed or first_row < self.base:
+            return None
+        fresh = False
+        if self.prefix is None:
+            if self.keys.dtype != dtype or self._accumulation_dtype(self.keys) != dtype:
+                return None
+            rows = end - self.base
+            make = torch.empty if fresh_ok else torch.zeros
+            self.prefix = [make((rows,) + tuple(buffer.shape[1:]), dtype=dtype,
+                                device=buffer.device) for buffer in (self.keys, self.values)]
+            if fresh_ok:
+                for buffer in self.prefix:
+                    buffer[: first_row - self.base].zero_()
+            fresh = fresh_ok
+        elif self.prefix[0].dtype != dtype or end - self.base > self.prefix[0].shape[0]:
             return None
         self.sunk = (index, first_row, end)
         low, high = first_row - self.base, end - self.base
-        return self.prefix[0][low:high], self.prefix[1][low:high]
+        return self.prefix[0][low:high], self.prefix[1][low:high], fresh
 
     def take_sunk(self, index: int, start: int, first_row: int, end: int,
                   grad_keys: torch.Tensor, grad_values: torch.Tensor):
@@ -274,9 +298,11 @@ class GradientSink:
     def __init__(self, entry: KVEntry, info, first_row: int):
         self._entry, self._info, self._first_row = weakref.ref(entry), info, first_row
 
-    def claim(self, dtype: torch.dtype):
-        """(key rows, value rows) to add into, or ``None`` (allocate as usual)."""
+    def claim(self, dtype: torch.dtype, fresh_ok: bool = False):
+        """(key rows, value rows, fresh) to add into (or, fresh, to write), or ``None``
+        (allocate as usual); ``fresh_ok``: the attention writes each row at most once."""
         entry = self._entry()
         if entry is None:
             return None
-        return entry.sink_rows(self._info.index, self._first_row, self._info.end, dtype)
+        return entry.sink_rows(self._info.index, self._first_row, self._info.end, dtype,
+                               fresh_ok)
