@@ -14,7 +14,7 @@ class OpTotals:
     ops: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, events) -> "OpTotals":
+    def of(cls, events) -> OpTotals:
         """From ``torch.profiler.profile.key_averages()``."""
         return cls({e.key: (int(e.count), e.self_cpu_time_total / 1e3) for e in events})
 
