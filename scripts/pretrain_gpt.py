@@ -42,6 +42,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     from megatron_seq1f1b.attention.context_parallel import context_parallel_layer_spec
     from megatron_seq1f1b.attention.flash import flash_layer_spec
 
+    if args.hybrid_layer_pattern is not None:
+        return hybrid_model_provider(args, config, pre_process, post_process, vp_stage)
     mla = bool(args.multi_latent_attention)
     spec = get_gpt_layer_local_spec(normalization=args.normalization, multi_latent_attention=mla)
     if config.num_moe_experts:
@@ -57,6 +59,32 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         transformer_layer_spec=spec,
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        vp_stage=vp_stage,
+    )
+
+
+def hybrid_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    """A Megatron-Core HybridModel chunk of --hybrid-layer-pattern (*, - and E layers) with
+    megatron_seq1f1b's local hybrid spec (Megatron's own modules, no Transformer Engine);
+    one pipeline rank builds the whole pattern."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_seq1f1b.runtime.hybrid_spec import local_hybrid_stack_spec
+
+    pattern = args.hybrid_layer_pattern
+    if args.pipeline_model_parallel_size == 1:
+        pattern = pattern.replace("|", "")
+    return HybridModel(
+        config=config,
+        hybrid_stack_spec=local_hybrid_stack_spec(attention=args.attention_backend,
+                                                  num_experts=args.num_experts),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        hybrid_layer_pattern=pattern,
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -193,6 +193,9 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-world-size": _trainer("--tensor-model-parallel-size", "2", world_size=3),
     "trainer-layers-per-stage": _trainer("--pipeline-model-parallel-size", "3", world_size=3),
     "trainer-vpp-needs-pipeline": _trainer("--num-layers-per-virtual-pipeline-stage", "1"),
+    "trainer-hybrid-symbols": _trainer("--hybrid-layer-pattern", "*M-"),
+    "trainer-hybrid-stages": _trainer("--hybrid-layer-pattern", "*-|*-|*-",
+                                      "--pipeline-model-parallel-size", "2", world_size=2),
     "trainer-vpp-divides": _trainer("--pipeline-model-parallel-size", "2",
                                     "--num-layers-per-virtual-pipeline-stage", "3", world_size=2),
     "trainer-bf16-fp16": _trainer("--bf16", "--fp16"),
@@ -313,6 +316,16 @@ def _yarn(at: Layout) -> None:
         s1.enable(at.models)
 
 
+def _recurrent_mixer(at: Layout) -> None:
+    """A layer holding a Mamba-2 mixer (a stand-in named as Megatron's class)."""
+    layer = at.gpt().decoder.layers[0]
+    layer.add_module("mixer", type("MambaMixer", (torch.nn.Module,), {})())
+    try:
+        s1.enable(at.models)
+    finally:
+        del layer.mixer
+
+
 def _cross_attention(at: Layout) -> None:
     from megatron.core.transformer.attention import CrossAttention
 
@@ -408,6 +421,7 @@ ON_RANKS: dict[str, dict[str, RankTrigger]] = {
         "enable-not-gpt": lambda at: s1.enable(torch.nn.Linear(2, 2)),
         "enable-context-parallel": _enable(context_parallel_size=2),
         "enable-hybrid-context-parallel": _enable(hybrid_context_parallel=True),
+        "enable-recurrent-layer": _recurrent_mixer,
         "enable-mla-yarn-rope-fusion": _enable(multi_latent_attention=True, rope_type="yarn",
                                                apply_rope_fusion=True),
         "enable-mla-down-proj-fusion": _enable(multi_latent_attention=True,

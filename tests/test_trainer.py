@@ -1,5 +1,6 @@
 """End-to-end runs of scripts/pretrain_gpt.py on CPU ranks (torchrun, gloo)."""
 
+import importlib.util
 import json
 import os
 import re
@@ -394,6 +395,7 @@ def test_resume_is_bit_exact(tmp_path, name, nproc, flags):
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2 needs --seq1f1b"),
     (["--seq-length", "2", "--seq1f1b", "--seq1f1b-splits", "4"], "use at most 2 splits"),
+    (["--hybrid-layer-pattern", "*M-"], "this trainer builds attention (*), MLP (-) and MoE"),
 ])
 def test_bad_flags_fail_fast_with_their_message(flags, message):
     cmd = [sys.executable, str(SCRIPT), *BASE, *flags]

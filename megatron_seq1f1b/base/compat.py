@@ -18,6 +18,8 @@ boundaries (``cu_seqlens``)   (:func:`with_document_     ``.inter_document_maski
 per-token MoE router losses   by the rank's tokens       0.19: times the TP x CP
 (``calculate_per_token_       (inexact under CP)         group's size
 loss``)
+language model classes        ``GPTModel``               0.18: also ``HybridModel``
+                                                         (:func:`language_models`)
 ============================  =========================  ==========================
 """
 
@@ -26,6 +28,20 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+
+
+@functools.lru_cache(maxsize=None)
+def language_models() -> tuple[type, ...]:
+    """The model classes :func:`megatron_seq1f1b.enable` takes: ``GPTModel``, and
+    ``HybridModel`` where Megatron-Core has it (0.18 on; 0.16-0.17's ``MambaModel`` is
+    another class, not taken)."""
+    from megatron.core.models.gpt import GPTModel
+
+    if importlib.util.find_spec("megatron.core.models.hybrid") is None:
+        return (GPTModel,)
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    return (GPTModel, HybridModel)
 
 
 @functools.lru_cache(maxsize=None)

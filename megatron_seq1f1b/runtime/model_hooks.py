@@ -1,4 +1,4 @@
-"""``enable(model)``: make a Megatron-Core GPTModel run sequence segments.
+"""``enable(model)``: make a Megatron-Core GPTModel or HybridModel run sequence segments.
 
 It finds every self-attention layer and the rotary embedding of each model
 chunk and installs the segment-aware forwards of
@@ -22,14 +22,16 @@ _ENABLED = "_seq1f1b_enabled"
 
 
 def unwrap(module) -> Any:
-    """The GPTModel inside DDP / Float16Module / other ``.module`` wrappers."""
-    from megatron.core.models.gpt import GPTModel
+    """The GPTModel or HybridModel inside DDP / Float16Module / other ``.module`` wrappers."""
+    from megatron_seq1f1b.base.compat import language_models
 
+    classes = language_models()
     inner = module
-    while not isinstance(inner, GPTModel):
+    while not isinstance(inner, classes):
         if not hasattr(inner, "module"):
+            names = " or ".join(cls.__name__ for cls in classes)
             raise TypeError(
-                f"megatron_seq1f1b.enable() supports Megatron-Core GPTModel (possibly wrapped "
+                f"megatron_seq1f1b.enable() supports Megatron-Core {names} (possibly wrapped "
                 f"in DDP or Float16Module); got {type(module).__name__}"
             )
         inner = inner.module
@@ -106,6 +108,12 @@ def _check(gpt) -> list[str]:
     return problems
 
 
+#: Sequence mixers with a state along the sequence, by class name (a HybridModel's symbol):
+#: a segment would restart it.
+_RECURRENT = {"MambaMixer": "Mamba-2, hybrid pattern symbol M",
+              "GatedDeltaNet": "gated delta net, hybrid pattern symbol G"}
+
+
 def _is_mla(module) -> bool:
     """Megatron's unfused MLASelfAttention (its fused subclass applies RoPE inside TE)."""
     names = [cls.__name__ for cls in type(module).__mro__]
@@ -127,6 +135,14 @@ def _attention_modules(gpt):
 
     found, problems = [], []
     for name, module in gpt.named_modules():
+        recurrent = _RECURRENT.get(type(module).__name__)
+        if recurrent is not None:
+            problems.append(
+                f"{name}: {type(module).__name__} ({recurrent}) carries a recurrent state "
+                "along the sequence, which Seq1F1B's segments do not carry across a cut yet; "
+                "use a hybrid_layer_pattern (--hybrid-layer-pattern) of attention (*), MLP "
+                "(-) and MoE (E) layers, or train it without segments")
+            continue
         if not isinstance(module, Attention):
             continue
         if _is_mla(module):
@@ -168,7 +184,8 @@ def _attention_modules(gpt):
 
 
 def enable(model):
-    """Prepare a GPTModel chunk (or list of chunks, possibly wrapped) for segments.
+    """Prepare a GPTModel or HybridModel chunk (or list of chunks, possibly wrapped) for
+    segments.
 
     Idempotent; returns `model`. Raises :class:`~megatron_seq1f1b.ConfigError`
     for unsupported models or options.

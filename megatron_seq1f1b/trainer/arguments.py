@@ -94,6 +94,46 @@ def _int_pair(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected two integers like '(1024, 0)', got {text!r}")
 
 
+def _hybrid_pattern_problems(args, pp: int, cp: int) -> list[str]:
+    """--hybrid-layer-pattern as Megatron-LM reads it: --num-layers from the pattern, its '|'
+    stages over the pipeline ranks (virtual stages where there are more); what this trainer
+    builds."""
+    from megatron_seq1f1b.base.compat import language_models
+
+    pattern = args.hybrid_layer_pattern
+    problems = []
+    if len(language_models()) < 2:
+        problems.append("--hybrid-layer-pattern needs megatron-core 0.18 or later (HybridModel)")
+    other = sorted(set(pattern) - set("*-E|"))
+    if other:
+        problems.append(f"--hybrid-layer-pattern {pattern!r}: this trainer builds attention "
+                        f"(*), MLP (-) and MoE (E) layers; not {' '.join(other)} (Mamba-2 M "
+                        "and gated delta net G carry a state across Seq1F1B's cuts, which is "
+                        "not supported yet; multi-token prediction '/' neither)")
+    stages = pattern.split("|")
+    if any(not stage for stage in stages):
+        problems.append(f"--hybrid-layer-pattern {pattern!r}: a '|' stage without layers")
+    if "E" in pattern and not args.num_experts:
+        problems.append("--hybrid-layer-pattern with MoE layers (E) needs --num-experts")
+    if cp > 1:
+        problems.append("--hybrid-layer-pattern with --context-parallel-size > 1 is not "
+                        "supported by this trainer yet")
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        problems.append("--hybrid-layer-pattern sets the virtual pipeline by its '|' stages; "
+                        "drop --num-layers-per-virtual-pipeline-stage")
+    args.num_layers = len(pattern.replace("|", ""))
+    if len(stages) > 1 and pp > 1:
+        if len(stages) % pp:
+            problems.append(f"--hybrid-layer-pattern has {len(stages)} '|' stages, not a "
+                            f"multiple of --pipeline-model-parallel-size {pp}")
+        elif len(stages) > pp:
+            args.virtual_pipeline_model_parallel_size = len(stages) // pp
+    elif pp > 1 and args.num_layers % pp:
+        problems.append(f"--hybrid-layer-pattern's {args.num_layers} layers without '|' must "
+                        f"divide by --pipeline-model-parallel-size {pp}")
+    return problems
+
+
 def build_parser() -> StartupParser:
     """The trainer's flags; errors are one line, status 2 (once per job under torchrun)."""
     p = StartupParser(
@@ -104,6 +144,12 @@ def build_parser() -> StartupParser:
     )
     model = p.add_argument_group("model")
     model.add_argument("--num-layers", type=positive_int, default=4)
+    model.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
+                       help="build Megatron-Core's HybridModel (0.18+): one symbol per layer, "
+                            "'*' attention, '-' MLP, 'E' MoE (with --num-experts); '|' between "
+                            "pipeline stages (stages / --pipeline-model-parallel-size = virtual "
+                            "stages per rank). Sets --num-layers. As Megatron-LM's flag; this "
+                            "trainer builds *, - and E layers")
     model.add_argument("--hidden-size", type=positive_int, default=128)
     model.add_argument("--ffn-hidden-size", type=positive_int, default=None,
                        help="default 4 * hidden")
@@ -267,10 +313,12 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         problems.append(f"--expert-model-parallel-size {ep} needs --num-experts divisible by "
                         f"it, and to divide data-parallel x tensor-parallel size "
                         f"{args.data_parallel_size * tp}")
-    if args.num_layers % pp:
+    args.virtual_pipeline_model_parallel_size = None
+    if args.hybrid_layer_pattern is not None:
+        problems += _hybrid_pattern_problems(args, pp, cp)
+    elif args.num_layers % pp:
         problems.append(f"--num-layers {args.num_layers} must divide by "
                         f"--pipeline-model-parallel-size {pp}")
-    args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // pp
         if pp < 2:

@@ -1,0 +1,112 @@
+"""Megatron-Core's HybridModel (0.18+) under Seq1F1B: attention (*), MLP (-) and MoE (E) layers
+of a hybrid pattern, pipeline stages where the pattern's "|" puts them; loss and every gradient
+equal no-pipelining training of the same pattern on the full sequence (fp32, rel. 1e-5)."""
+
+import importlib.util
+
+import pytest
+
+from gpt import DataSpec, ModelSpec, run_layout
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core.models.hybrid") is None,
+    reason="HybridModel is in megatron-core 0.18 and later")
+
+MOE = (("num_moe_experts", 4), ("moe_router_topk", 2), ("add_bias_linear", False),
+       ("moe_aux_loss_coeff", 0.1), ("moe_router_load_balancing_type", "aux_loss"),
+       ("moe_token_dispatcher_type", "alltoall"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_workers_afterwards(ranks):
+    """MoE models keep their gloo groups' threads (see test_moe): fresh workers afterwards."""
+    yield
+    ranks.close()
+
+
+def _check(results):
+    problems = [f"rank {r['rank']}: {p}" for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert any(r["entries"] for r in results), "no rank reported losses"
+
+
+def hybrid(pattern: str, **fields) -> ModelSpec:
+    extra = MOE if "E" in pattern else ()
+    return ModelSpec(hybrid=pattern, extra=extra, **fields)
+
+
+CASES = [
+    # (pattern, pipeline stages, virtual stages, k, partition, schedule)
+    ("*-*E", 1, None, 3, "balanced", "1f1b"),
+    ("*-*E|*-*-", 2, None, 1, "uniform", "1f1b"),
+    ("*-*E|*-*-", 2, None, 2, "uniform", "1f1b"),
+    ("*-*E|*-*-", 2, None, 3, "balanced", "1f1b"),
+    ("*-*E|*-*-", 2, None, 4, "balanced", "zb-h1"),
+    ("*E|-|*-*|*", 4, None, 3, "balanced", "1f1b"),  # uneven stages; one without attention
+    ("*-|*E|*-|*-", 2, 2, 2, "balanced", "1f1b"),  # a virtual pipeline layout
+]
+
+
+@pytest.mark.parametrize("pattern,pp,vpp,k,partition,schedule", CASES,
+                         ids=[f"{c[0]}-pp{c[1]}-vpp{c[2]}-k{c[3]}-{c[5]}" for c in CASES])
+def test_hybrid_pattern_equals_no_pipelining(ranks, pattern, pp, vpp, k, partition, schedule):
+    seq1f1b = dict(num_splits=k, partition=partition)
+    if schedule != "1f1b":
+        seq1f1b["schedule"] = schedule
+    results = ranks.run(max(pp, 1), run_layout, case=f"hybrid-{pattern}-{pp}-{vpp}-{k}-{schedule}",
+                        model=hybrid(pattern), data=DataSpec(num_microbatches=4), pp=pp,
+                        vpp=vpp, seq1f1b=seq1f1b)
+    _check(results)
+
+
+def test_hybrid_tensor_parallel_flash_per_token(ranks):
+    """TP 2 + sequence parallelism, flash attention, per-token loss, two stages of TP 2."""
+    results = ranks.run(4, run_layout, case="hybrid-tp2-sp-flash",
+                        model=hybrid("*-*E|*-*-", attention="flash"),
+                        data=DataSpec(num_microbatches=3), pp=2, tp=2, sp=True, per_token=True,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
+# documents crossing no, one and several cuts (tests/test_documents.py's layouts)
+DOCUMENTS = (((0, 5, 20),), ((0, 3, 11, 12, 27),), ((0, 8, 16, 24),))
+
+
+@pytest.mark.parametrize("form", ["eod-local", "thd-flash"])
+def test_hybrid_packed_documents(ranks, form):
+    """End-of-document ids on Megatron's local attention, packed THD batches on flash."""
+    thd = form == "thd-flash"
+    model = hybrid("*-*E|*-*-", attention="flash" if thd else "local")
+    results = ranks.run(2, run_layout, case=f"hybrid-documents-{form}", model=model,
+                        data=DataSpec(num_microbatches=3, documents=DOCUMENTS, thd=thd), pp=2,
+                        seq1f1b=dict(num_splits=3, partition="documents",
+                                     documents="cu_seqlens" if thd else model.vocab_size - 1))
+    _check(results)
+
+
+def _refused(pattern_layer):
+    """enable() on a HybridModel whose stack holds a recurrent mixer (stand-in class named as
+    Megatron's): the error names the layer and the symbol."""
+    import torch
+
+    import megatron_seq1f1b as s1
+    from gpt import build_chunks, init_parallel, make_config
+
+    spec = hybrid("*-")
+    init_parallel()
+    (model,) = build_chunks(spec, make_config(spec))
+    mixer = type(pattern_layer, (torch.nn.Module,), {})()
+    model.decoder.layers[1].add_module("mixer", mixer)
+    try:
+        s1.enable(model)
+    except s1.ConfigError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("mixer,symbol", [("MambaMixer", "symbol M"),
+                                          ("GatedDeltaNet", "symbol G")])
+def test_recurrent_layers_refused_clearly(ranks, mixer, symbol):
+    (message,) = ranks.run(1, _refused, case=f"refuse-{mixer}", pattern_layer=mixer)
+    assert message is not None and f"decoder.layers.1.mixer: {mixer}" in message, message
+    assert symbol in message and "recurrent state" in message
