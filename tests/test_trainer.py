@@ -85,6 +85,21 @@ def test_tensor_parallel_sequence_parallel_moe_and_eval(tmp_path):
     assert "load_balancing_loss:" in stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("megatron.core.models.hybrid") is None,
+                    reason="HybridModel is in megatron-core 0.18 and later")
+def test_hybrid_pattern_pipeline_2_equals_megatrons_schedule(tmp_path):
+    """--hybrid-layer-pattern (Megatron-Core's HybridModel, attention, MLP and MoE layers, the
+    pattern's two stages on two ranks): Seq1F1B k=3 trains as Megatron's 1F1B does."""
+    common = ["--hybrid-layer-pattern", "*-*E|*-*-", "--pipeline-model-parallel-size", "2",
+              "--train-iters", "3", "--position-embedding-type", "rope", "--num-experts", "4",
+              "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall",
+              "--disable-bias-linear"]
+    ours, _ = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "3")
+    theirs, _ = train(tmp_path, "1f1b", 2, *common)
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+    assert ours["summary"]["losses"][-1] < ours["summary"]["losses"][0]  # it learns
+
+
 def test_timelines_and_the_side_by_side_summary(tmp_path):
     """--timeline-dir draws the last iteration; compare_runs prints the demo's summary.
 
