@@ -25,7 +25,8 @@ from megatron_seq1f1b.trainer.loop import pretrain
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
     """A Megatron-Core GPTModel chunk with the local (Transformer-Engine-free) layer spec.
 
-    With --num-experts, Megatron's decoder block spec (MoE layers by --moe-layer-freq). With
+    With --num-experts, Megatron's decoder block spec (MoE layers by --moe-layer-freq); with
+    --mtp-num-layers, Megatron's MTP block on the last stage. With
     --attention-backend flash, and always with --multi-latent-attention (Megatron's local
     DotProductAttention has one K/V width), the core attention is FlashDotProductAttention.
     With --context-parallel-size > 1, Megatron's DotProductAttention (which asserts CP 1 when
@@ -54,9 +55,17 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         spec = flash_layer_spec(spec)
     if config.context_parallel_size > 1:
         spec = context_parallel_layer_spec(spec)
+    mtp = None
+    if config.mtp_num_layers:  # as Megatron-LM's builder: MTP layers like the last decoder layer
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
+                                     vp_stage=vp_stage,
+                                     pp_rank=parallel_state.get_pipeline_model_parallel_rank())
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
+        mtp_block_spec=mtp,
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -128,7 +137,8 @@ def packed_seq_params(batch: dict):
 def forward_step(data_iterator, model):
     batch = get_batch(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"], packed_seq_params=packed_seq_params(batch))
+                   labels=batch["labels"], loss_mask=batch["loss_mask"],
+                   packed_seq_params=packed_seq_params(batch))
     return output, partial(loss_func, batch["loss_mask"])
 
 

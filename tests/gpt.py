@@ -123,6 +123,8 @@ def make_config(spec: ModelSpec, *, tp=1, pp=1, vpp=None, sp=False, **overrides)
         fields.update(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
                       v_head_dim=6, rope_type="rope", rotary_scaling_factor=4.0,
                       original_max_position_embeddings=16, apply_rope_fusion=False)
+    if spec.hybrid and "/" in spec.hybrid:  # Megatron-LM infers MTP depth from the pattern
+        fields["mtp_num_layers"] = spec.hybrid.count("/")
     fields.update(dict(spec.extra))
     fields.update(overrides)
     return (MLATransformerConfig if spec.mla else TransformerConfig)(**fields)
@@ -146,8 +148,20 @@ def moe_losses() -> dict:
 
 
 def clear_moe_losses() -> None:
-    """Forget every tracked MoE loss (entries are sized by the model that created them)."""
+    """Forget every tracked MoE and MTP loss (entries are sized by the model that made them)."""
     compat.moe_losses(reset=True)
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+
+
+def mtp_losses():
+    """Megatron's logged MTP loss per depth (summed over this rank's forwards), or None."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    values = tracker.get("loss_values", tracker.get("values"))
+    return None if values is None else values.detach().clone()
 
 
 def is_moe(spec: ModelSpec) -> bool:
@@ -218,10 +232,18 @@ def build_chunks(spec: ModelSpec, config: TransformerConfig) -> list[GPTModel]:
         block = block_spec(spec, config, stage)
         if (config.context_parallel_size or 1) > 1:
             block = context_parallel_layer_spec(block)
+        mtp = None
+        if config.mtp_num_layers:  # Megatron-LM's builder: the block's last layer spec
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp = get_gpt_mtp_block_spec(
+                config, block, use_transformer_engine=False, vp_stage=stage,
+                pp_rank=parallel_state.get_pipeline_model_parallel_rank())
         chunks.append(
             GPTModel(
                 config=config,
                 transformer_layer_spec=block,
+                mtp_block_spec=mtp,
                 vocab_size=spec.vocab_size,
                 max_sequence_length=spec.seq_length,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -407,6 +429,7 @@ def reference(model: ModelSpec, batches_key: tuple, batches: list[dict], per_tok
         grads=grads,
         reports=reports,
         moe_losses=moe_losses(),
+        mtp_losses=mtp_losses(),
     )
     clear_moe_losses()
     parallel_state.destroy_model_parallel()
@@ -594,6 +617,12 @@ def run_layout(
             for values in reported.values():
                 torch.distributed.all_reduce(values, group=parallel_state.get_data_parallel_group())
         problems += compare_moe_losses(models, ref["moe_losses"], reported)
+        logged = mtp_losses()
+        if logged is not None and dp == 1:  # the MTP stage logs what the whole sequence does
+            ok, rel = _close(logged, ref["mtp_losses"], RTOL)
+            if not ok:
+                problems.append(f"logged MTP losses {logged.tolist()} != reference "
+                                f"{ref['mtp_losses'].tolist()} (rel err {rel:.2e})")
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         group = len(store) // m if store else 1
         mine_ref = dict(ref, reports=ref["reports"][dp_rank * m : (dp_rank + 1) * m])

@@ -222,7 +222,7 @@ def error_messages() -> dict:
         ("context_parallel", "context_parallel_size", 2),
         ("sliding_window_ahead", "window_size", (8, 2)),
         ("moe_capacity", "moe_expert_capacity_factor", 1.0),
-        ("mtp", "mtp_num_layers", 1),
+        ("mtp", "mtp_use_repeated_layer", True),
         ("offloading", "fine_grained_activation_offloading", True),
         ("cuda_graphs", "cuda_graph_impl", "local"),
         ("tp_comm_overlap", "tp_comm_overlap", True),
@@ -232,6 +232,8 @@ def error_messages() -> dict:
         setattr(gpt.config, field, value)
         if field.startswith("moe_"):
             gpt.config.num_moe_experts = 4
+        if field.startswith("mtp_"):
+            gpt.config.mtp_num_layers = 2
         capture(name, lambda gpt=gpt: s1.enable(gpt))
 
     gpt = _model(spec)

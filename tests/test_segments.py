@@ -101,7 +101,7 @@ EXPECTED_ERRORS = {
     "context_parallel": "context_parallel_layer_spec(spec)",
     "sliding_window_ahead": "use window_size=(w, 0)",
     "moe_capacity": "dropless MoE",
-    "mtp": "multi-token prediction",
+    "mtp": "mtp_use_repeated_layer",
     "offloading": "offloading",
     "cuda_graphs": "CUDA graphs",
     "yarn": "position_embedding_type='yarn'",

@@ -100,6 +100,20 @@ def test_hybrid_pattern_pipeline_2_equals_megatrons_schedule(tmp_path):
     assert ours["summary"]["losses"][-1] < ours["summary"]["losses"][0]  # it learns
 
 
+def test_mtp_two_layers_pipeline_2_equals_megatrons_schedule(tmp_path):
+    """--mtp-num-layers 2 (Megatron's MTP block on the last stage, per-token loss): Seq1F1B
+    k=3 trains as Megatron's 1F1B does; the logged MTP losses agree too."""
+    common = ["--mtp-num-layers", "2", "--pipeline-model-parallel-size", "2",
+              "--train-iters", "3", "--position-embedding-type", "rope",
+              "--calculate-per-token-loss"]
+    ours, stdout = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "3")
+    theirs, _ = train(tmp_path, "1f1b", 2, *common)
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+    for a, b in zip(ours["iterations"], theirs["iterations"]):
+        _same(list(a["mtp_losses"].values()), list(b["mtp_losses"].values()))
+    assert "mtp_2 loss:" in stdout
+
+
 def test_timelines_and_the_side_by_side_summary(tmp_path):
     """--timeline-dir draws the last iteration; compare_runs prints the demo's summary.
 

@@ -117,11 +117,6 @@ def model_config_problems(config) -> list[str]:
         )
     if get("num_moe_experts"):
         problems += moe_problems(config)
-    if get("mtp_num_layers"):
-        problems.append(
-            "multi-token prediction (mtp_num_layers) shifts labels across segment borders; "
-            "disable it"
-        )
     if get("fine_grained_activation_offloading"):
         problems.append(
             "fine-grained activation offloading (fine_grained_activation_offloading) frees "

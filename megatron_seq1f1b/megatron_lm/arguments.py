@@ -227,10 +227,7 @@ def args_problems(args: Any) -> list[str]:
             "remove it"
         )
     if _flag(args, "mtp_num_layers"):
-        problems.append(
-            "--mtp-num-layers: multi-token prediction shifts labels across segment borders; "
-            "remove it"
-        )
+        problems += _mtp_problems(args)
     if _flag(args, "multi_latent_attention", False):
         if _flag(args, "rope_type") in (None, "yarn") and _flag(args, "apply_rope_fusion", False):
             problems.append(
@@ -449,6 +446,26 @@ def flash_attention_problems(args: Any) -> list[str]:
 #: Documents source passed to the schedule for ``--reset-attention-mask``: the tokenizer's
 #: end-of-document id, read when the model is prepared (:func:`end_of_document_id`).
 EOD = "eod"
+
+
+def _mtp_problems(args: Any) -> list[str]:
+    """--mtp-num-layers under Seq1F1B: the next tokens of later segments are served per
+    segment (megatron_seq1f1b.segments.mtp), except with these."""
+    problems = []
+    cp = _flag(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        problems.append(f"--mtp-num-layers with --context-parallel-size {cp}: Megatron's MTP "
+                        "roll exchanges borders of its own zig-zag split, not of Seq1F1B's "
+                        "segments; use --context-parallel-size 1")
+    packed = packed_documents_flag(args)
+    if packed is not None:
+        problems.append(f"--mtp-num-layers with {packed}: the per-document MTP roll of packed "
+                        "(THD) batches is not served per segment yet; give documents by "
+                        "end-of-document tokens, or remove one of them")
+    if _flag(args, "mtp_use_repeated_layer", False):
+        problems.append("--mtp-use-repeated-layer: one MTP layer at every depth would share "
+                        "one K/V carry-over between depths; remove it")
+    return problems
 
 
 def packed_documents_flag(args: Any) -> Optional[str]:

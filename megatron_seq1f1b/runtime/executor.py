@@ -39,7 +39,7 @@ import torch
 
 from megatron_seq1f1b.base import compat
 
-from megatron_seq1f1b.segments import moe
+from megatron_seq1f1b.segments import moe, mtp
 
 from megatron_seq1f1b.base.checks import ConfigError
 from megatron_seq1f1b.runtime import wgrad
@@ -402,6 +402,7 @@ def forward_backward(
     if not forward_only:
         pipeline.disable_grad_sync()
         moe.set_aux_loss_scale(config, num_microbatches)  # as Megatron's forward_step does
+        mtp.set_loss_scale(config, num_microbatches)  # likewise
     with wgrad.deferring() if pipeline.weight_grads is not None else contextlib.nullcontext():
         pipeline.execute()
     if not forward_only and pipeline.no_sync_context is not None:

@@ -12,6 +12,7 @@ from megatron_seq1f1b.base.checks import (
     model_config_problems, moe_problems, segment_length_problems,
 )
 from megatron_seq1f1b.runtime.te_wgrad import first_microbatch_problems
+from megatron_seq1f1b.segments import mtp
 
 
 def executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
@@ -40,11 +41,7 @@ def executor_problems(chunks, iterators, config, num_microbatches, num_splits, l
         problems.append("config.pipeline_dtype must be set for pipeline parallelism")
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         problems.append("overlap_moe_expert_parallel_comm (combined 1F1B) is not supported")
-    if getattr(config, "mtp_num_layers", None):
-        problems.append(
-            "multi-token prediction (mtp_num_layers) scales its loss per forward; the Seq1F1B "
-            "executor does not support it"
-        )
+    problems += mtp.problems(config, None)
     if getattr(config, "num_moe_experts", None):
         problems += moe_problems(config)
     if getattr(config, "fine_grained_activation_offloading", False):

@@ -16,7 +16,7 @@ from typing import Any
 from megatron_seq1f1b.attention import segmented as attention
 
 from megatron_seq1f1b.base.checks import SUPPORTED_POSITIONS, model_config_problems, raise_if
-from megatron_seq1f1b.segments import moe
+from megatron_seq1f1b.segments import moe, mtp
 
 _ENABLED = "_seq1f1b_enabled"
 
@@ -98,7 +98,7 @@ def dense_attention(model) -> bool:
 
 
 def _check(gpt) -> list[str]:
-    problems = model_config_problems(gpt.config)
+    problems = model_config_problems(gpt.config) + mtp.problems(gpt.config, gpt)
     position = getattr(gpt, "position_embedding_type", "learned_absolute")
     if position not in SUPPORTED_POSITIONS:
         problems.append(
@@ -204,6 +204,7 @@ def enable(model):
             attention.install_forward(core, make_forward)
         for router in moe.routers(gpt):
             moe.install(router)
+        mtp.install(gpt)
         rotary = getattr(gpt, "rotary_pos_emb", None)
         if getattr(gpt, "position_embedding_type", None) == "rope" and rotary is not None:
             attention.install_forward(rotary, attention.rotary_forward)

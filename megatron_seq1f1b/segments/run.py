@@ -77,6 +77,9 @@ class _Active:
     info: SegmentInfo
     phase: str
     run: "SegmentRun"
+    # the whole micro-batch slice_batch cut this unit's part from (multi-token prediction
+    # reads the tokens after the segment from it: segments/mtp.py)
+    batch: dict | None = None
 
 
 _active: _Active | None = None
@@ -421,6 +424,7 @@ def slice_batch(batch: dict) -> dict:
         return batch
     info, run = active_now.info, active_now.run
     seq = sum(info.lengths)
+    active_now.batch = batch
     out = dict(batch)
     if any(batch.get(key) is not None for key in _PACKED_KEYS):
         if run.cp_size > 1:

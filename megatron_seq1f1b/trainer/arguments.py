@@ -104,13 +104,22 @@ def _hybrid_pattern_problems(args, pp: int, cp: int) -> list[str]:
     problems = []
     if len(language_models()) < 2:
         problems.append("--hybrid-layer-pattern needs megatron-core 0.18 or later (HybridModel)")
-    other = sorted(set(pattern) - set("*-E|"))
+    other = sorted(set(pattern) - set("*-E|/"))
     if other:
         problems.append(f"--hybrid-layer-pattern {pattern!r}: this trainer builds attention "
-                        f"(*), MLP (-) and MoE (E) layers; not {' '.join(other)} (Mamba-2 M "
-                        "and gated delta net G carry a state across Seq1F1B's cuts, which is "
-                        "not supported yet; multi-token prediction '/' neither)")
-    stages = pattern.split("|")
+                        f"(*), MLP (-) and MoE (E) layers and MTP depths (/); not "
+                        f"{' '.join(other)} (Mamba-2 M and gated delta net G carry a state "
+                        "across Seq1F1B's cuts, which is not supported yet)")
+    main, *depths = pattern.split("/")
+    if depths:  # Megatron-LM: the MTP depths come from the pattern
+        if args.mtp_num_layers not in (None, len(depths)):
+            problems.append(f"--mtp-num-layers {args.mtp_num_layers} with a pattern of "
+                            f"{len(depths)} MTP depths ('/' parts); give one of them")
+        args.mtp_num_layers = len(depths)
+    elif args.mtp_num_layers:
+        problems.append("--mtp-num-layers with --hybrid-layer-pattern: give the MTP depths "
+                        "as '/' parts of the pattern (e.g. '*-*-/*-/*-' for two)")
+    stages = main.split("|")
     if any(not stage for stage in stages):
         problems.append(f"--hybrid-layer-pattern {pattern!r}: a '|' stage without layers")
     if "E" in pattern and not args.num_experts:
@@ -121,7 +130,7 @@ def _hybrid_pattern_problems(args, pp: int, cp: int) -> list[str]:
     if args.num_layers_per_virtual_pipeline_stage is not None:
         problems.append("--hybrid-layer-pattern sets the virtual pipeline by its '|' stages; "
                         "drop --num-layers-per-virtual-pipeline-stage")
-    args.num_layers = len(pattern.replace("|", ""))
+    args.num_layers = len(main.replace("|", ""))
     if len(stages) > 1 and pp > 1:
         if len(stages) % pp:
             problems.append(f"--hybrid-layer-pattern has {len(stages)} '|' stages, not a "
@@ -144,6 +153,12 @@ def build_parser() -> StartupParser:
     )
     model = p.add_argument_group("model")
     model.add_argument("--num-layers", type=positive_int, default=4)
+    model.add_argument("--mtp-num-layers", type=positive_int, default=None, metavar="D",
+                       help="multi-token prediction: D extra layers on the last stage, depth d "
+                            "predicting token t + d + 1 (as Megatron-LM's flag; with "
+                            "--hybrid-layer-pattern, its '/' parts set it)")
+    model.add_argument("--mtp-loss-scaling-factor", type=non_negative_float, default=0.1,
+                       help="weight of the MTP losses (their mean over the depths)")
     model.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
                        help="build Megatron-Core's HybridModel (0.18+): one symbol per layer, "
                             "'*' attention, '-' MLP, 'E' MoE (with --num-experts); '|' between "

@@ -89,6 +89,22 @@ def _moe_losses(args) -> dict:
     return losses
 
 
+def _mtp_losses(args) -> dict:
+    """Each MTP depth's loss of the iteration (Megatron-LM's "mtp_<d> loss": its per-micro-
+    batch values' mean), from the last stage, which holds the MTP block. Resets the tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    values = tracker.get("loss_values", tracker.get("values"))
+    mine = None if values is None else (values.detach().cpu() / args.num_microbatches).tolist()
+    tracker.clear()
+    stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, mine, group=parallel_state.get_pipeline_model_parallel_group())
+    found = next((stage for stage in reversed(stages) if stage is not None), None) or []
+    return {f"mtp_{depth} loss": value for depth, value in enumerate(found, start=1)}
+
+
 def _reduce_losses(store: list, device) -> tuple[float, float]:
     """(loss, tokens) over the global batch: sum reports, all-reduce over data x context
     parallel ranks (as Megatron-LM: each context-parallel rank reports its tokens' part)."""
@@ -264,6 +280,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
         }
         if args.num_experts:
             record["moe_losses"] = _moe_losses(args)
+        if args.mtp_num_layers:
+            record["mtp_losses"] = _mtp_losses(args)
         records.append(record)
         if recorder is not None:  # after the iteration's time was taken
             timeline = _write_timeline(args, recorder, schedule,
@@ -279,6 +297,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
                 + " ".join(f"{p:.3f}" for p in peaks)
                 + "".join(f" | {name}: {value:.6E}"
                           for name, value in record.get("moe_losses", {}).items())
+                + "".join(f" | {name}: {value:.6E}"
+                          for name, value in record.get("mtp_losses", {}).items())
             )
         if args.eval_interval and iteration % args.eval_interval == 0:
             evaluate(args, forward_step_func, forward_backward, model, valid_ds, device, iteration)

@@ -89,6 +89,8 @@ def transformer_config(args):
         window_attn_skip_freq=args.window_attn_skip_freq,
         add_bias_linear=not args.disable_bias_linear,
         **_moe_fields(args),
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
