@@ -78,6 +78,9 @@ class DataSpec:
     # ``thd``: Megatron-LM's packed batch (cu_seqlens, max_seqlen; one sample).
     documents: tuple = ()
     thd: bool = False
+    # give the model the loss mask too (Megatron-LM's forward_step does; only multi-token
+    # prediction reads it); without it MTP counts every token, as Megatron does then
+    model_loss_mask: bool = False
 
 
 def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, timeout_s=None, **kwargs):
@@ -365,13 +368,15 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model, slicer: Callable[[dict], dict] | None = None):
+def forward_step(data_iterator, model, slicer: Callable[[dict], dict] | None = None,
+                 give_mask: bool = False):
     batch = next(data_iterator)
     if slicer is not None:
         batch = slicer(batch)
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
         packed_seq_params=packed_seq_params(batch),
+        **({"loss_mask": batch["loss_mask"]} if give_mask else {}),
     )
     return output, partial(loss_func, batch["loss_mask"])
 
@@ -396,10 +401,13 @@ def _one_replica_global_batch(gpt) -> None:
 def reference(model: ModelSpec, batches_key: tuple, batches: list[dict], per_token: bool) -> dict:
     """Loss reports and gradients of pp=1 full-sequence training (cached per worker).
 
-    Always with Megatron's local attention (the fake TE one for MLA): other core attentions
-    are compared against it.
+    With Megatron's local attention (the fake TE one for MLA): other core attentions are
+    compared against it; packed (THD) batches, given only where the form changes the result
+    (MTP), with the flash attention's THD path.
     """
-    model = dataclasses.replace(model, attention="local")
+    # Packed (THD) reference batches (MTP rolls per document only in that form): flash's THD.
+    packed = any(batch.get("cu_seqlens") is not None for batch in batches)
+    model = dataclasses.replace(model, attention="flash" if packed else "local")
     key = (model, batches_key, per_token)
     if key in _REFERENCES:
         return _REFERENCES[key]
@@ -410,7 +418,7 @@ def reference(model: ModelSpec, batches_key: tuple, batches: list[dict], per_tok
         _one_replica_global_batch(gpt)
     clear_moe_losses()
     store = schedules.forward_backward_no_pipelining(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step, give_mask=getattr(batches_key[0], "model_loss_mask", False)),
         data_iterator=iter(batches),
         model=[gpt],
         num_microbatches=len(batches),
@@ -573,8 +581,12 @@ def run_layout(
     world = torch.distributed.get_world_size()
     dp = world // (tp * pp * cp)
     batches = make_batches(model, data, count=data.num_microbatches * dp)
+    # Megatron's MTP rolls a packed batch per document, a dense-masked one across documents:
+    # with MTP the reference runs packed batches as packed.
+    packed_reference = data.thd and bool(dict(model.extra).get("mtp_num_layers"))
     ref = reference(model, (data, dp),
-                    make_batches(model, data, count=data.num_microbatches * dp, reference=True),
+                    make_batches(model, data, count=data.num_microbatches * dp,
+                                 reference=not packed_reference),
                     per_token)
 
     init_parallel(tp, pp, vpp, expert_model_parallel_size=ep,
@@ -599,7 +611,8 @@ def run_layout(
     moved = _count_cp_collectives() if count_cp_bytes else contextlib.nullcontext([])
     with moved as cp_calls:
         store = fwd_bwd(
-            forward_step_func=partial(forward_step, slicer=slicer),
+            forward_step_func=partial(forward_step, slicer=slicer,
+                                      give_mask=data.model_loss_mask),
             data_iterator=iterators if len(models) > 1 else iterators[0],
             model=models if len(models) > 1 else models[0],
             num_microbatches=m,

@@ -28,9 +28,25 @@ CASES = [
     (1, 1, 3, False, 2),
     (2, 2, 3, False, 2),
     (2, 2, 3, True, 2),
-    (1, 4, 3, True, 1),
-    (2, 4, 4, False, 2),
+    (1, 4, 3, True, 2),
+    (2, 4, 3, True, 2),
+    (2, 4, 4, False, 1),
 ]
+
+
+@pytest.mark.parametrize("form", ["eod", "thd"])
+def test_gpt_mtp_with_documents(ranks, form):
+    """End-of-document ids (Megatron's MTP rolls across them, as without segments) and packed
+    THD batches (Megatron rolls per document: nothing crosses a document's end), k=3."""
+    documents = (((0, 5, 20),), ((0, 3, 11, 12, 27),), ((0, 8, 16, 24),))
+    thd = form == "thd"
+    model = mtp(2, attention="flash" if thd else "local")
+    results = ranks.run(2, run_layout, case=f"mtp-documents-{form}", model=model,
+                        data=DataSpec(num_microbatches=3, documents=documents, thd=thd,
+                                      model_loss_mask=thd), pp=2,
+                        seq1f1b=dict(num_splits=3, partition="documents",
+                                     documents="cu_seqlens" if thd else model.vocab_size - 1))
+    _check(results)
 
 
 @pytest.mark.parametrize("depth,pp,k,per_token,mbs", CASES,
@@ -38,7 +54,9 @@ CASES = [
                               for c in CASES])
 def test_gpt_mtp_equals_no_pipelining(ranks, depth, pp, k, per_token, mbs):
     results = ranks.run(pp, run_layout, case=f"mtp-d{depth}-pp{pp}-k{k}-{per_token}-{mbs}",
-                        model=mtp(depth), data=DataSpec(num_microbatches=4, micro_batch_size=mbs),
+                        model=mtp(depth),
+                        data=DataSpec(num_microbatches=4, micro_batch_size=mbs,
+                                      model_loss_mask=per_token),
                         pp=pp, per_token=per_token,
                         seq1f1b=dict(num_splits=k, partition="balanced"))
     _check(results)
@@ -48,6 +66,7 @@ HYBRID_CASES = [
     # (pattern, pipeline stages, k, per-token loss)
     ("*-*E/*-", 1, 3, False),
     ("*-*E|*-*-/*-/*-", 2, 3, True),
+    ("*E|-*|*-|*-/*-", 4, 3, True),
 ]
 
 
@@ -60,6 +79,7 @@ def test_hybrid_mtp_equals_no_pipelining(ranks, pattern, pp, k, per_token):
            ("moe_token_dispatcher_type", "alltoall"))
     model = ModelSpec(hybrid=pattern, extra=moe + (("mtp_loss_scaling_factor", 0.3),))
     results = ranks.run(pp, run_layout, case=f"mtp-hybrid-{pattern}-{k}", model=model,
-                        data=DataSpec(num_microbatches=4, micro_batch_size=2), pp=pp,
+                        data=DataSpec(num_microbatches=4, micro_batch_size=2,
+                                      model_loss_mask=True), pp=pp,
                         per_token=per_token, seq1f1b=dict(num_splits=k, partition="balanced"))
     _check(results)

@@ -457,11 +457,6 @@ def _mtp_problems(args: Any) -> list[str]:
         problems.append(f"--mtp-num-layers with --context-parallel-size {cp}: Megatron's MTP "
                         "roll exchanges borders of its own zig-zag split, not of Seq1F1B's "
                         "segments; use --context-parallel-size 1")
-    packed = packed_documents_flag(args)
-    if packed is not None:
-        problems.append(f"--mtp-num-layers with {packed}: the per-document MTP roll of packed "
-                        "(THD) batches is not served per segment yet; give documents by "
-                        "end-of-document tokens, or remove one of them")
     if _flag(args, "mtp_use_repeated_layer", False):
         problems.append("--mtp-use-repeated-layer: one MTP layer at every depth would share "
                         "one K/V carry-over between depths; remove it")

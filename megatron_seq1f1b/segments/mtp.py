@@ -14,9 +14,10 @@ Here, on the stage that holds the MTP block:
 
 * the micro-batch's four tensors (from the batch :func:`~megatron_seq1f1b.segments.run.
   slice_batch` cut, keys ``tokens`` or ``input_ids``, ``position_ids``, ``labels``,
-  ``loss_mask``) are rolled with Megatron's own ``roll_tensor`` over the whole sequence,
-  once per micro-batch and depth (tiny ``[b, s]`` integer tensors), and each segment takes
-  its columns: exactly Megatron's values, fill included;
+  ``loss_mask``) are rolled with Megatron's own ``roll_tensor`` over the whole sequence
+  (per document for a packed THD batch, by its ``cu_seqlens``), once per micro-batch and
+  depth (tiny ``[b, s]`` integer tensors), and each segment takes its columns: exactly
+  Megatron's values, fill included;
 * Megatron's code is kept: its calls to ``roll_tensor`` inside an MTP layer's
   ``_get_embeddings`` and inside the loss (``process_mtp_loss`` from 0.17, GPTModel's
   ``_postprocess`` in 0.16) are served those columns instead, in Megatron's order
@@ -27,9 +28,8 @@ Here, on the stage that holds the MTP block:
   ``forward_step`` does.
 
 Not served (refused by :func:`problems`): context parallelism (Megatron's MTP roll
-exchanges borders of its own zig-zag split), packed THD batches (the per-document roll
-reads ``cu_seqlens`` of the whole micro-batch), one MTP layer repeated over the depths,
-and an MTP stage before the last.
+exchanges borders of its own zig-zag split), one MTP layer repeated over the depths, and
+an MTP stage before the last.
 """
 
 from __future__ import annotations
@@ -112,9 +112,25 @@ def _rolled(name: str, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         full = _full(unit, name)
         rolls.append((full, full.sum()))
     while len(rolls) <= depth:
-        rolls.append(_megatron_roll()(rolls[-1][0], shifts=-1, dims=-1))
+        rolls.append(_megatron_roll()(rolls[-1][0], shifts=-1, dims=-1,
+                                      packed_seq_params=_whole_documents(unit)))
     full, total = rolls[depth]
     return full[..., unit.info.start:unit.info.end], total
+
+
+def _whole_documents(unit):
+    """A packed (THD) micro-batch's documents for Megatron's per-document roll (the padded
+    bounds where the batch has them, as Megatron-LM's forward_step gives the model), or None."""
+    batch = unit.batch or {}
+    bounds = batch.get("cu_seqlens_padded")
+    if bounds is None:
+        bounds = batch.get("cu_seqlens")
+    if bounds is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = bounds.reshape(-1)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds)
 
 
 def _full(unit, name: str) -> torch.Tensor:
@@ -168,12 +184,9 @@ def _embeddings_wrapper(original: Callable, depth: int) -> Callable:
         unit = _forward_unit()
         if unit is None:
             return original(input_ids, position_ids, *args, **kwargs)
-        packed = kwargs.get("packed_seq_params")
-        padding = kwargs.get("padding_mask")
-        if packed is not None or padding is not None:
-            raise RuntimeError(
-                "Seq1F1B: multi-token prediction with packed sequences (packed_seq_params) or "
-                "a padding_mask is not supported; give documents by end-of-document tokens")
+        if kwargs.get("padding_mask") is not None:
+            raise RuntimeError("Seq1F1B: multi-token prediction with a padding_mask is not "
+                               "supported")
         answers = {}
         given = []
         for name, value in (("input_ids", input_ids), ("position_ids", position_ids)):
