@@ -68,6 +68,24 @@ def test_hybrid_tensor_parallel_flash_per_token(ranks):
     _check(results)
 
 
+def test_hybrid_context_parallel_flash(ranks):
+    """Context parallelism 2 x pipeline 2 on flash attention (its CP path takes hybrid
+    layers as GPT's), k=3 balanced."""
+    results = ranks.run(4, run_layout, case="hybrid-pp2-cp2-flash",
+                        model=hybrid("*-*E|*-*-", attention="flash"),
+                        data=DataSpec(num_microbatches=2), pp=2, cp=2,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
+def test_hybrid_expert_parallel_data_parallel(ranks):
+    """Expert parallelism 2 over two data-parallel replicas of a two-stage pattern (4 ranks)."""
+    results = ranks.run(4, run_layout, case="hybrid-pp2-dp2-ep2",
+                        model=hybrid("*E*-|*-*E"), data=DataSpec(num_microbatches=2), pp=2,
+                        ep=2, seq1f1b=dict(num_splits=2, partition="balanced"))
+    _check(results)
+
+
 # documents crossing no, one and several cuts (tests/test_documents.py's layouts)
 DOCUMENTS = (((0, 5, 20),), ((0, 3, 11, 12, 27),), ((0, 8, 16, 24),))
 
