@@ -128,3 +128,27 @@ def test_recurrent_layers_refused_clearly(ranks, mixer, symbol):
     (message,) = ranks.run(1, _refused, case=f"refuse-{mixer}", pattern_layer=mixer)
     assert message is not None and f"decoder.layers.1.mixer: {mixer}" in message, message
     assert symbol in message and "recurrent state" in message
+
+
+def _cuts(pattern):
+    """The executor's balanced cut of a one-stage HybridModel, and the pattern's own."""
+    from gpt import build_chunks, init_parallel, make_config
+    from megatron_seq1f1b.runtime.executor_setup import resolve_lengths
+    from megatron_seq1f1b.schedules.partition import split_sequence
+
+    spec = ModelSpec(hybrid=pattern, seq_length=64)
+    init_parallel()
+    config = make_config(spec)
+    (model,) = build_chunks(spec, config)
+    got = resolve_lengths(4, "balanced", None, 64, [model], config, spec.vocab_size)
+    return got, split_sequence(64, 4, "balanced", config=config, vocab_size=spec.vocab_size,
+                               dense_attention=True, pattern=pattern)
+
+
+def test_balanced_cut_counts_the_pattern_layers(ranks):
+    """The executor cuts a hybrid model by its pattern's layers: MLP-only layers make the cut
+    closer to uniform than the same number of full GPT layers would."""
+    (heavy_mlp,) = ranks.run(1, _cuts, case="cuts-mlp", pattern="*----")
+    (attention,) = ranks.run(1, _cuts, case="cuts-attention", pattern="*-*-*")
+    assert heavy_mlp[0] == heavy_mlp[1] and attention[0] == attention[1]
+    assert heavy_mlp[0][0] - heavy_mlp[0][-1] < attention[0][0] - attention[0][-1]

@@ -184,3 +184,30 @@ def test_balanced_lengths_at_64_stay_balanced_within_the_rounding(k):
     # 32-token slices at the sequence's end (the most expensive tokens)
     slice_cost = model.segment(32, 8192)
     assert max(costs) - min(costs) <= 4 * slice_cost, (exact, rounded)
+
+
+def test_hybrid_pattern_costs_by_layer_kind():
+    """A hybrid pattern's layers cost what their symbols compute: '*' + '-' is a GPT layer,
+    MLP and MoE layers have no attention term (their cut is uniform), a pipeline '|' changes
+    nothing, MTP depths add their layers, projection and logits; unknown kinds are refused."""
+    gpt = CostModel.from_config(config(num_layers=2), 50257)
+    hybrid = CostModel.from_config(config(num_layers=4), 50257, pattern="*-|*-")
+    assert (hybrid.per_token, hybrid.per_pair) == (gpt.per_token, gpt.per_pair)
+    moe = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=4096)
+    linear = CostModel.from_config(config(num_layers=2, **moe), 50257, pattern="-E")
+    assert linear.per_pair == 0 and linear.per_token > 0
+    assert split_sequence(4096, 4, "balanced", cost=linear) == [1024] * 4
+    attention_first = split_sequence(4096, 4, "balanced", config=config(num_layers=4),
+                                     vocab_size=50257, pattern="*-*-")
+    assert attention_first[0] > attention_first[-1]  # causal attention: later tokens cost more
+    mtp = CostModel.from_config(config(num_layers=4, mtp_num_layers=2), 50257,
+                                pattern="*-*-/*-/*-")
+    h, v = 4096, 50257
+    assert mtp.per_pair == 2 * hybrid.per_pair  # two more attention layers
+    assert mtp.per_token == hybrid.per_token * 2 + 2 * 2 * (2 * h * h + h * v) - 2 * h * v
+    unbuilt = CostModel.from_config(config(num_layers=4), 50257, pattern="*-*-/*-")
+    assert unbuilt == hybrid  # '/' depths are built only with mtp_num_layers
+    gpt_mtp = CostModel.from_config(config(num_layers=2, mtp_num_layers=1), 50257)
+    assert gpt_mtp.per_pair == 1.5 * gpt.per_pair
+    with pytest.raises(ValueError, match="no cost model for G M"):
+        CostModel.from_config(config(num_layers=4), 50257, pattern="*M-G")

@@ -36,7 +36,7 @@ from megatron_seq1f1b.base.checks import segment_multiple as segment_multiple_of
 from megatron_seq1f1b.runtime import te_wgrad, wgrad
 from megatron_seq1f1b.runtime.executor_checks import executor_problems
 from megatron_seq1f1b.runtime.model_hooks import (
-    AttentionKind, attention_kind, dense_attention, is_enabled, unwrap,
+    AttentionKind, attention_kind, dense_attention, is_enabled, layer_pattern, unwrap,
 )
 from megatron_seq1f1b.runtime.p2p import Peers
 from megatron_seq1f1b.schedules import plan as plan_mod
@@ -79,7 +79,8 @@ def zero_bubble_costs(lengths, chunks, config, vocab_size) -> tuple:
     """Per-segment (F, B, W) of this model from its FLOPs (:func:`flop_costs`), with these
     chunks' own attention (a stage rehearsed alone; the executor's stages agree on one)."""
     return flop_costs(lengths, CostModel.from_config(config, vocab_size,
-                                                     dense_attention=dense_attention(chunks)))
+                                                     dense_attention=dense_attention(chunks),
+                                                     pattern=layer_pattern(chunks)))
 
 
 def flop_costs(lengths, model: CostModel) -> tuple:
@@ -106,7 +107,8 @@ def resolve_lengths(num_splits: int, partition: str, split_lengths, seq_length: 
     (Benchmarks and a stage rehearsed alone call this, with these chunks' own attention; the
     executor cuts with :func:`cut_lengths` and the attention its stages agreed on.)
     """
-    costs = (CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks))
+    costs = (CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks),
+                                   pattern=layer_pattern(chunks))
              if partition == "balanced" and split_lengths is None else None)
     multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
     return cut_lengths(num_splits, partition, split_lengths, seq_length, costs, multiple)
@@ -246,7 +248,7 @@ def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
         vocab_size = None
-    costs = CostModel.from_config(config, vocab_size)
+    costs = CostModel.from_config(config, vocab_size, pattern=layer_pattern(chunks))
     multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
     document_multiple = _document_multiple(config, segment_multiple)
     cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
@@ -484,7 +486,8 @@ def document_cut(chunks, config, vocab_size, segment_multiple=None) -> tuple[Cos
     """What the documents partition cuts a micro-batch with: this model's FLOP costs (as its
     attention computes them) and the layout's multiple (a requested one too; the CUDA
     default of 64 is not forced on cuts that could fall where documents end)."""
-    costs = CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks))
+    costs = CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks),
+                                  pattern=layer_pattern(chunks))
     return costs, _document_multiple(config, segment_multiple)
 
 

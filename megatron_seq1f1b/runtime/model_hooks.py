@@ -88,6 +88,16 @@ def attention_kind(model) -> AttentionKind:
     return kind
 
 
+def layer_pattern(model) -> str | None:
+    """A HybridModel's ``hybrid_layer_pattern`` (the whole model's, on every stage: what its
+    FLOPs are counted by), or None for a GPTModel."""
+    for chunk in chunks_of(model):
+        pattern = getattr(unwrap(chunk), "hybrid_layer_pattern", None)
+        if pattern is not None:
+            return pattern
+    return None
+
+
 def dense_attention(model) -> bool:
     """True if a chunk uses Megatron's local attention, which computes masked scores too.
 

@@ -73,15 +73,33 @@ class CostModel:
 
     @classmethod
     def from_config(cls, config, vocab_size: int | None = None,
-                    dense_attention: bool = False) -> "CostModel":
-        """Coefficients from a Megatron ``TransformerConfig`` (whole model)."""
+                    dense_attention: bool = False, pattern: str | None = None) -> "CostModel":
+        """Coefficients from a Megatron ``TransformerConfig`` (whole model).
+
+        ``pattern``: a HybridModel's ``hybrid_layer_pattern`` (every stage's, ``|`` and
+        ``/`` included): each layer costs what its symbol holds (:func:`layer_kinds`), an
+        MLP or MoE layer has no pair term. Multi-token prediction (``mtp_num_layers``) adds
+        per depth its layers, the projection of embedding and hidden state, and one more
+        output layer."""
         h = config.hidden_size
         attention_weights, pair_flops = _attention_shape(config)
-        per_token = 2 * sum(attention_weights + _mlp_weights(config, moe)
-                            for moe in _moe_layers(config)) + 2 * h * (vocab_size or 0)
-        windowed = windowed_layers(config)
+        main, depths = layer_kinds(config, pattern)
+        per_token, attention_layers = 0, []
+        for number, layer in enumerate(main, start=1):
+            per_token += sum(_layer_weights(config, kind, attention_weights) for kind in layer)
+            if "attention" in layer:
+                attention_layers.append(number)
+        mtp_pairs = 0
+        for depth in depths:
+            per_token += 2 * h * h + h * (vocab_size or 0)  # eh_proj, the depth's logits
+            for layer in depth:
+                per_token += sum(_layer_weights(config, kind, attention_weights)
+                                 for kind in layer)
+                mtp_pairs += "attention" in layer
+        per_token = 2 * per_token + 2 * h * (vocab_size or 0)
+        windowed = windowed_layers(config, attention_layers)
         window = config.window_size[0] if windowed else None
-        full = config.num_layers - windowed
+        full = len(attention_layers) - windowed + mtp_pairs
         return cls(float(per_token), float(full * pair_flops), dense_attention, window,
                    float(windowed * pair_flops))
 
@@ -195,15 +213,51 @@ def _mlp_weights(config, moe: bool) -> int:
             + (mlp(shared) if shared else 0))
 
 
-def windowed_layers(config) -> int:
-    """How many layers use a sliding window (Megatron's ``is_layer_window_attention`` rule)."""
+#: A HybridModel pattern's symbols by what their layer computes per token (Megatron-Core
+#: ``hybrid_layer_allocation.Symbols``): attention (MLA ``+``, sparse ``D`` alike), a dense
+#: MLP, a mixture of experts. Mamba-2 (``M``) and gated delta nets (``G``) are not costed.
+KINDS = {"*": "attention", "+": "attention", "D": "attention", "-": "mlp", "E": "moe"}
+
+
+Layer = tuple  # what one layer computes per token: ("attention", "mlp"), ("moe",), ...
+
+
+def layer_kinds(config, pattern: str | None = None) -> tuple[list[Layer], list[list[Layer]]]:
+    """(the decoder's layers, each MTP depth's), each layer the kinds it computes: from a
+    hybrid ``pattern`` one kind per symbol, else a GPTModel's (attention and an MLP, or MoE
+    by ``moe_layer_freq``; each of ``mtp_num_layers`` depths one layer like the last)."""
+    if pattern is None:
+        main = [("attention", "moe" if moe else "mlp") for moe in _moe_layers(config)]
+        return main, [main[-1:]] * (getattr(config, "mtp_num_layers", None) or 0)
+    main, *depths = pattern.split("/")
+    unknown = sorted(set(pattern.replace("|", "").replace("/", "")) - set(KINDS))
+    if unknown:
+        raise ValueError(f"hybrid pattern {pattern!r}: no cost model for {' '.join(unknown)} "
+                         "(attention *, +, D; MLP -; MoE E)")
+    if not getattr(config, "mtp_num_layers", None):
+        depths = []  # the '/' depths are built only with mtp_num_layers (Megatron-LM sets it)
+    return ([(KINDS[c],) for c in main.replace("|", "")],
+            [[(KINDS[c],) for c in depth] for depth in depths])
+
+
+def _layer_weights(config, kind: str, attention_weights: int) -> int:
+    """Weights one token goes through in a layer of this kind."""
+    if kind == "attention":
+        return attention_weights
+    return _mlp_weights(config, kind == "moe")
+
+
+def windowed_layers(config, attention_layers: Sequence[int] | None = None) -> int:
+    """How many attention layers use a sliding window (Megatron's
+    ``is_layer_window_attention`` rule); ``attention_layers``: their layer numbers (every
+    layer of a GPTModel by default)."""
     window = getattr(config, "window_size", None)
     if not window or window[0] is None or window[0] < 0:
         return 0
     skip = getattr(config, "window_attn_skip_freq", None)
-    layers = range(1, config.num_layers + 1)
+    layers = range(1, config.num_layers + 1) if attention_layers is None else attention_layers
     if skip is None:
-        return config.num_layers
+        return len(layers)
     if isinstance(skip, int):
         return sum(1 for n in layers if n % skip != 0)
     return sum(1 for n in layers if skip[n - 1])
@@ -225,6 +279,7 @@ def split_sequence(
     dense_attention: bool = False,
     cost: CostModel | SegmentCost | None = None,
     documents=None,
+    pattern: str | None = None,
 ) -> list[int]:
     """Segment lengths for one micro-batch: sum ``seq_length``, each a multiple of ``multiple_of``.
 
@@ -232,7 +287,8 @@ def split_sequence(
     first); ``"balanced"`` lengths give equal estimated forward FLOPs
     (:class:`CostModel` from ``config`` and ``vocab_size``; ``dense_attention``
     for kernels that compute masked scores too; or ``cost``, a
-    :class:`CostModel`, without a config) and never increase. ``"measured"``
+    :class:`CostModel`, without a config; ``pattern``: a HybridModel's layer pattern) and never
+    increase. ``"measured"``
     lengths give equal calibrated cost: ``cost`` is a :class:`CostModel`, an
     object with a ``cost_model()`` method (a fitted calibration), or any
     ``cost(length, end)`` that grows with the length (solved numerically).
@@ -267,7 +323,7 @@ def split_sequence(
             raise ValueError("the documents partition needs the micro-batch's documents "
                              "(documents=...)")
         if config is not None:
-            cost = CostModel.from_config(config, vocab_size, dense_attention)
+            cost = CostModel.from_config(config, vocab_size, dense_attention, pattern)
         if not isinstance(cost, CostModel):
             raise ValueError("the documents partition needs the model's TransformerConfig "
                              "(config=...) or a CostModel (cost=...)")
@@ -278,7 +334,7 @@ def split_sequence(
         if hasattr(cost, "cost_model"):
             cost = cost.cost_model()
     elif config is not None:
-        cost = CostModel.from_config(config, vocab_size, dense_attention)
+        cost = CostModel.from_config(config, vocab_size, dense_attention, pattern)
     elif not isinstance(cost, CostModel):
         raise ValueError(
             "the balanced partition needs the model's TransformerConfig (config=...) to "
