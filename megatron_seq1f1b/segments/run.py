@@ -22,6 +22,7 @@ from megatron_seq1f1b.segments.documents import (
 )
 from megatron_seq1f1b.segments.kv_cache import KVStore
 from megatron_seq1f1b.segments.packed import Packed
+from megatron_seq1f1b.segments.state_carry import StateCarry
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -113,6 +114,7 @@ class SegmentRun:
         self.starts = _starts(self.lengths)
         self.forward_only = forward_only
         self.kv = KVStore()
+        self.states = StateCarry()  # recurrent layers' states across cuts
         # Per micro-batch (plan data, the same on every rank): its documents, and its own
         # segment lengths where they differ between micro-batches (``documents`` partition).
         self.documents = tuple(documents) if documents is not None else None
@@ -202,6 +204,7 @@ class SegmentRun:
             yield info
         if self.forward_only and info.is_last:
             self.kv.release(microbatch, chunk)
+            self.states.release(microbatch, chunk)
             self.forget(microbatch)
 
     @contextlib.contextmanager
@@ -209,9 +212,11 @@ class SegmentRun:
         info = self.info(microbatch, segment, chunk)
         with self._enter(info, BACKWARD):
             yield info
+        self.states.release(microbatch, chunk, consumer=segment)
         if segment == 0:
             # Normally already released layer by layer inside the backward pass.
             self.kv.release(microbatch, chunk)
+            self.states.release(microbatch, chunk)
             self.forget(microbatch)
 
     def local_mask(self, info: SegmentInfo, view: SegmentView, device,
@@ -320,14 +325,16 @@ class SegmentRun:
 
     def close(self) -> None:
         """End of iteration: caches must be empty (every micro-batch finished)."""
-        leftover = self.kv.live_entries()
+        leftover = self.kv.live_entries() + self.states.live()
         self.kv.clear()
+        self.states.clear()
         self._masks.clear()
         self._views.clear()
         self._packed.clear()
         if leftover:
             raise RuntimeError(
-                f"Seq1F1B: key/value caches of {leftover} layer(s) were still alive at the end "
+                f"Seq1F1B: key/value caches or recurrent states of {leftover} layer(s) were still "
+                "alive at the end "
                 "of the iteration; a micro-batch's segment 0 was never backwarded"
             )
 
