@@ -22,10 +22,10 @@ from megatron_seq1f1b.segments.documents import (
 )
 from megatron_seq1f1b.segments.kv_cache import KVStore
 from megatron_seq1f1b.segments.packed import Packed
+from megatron_seq1f1b.segments.active import (  # noqa: F401 - the running unit, named here too
+    BACKWARD, FORWARD, Active as _Active, active, current_segment, entered,
+)
 from megatron_seq1f1b.segments.state_carry import StateCarry
-
-FORWARD = "forward"
-BACKWARD = "backward"
 
 
 @dataclass(frozen=True)
@@ -71,29 +71,6 @@ def _starts(lengths: Sequence[int]) -> tuple[int, ...]:
         out.append(total)
         total += n
     return tuple(out)
-
-
-@dataclass
-class _Active:
-    info: SegmentInfo
-    phase: str
-    run: "SegmentRun"
-    # the whole micro-batch slice_batch cut this unit's part from (multi-token prediction
-    # reads the tokens after the segment from it: segments/mtp.py)
-    batch: dict | None = None
-
-
-_active: _Active | None = None
-
-
-def active() -> _Active | None:
-    """The running unit (info, phase, run) or None outside segmented steps."""
-    return _active
-
-
-def current_segment() -> SegmentInfo | None:
-    """The segment being computed, or None outside a segmented step."""
-    return _active.info if _active is not None else None
 
 
 class SegmentRun:
@@ -187,15 +164,8 @@ class SegmentRun:
             self._views[key] = found
         return found
 
-    @contextlib.contextmanager
-    def _enter(self, info: SegmentInfo, phase: str) -> Iterator[SegmentInfo]:
-        global _active
-        outer = _active
-        _active = _Active(info, phase, self)
-        try:
-            yield info
-        finally:
-            _active = outer
+    def _enter(self, info: SegmentInfo, phase: str):
+        return entered(info, phase, self)
 
     @contextlib.contextmanager
     def forward(self, microbatch: int, segment: int, chunk: int = 0) -> Iterator[SegmentInfo]:
@@ -426,7 +396,7 @@ def slice_batch(batch: dict) -> dict:
     segments continues where it was; the attention adds the keys before the
     segment). Other entries, and None, stay as they are.
     """
-    active_now = _active
+    active_now = active()
     if active_now is None or batch is None:
         return batch
     info, run = active_now.info, active_now.run

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from megatron_seq1f1b.segments import active as segments
+
 
 class StateCarry:
     """The states of one iteration: ``(micro-batch, chunk, layer id, name, segment)`` -> the
@@ -147,8 +149,6 @@ def initial(layer: Any, name: str, window_axis: int | None = None) -> torch.Tens
     then starts from zeros. With documents, what belongs to earlier documents is zeroed per
     sample (``window_axis``: the state is the last inputs before the cut along that axis,
     batch first, e.g. a causal convolution's window; else a recurrence's summary state)."""
-    from megatron_seq1f1b.segments import run as segments  # (run holds a StateCarry)
-
     unit = segments.active()
     if unit is None or unit.info.index == 0:
         return None
@@ -170,8 +170,6 @@ def handed_on(layer: Any, name: str, output: torch.Tensor,
     """Keep the running segment's ``final_state`` for the next segment and return
     ``output`` tied to it, so that the next segment's state gradient reaches this segment's
     backward. Outside segments, or for the last segment: ``output`` as it is."""
-    from megatron_seq1f1b.segments import run as segments
-
     unit = segments.active()
     if unit is None or unit.info.is_last:
         return output
