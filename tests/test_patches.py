@@ -80,6 +80,12 @@ SHIM_CALLS = {
 # The file whose GPT builder builds pretrain_gpt.py's model (layer_spec's hunk goes there).
 BUILDER = {"core_v0.16.1": "gpt_builders.py", "core_v0.17.1": "gpt_builders.py",
            "core_v0.18.2": "gpt_builders.py", "core_v0.19.0": "megatron/training/models/gpt.py"}
+# The tags whose patches add --seq1f1b to pretrain_hybrid.py too (Megatron-Core's HybridModel,
+# from core_v0.18; the same hooks as pretrain_gpt.py's, in a patch of its own).
+HYBRID_TAGS = ["core_v0.18.2", "core_v0.19.0"]
+# The scripts each tag's patches add --seq1f1b to.
+SCRIPTS = {tag: ["pretrain_gpt.py"] + (["pretrain_hybrid.py"] if tag in HYBRID_TAGS else [])
+           for tag in TAGS}
 HAVE_PATCH = shutil.which("patch") is not None
 HAVE_GIT = shutil.which("git") is not None
 TOOLS = [pytest.param("patch", marks=pytest.mark.skipif(not HAVE_PATCH, reason="no patch")),
@@ -271,9 +277,10 @@ REPO_TAGS = _repo_tags(REPO)
 CHECKOUTS = _checkout_dirs()
 
 
-def _source_params() -> list:
+def _source_params(tags=TAGS) -> list:
+    """Every tag of `tags` in both states (from the repository), then MEGATRON_LM_DIR(S)."""
     params = []
-    for tag in TAGS:
+    for tag in tags:
         for state in STATES:
             if tag in REPO_TAGS:
                 params.append(pytest.param(("repo", tag, state), id=f"{tag}-{state}"))
@@ -281,12 +288,12 @@ def _source_params() -> list:
         if REPO is None:
             why = (f"no Megatron-LM git repository: set {REPO_ENV} to a clone of "
                    "https://github.com/NVIDIA/Megatron-LM with its tags "
-                   f"({', '.join(TAGS)}) to test the patches on the real sources")
+                   f"({', '.join(tags)}) to test the patches on the real sources")
         else:
-            why = f"{REPO_ENV}={REPO} has none of the tags {', '.join(TAGS)}"
+            why = f"{REPO_ENV}={REPO} has none of the tags {', '.join(tags)}"
         params.append(pytest.param(("skip", why, None), id="no-megatron-lm-repo"))
     else:
-        for tag in sorted(set(TAGS) - REPO_TAGS):
+        for tag in sorted(set(tags) - REPO_TAGS):
             params.append(pytest.param(("skip", f"{REPO} has no tag {tag}", None),
                                        id=f"{tag}-missing"))
     for d in CHECKOUTS:
@@ -325,11 +332,13 @@ def git_archive(tag: str, dest: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
 
 
-@pytest.fixture(scope="module", params=_source_params())
-def lm_checkout(request, tmp_path_factory) -> Source:
-    """A Megatron-LM checkout of a supported tag: from the repository in both states, or
-    one of MEGATRON_LM_DIR(S)."""
-    kind, value, state = request.param
+# (kind, value, state) -> Source: the checkouts made from the repository, shared by the
+# fixtures below (they are only read; tests work on copies).
+_SOURCES: dict = {}
+
+
+def _source(param, tmp_path_factory) -> Source:
+    kind, value, state = param
     if kind == "skip":
         print(f"SKIP: {value}")
         pytest.skip(value)
@@ -338,6 +347,8 @@ def lm_checkout(request, tmp_path_factory) -> Source:
         if not (path / "pretrain_gpt.py").is_file():
             pytest.fail(f"{path} is not a Megatron-LM checkout (no pretrain_gpt.py)")
         return Source(path, *detect(path), {})
+    if param in _SOURCES:
+        return _SOURCES[param]
     tag = value
     path = tmp_path_factory.mktemp(f"{tag}-{state}") / "Megatron-LM"
     git_archive(tag, path)
@@ -346,7 +357,26 @@ def lm_checkout(request, tmp_path_factory) -> Source:
         result = run_script(path)
         assert result.returncode == 0 and "patched:" in result.stdout, result.stderr
     assert detect(path) == (tag, state)
-    return Source(path, tag, state, original)
+    _SOURCES[param] = Source(path, tag, state, original)
+    return _SOURCES[param]
+
+
+@pytest.fixture(scope="module", params=_source_params())
+def lm_checkout(request, tmp_path_factory) -> Source:
+    """A Megatron-LM checkout of a supported tag: from the repository in both states, or
+    one of MEGATRON_LM_DIR(S)."""
+    return _source(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=_source_params(HYBRID_TAGS))
+def hybrid_checkout(request, tmp_path_factory) -> Source:
+    """As lm_checkout, for the tags whose patches add --seq1f1b to pretrain_hybrid.py
+    (a checkout of MEGATRON_LM_DIR(S) of another tag is skipped)."""
+    lm = _source(request.param, tmp_path_factory)
+    if lm.tag not in HYBRID_TAGS:
+        pytest.skip(f"{lm.path} is Megatron-LM {lm.tag}: no pretrain_hybrid.py patch "
+                    f"(tags with one: {', '.join(HYBRID_TAGS)})")
+    return lm
 
 
 def copy_checkout(source: Path, tree: Path) -> None:
@@ -417,14 +447,14 @@ def _guarded_imports(imports: str) -> str:
 
 
 FORWARD_STEP_PROBE = r"""
-import inspect, json, os, sys
+import importlib, inspect, json, os, sys
 import torch
-sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+sys.argv = [SCRIPT, "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
             "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
             "--seq1f1b", "--seq1f1b-splits", "2", "--seq1f1b-partition", "uniform"]
-""" + _guarded_imports("""import pretrain_gpt
+""" + _guarded_imports("""script = importlib.import_module(SCRIPT[:-len(".py")])
 from megatron.training import global_vars
 from megatron.training.arguments import parse_args""") + r"""
 from megatron_seq1f1b import megatron_lm
@@ -433,17 +463,18 @@ from megatron_seq1f1b.segments.run import SegmentRun
 args = parse_args(megatron_lm.extra_args_provider(None))
 global_vars.set_args(args)
 global_vars._set_timers(args)
+script.args = args  # as __main__ sets it (core_v0.19's pretrain_hybrid.forward_step reads it)
 b, s = 2, 16
 tokens = torch.arange(b * s).view(b, s)
 fields = dict(tokens=tokens, labels=tokens + 1, loss_mask=torch.ones(b, s),
               attention_mask=torch.ones(b, 1, s, s, dtype=torch.bool), position_ids=tokens % s)
-if "cu_seqlens_padded" in inspect.getsource(pretrain_gpt.forward_step):  # core_v0.18+
+if "cu_seqlens_padded" in inspect.getsource(script.forward_step):  # core_v0.18+
     full = [fields.get(key) for key in megatron_lm.GPT_BATCH_KEYS]
 else:
     full = (fields["tokens"], fields["labels"], fields["loss_mask"], fields["attention_mask"],
             fields["position_ids"], None)
-pretrain_gpt.get_batch = lambda data_iterator, vp_stage: full  # as after the TP broadcast
-pretrain_gpt.get_attr_wrapped_model = lambda model, attr: None
+script.get_batch = lambda data_iterator, vp_stage: full  # as after the TP broadcast
+script.get_attr_wrapped_model = lambda model, attr: None
 seen = []
 
 def model(tokens, position_ids, attention_mask, labels=None, loss_mask=None,
@@ -456,9 +487,9 @@ run = SegmentRun([8, 8])
 tokens_per_segment = []
 for segment in range(2):
     with run.forward(0, segment):
-        output, loss_func = pretrain_gpt.forward_step(iter(()), model)
+        output, loss_func = script.forward_step(iter(()), model)
         tokens_per_segment.append(int(loss_func(output)[1]))
-pretrain_gpt.forward_step(iter(()), model)
+script.forward_step(iter(()), model)
 
 # Context parallelism, CP rank 1 of 2: get_batch's CP cut is the shim's; inside a segment it
 # keeps the whole micro-batch, which forward_step then cuts to this rank's part of the segment.
@@ -469,7 +500,7 @@ class Group:
     def rank(self):
         return 1
 
-cp_cut = pretrain_gpt.get_batch_on_this_cp_rank
+cp_cut = script.get_batch_on_this_cp_rank
 cp_seen = []
 
 def model(tokens, position_ids, attention_mask, labels=None, loss_mask=None,
@@ -483,7 +514,7 @@ for segment in range(2):
     with run.forward(0, segment):
         whole = {"tokens": fields["tokens"]}
         cp_kept.append(cp_cut(whole) is whole)
-        pretrain_gpt.forward_step(iter(()), model)
+        script.forward_step(iter(()), model)
 cp = {"wrapped": getattr(cp_cut, "seq1f1b_cut", None) is not None, "kept": cp_kept,
       "seen": cp_seen}
 
@@ -496,27 +527,29 @@ cu = torch.tensor([[0, 5, 12, 16]], dtype=torch.int32)
 fields = dict(tokens=tokens, labels=tokens + 1, loss_mask=torch.ones(1, 16),
               position_ids=tokens.clone(), cu_seqlens=cu, cu_seqlens_padded=cu,
               max_seqlen=torch.tensor([7], dtype=torch.int32))
-if "cu_seqlens_padded" in inspect.getsource(pretrain_gpt.forward_step):  # core_v0.18+
+if "cu_seqlens_padded" in inspect.getsource(script.forward_step):  # core_v0.18+
     full = [fields.get(key) for key in megatron_lm.GPT_BATCH_KEYS]
 else:  # get_batch builds PackedSeqParams (get_thd_batch_on_this_cp_rank)
     full = (fields["tokens"], fields["labels"], fields["loss_mask"], None,
             fields["position_ids"], PackedSeqParams(
                 qkv_format="thd", cu_seqlens_q=cu[0], cu_seqlens_kv=cu[0],
                 max_seqlen_q=7, max_seqlen_kv=7))
-packed = []
+packed, packed_extra = [], []
 
 def model(tokens, position_ids, attention_mask, labels=None, loss_mask=None,
           packed_seq_params=None):
     p = packed_seq_params
     packed.append([p.qkv_format, p.cu_seqlens_q.tolist(), p.cu_seqlens_kv.tolist(),
                    int(p.max_seqlen_q), list(tokens.shape), int(position_ids[0, 0])])
+    packed_extra.append([getattr(p, "total_tokens", None), getattr(p, "tokens_per_sample", None)])
     return torch.zeros(tokens.shape)
 
 run = SegmentRun([6, 10], documents=[Documents(((0, 5, 12),), 16)])
 for segment in range(2):
     with run.forward(0, segment):
-        pretrain_gpt.forward_step(iter(()), model)
+        script.forward_step(iter(()), model)
 print(json.dumps({"seen": seen, "tokens": tokens_per_segment, "packed": packed, "cp": cp,
+                  "packed_extra": packed_extra,
                   "flags": [args.seq1f1b, args.seq1f1b_splits, args.seq1f1b_partition]}))
 """
 
@@ -623,13 +656,13 @@ print(json.dumps(built))
 
 
 HELP_PROBE = r"""
-import contextlib, io, json, runpy, sys
-sys.argv = ["pretrain_gpt.py", "--help"]
-""" + _guarded_imports("""import pretrain_gpt  # noqa: F401 (the patched script's imports)""") + r"""
+import contextlib, importlib, io, json, runpy, sys
+sys.argv = [SCRIPT, "--help"]
+""" + _guarded_imports("""importlib.import_module(SCRIPT[:-len(".py")])  # its imports""") + r"""
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     try:
-        runpy.run_path("pretrain_gpt.py", run_name="__main__")
+        runpy.run_path(SCRIPT, run_name="__main__")
         code = "returned"
     except SystemExit as exc:
         code = exc.code
@@ -640,13 +673,26 @@ print(json.dumps({"code": code, "megatron": "--num-layers" in text,
 """
 
 
+def for_script(script: str, probe: str) -> str:
+    """`probe` for the patched `script` (pretrain_gpt.py, pretrain_hybrid.py): it reads SCRIPT."""
+    return f"SCRIPT = {script!r}\n" + probe
+
+
+def check_help(result: dict) -> None:
+    assert result == {"code": 0, "megatron": True,
+                      "seq1f1b": ["--seq1f1b", "--seq1f1b-splits", "--seq1f1b-partition"]}, result
+
+
 def test_patched_help_lists_the_seq1f1b_flags(lm_checkout, tmp_path):
     """``pretrain_gpt.py --help`` on a patched checkout lists Megatron's flags and ours, and
     exits 0, on every tag (upstream's own help stops on a bare '%' from core_v0.18.2 on; the
     hook makes it printable). Same needs as test_patched_forward_step."""
-    result = run_probe(lm_checkout, tmp_path, HELP_PROBE)
-    assert result == {"code": 0, "megatron": True,
-                      "seq1f1b": ["--seq1f1b", "--seq1f1b-splits", "--seq1f1b-partition"]}, result
+    check_help(run_probe(lm_checkout, tmp_path, for_script("pretrain_gpt.py", HELP_PROBE)))
+
+
+def test_patched_hybrid_help_lists_the_seq1f1b_flags(hybrid_checkout, tmp_path):
+    """``pretrain_hybrid.py --help`` likewise (core_v0.18.2, core_v0.19.0)."""
+    check_help(run_probe(hybrid_checkout, tmp_path, for_script("pretrain_hybrid.py", HELP_PROBE)))
 
 
 def test_patched_builder_with_context_parallel(lm_checkout, tmp_path):
@@ -663,6 +709,123 @@ def test_patched_builder_with_context_parallel(lm_checkout, tmp_path):
     assert result["without --seq1f1b"].startswith("refused: Context parallelism"), result
 
 
+HYBRID_BUILDER_PROBE = r"""
+import json, runpy, socket, sys, types
+# A hybrid pattern of attention (*), MLP (-) and MoE (E) layers; our local (non-TE) stack spec
+# through --spec (core_v0.18.2's hybrid_builder requires one; core_v0.19.0's builder would
+# take Transformer Engine's); no fusions, dropout or linear biases (CPU, exact comparison).
+sys.argv = ["pretrain_hybrid.py", "--hybrid-layer-pattern", "*-*E", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+            "--transformer-impl", "local", "--num-experts", "4", "--use-cpu-initialization",
+            "--position-embedding-type", "rope", "--no-rope-fusion", "--no-persist-layer-norm",
+            "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
+            "--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--disable-bias-linear",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--spec", "seq1f1b_probe_spec", "spec", "--seq1f1b", "--seq1f1b-splits", "2"]
+""" + _guarded_imports("""import pretrain_hybrid  # noqa: F401 (the patched script's imports)
+import megatron.training
+from megatron.training import training""") + r"""
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_seq1f1b.megatron_lm import GPT_BATCH_KEYS, prepare_model
+from megatron_seq1f1b.runtime import cpu
+from megatron_seq1f1b.runtime.model_hooks import is_prepared, unwrap
+
+if not torch.cuda.is_available():
+    cpu.enable()
+from megatron_seq1f1b.runtime.hybrid_spec import local_hybrid_stack_spec
+
+spec_module = types.ModuleType("seq1f1b_probe_spec")
+spec_module.spec = local_hybrid_stack_spec(attention="local", num_experts=4)
+sys.modules["seq1f1b_probe_spec"] = spec_module
+
+# The patched __main__ (flags, validate_args, the model hook), up to its pretrain() call.
+called = []
+megatron.training.pretrain = lambda *args, **kwargs: called.append(args)
+runpy.run_path("pretrain_hybrid.py", run_name="__main__")
+(call,) = called
+
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
+tensor_parallel.model_parallel_cuda_manual_seed(1234)
+pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+if len(call) == 5:  # core_v0.18: pretrain(config, datasets, partial(model_provider, ...), ...)
+    provider = call[2]
+    hooked = getattr(provider.func, "seq1f1b_wrapped", None) is not None
+    # as get_model calls it (one chunk)
+    chunks = [provider(pre_process=True, post_process=True, config=None,
+                       pg_collection=pg_collection)]
+else:  # core_v0.19: pretrain(config, ...): the HybridModelConfig's builder, as
+    # setup_model_and_optimizer runs it (its post-wrap hooks after building the chunks)
+    model_config = call[0].model
+    hooked = prepare_model in model_config.post_wrap_hooks
+    chunks = model_config.get_builder_cls()(model_config).build_distributed_models(
+        pg_collection=pg_collection, wrap_with_ddp=False)
+model = unwrap(chunks[0])
+func = training.get_forward_backward_func()
+
+# One micro-batch through the installed Seq1F1B function (2 segments) and through Megatron's
+# own schedule, both with the forward_step that __main__ passed to pretrain() (the module
+# __main__ ran in: core_v0.19's forward_step reads its global args).
+forward_step = call[-1]
+torch.manual_seed(0)
+tokens = torch.randint(0, 128, (1, 16))
+fields = dict(tokens=tokens, labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(1, 16),
+              position_ids=torch.arange(16).view(1, 16))
+batch = [fields.get(key) for key in GPT_BATCH_KEYS]
+forward_step.__globals__["get_batch"] = lambda data_iterator, vp_stage: batch
+runs = {}
+for name, schedule in (("seq1f1b", func), ("megatron", forward_backward_no_pipelining)):
+    for param in model.parameters():
+        param.grad = None
+    store = schedule(forward_step_func=forward_step, data_iterator=iter(()), model=chunks,
+                     num_microbatches=1, seq_length=16, micro_batch_size=1)
+    runs[name] = {"loss": [sum(float(report["lm loss"][i]) for report in store) for i in (0, 1)],
+                  "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                            if p.grad is not None}}
+ours, megatron = runs["seq1f1b"], runs["megatron"]
+print(json.dumps({
+    "hooked": hooked, "model": type(model).__name__,
+    "layers": [type(layer).__name__ for layer in model.decoder.layers],
+    "prepared": is_prepared(chunks), "installed": getattr(func, "num_splits", None),
+    "loss": [ours["loss"], megatron["loss"]],
+    "grads": [sorted(ours["grads"]) == sorted(megatron["grads"]), len(megatron["grads"]),
+              len(list(model.parameters()))],
+    "grad_diff": max(float((ours["grads"][n] - g).abs().max())
+                     for n, g in megatron["grads"].items())}))
+"""
+
+
+def test_patched_hybrid_builder_prepares_the_model(hybrid_checkout, tmp_path):
+    """The patched pretrain_hybrid.py's __main__ (core_v0.18.2: the model provider it passes
+    to pretrain(), partial(model_provider, hybrid_builder); core_v0.19.0: the post-wrap hook on
+    its HybridModelConfig, run by HybridModelBuilder.build_distributed_models) prepares the
+    HybridModel it builds ('*-*E', our local stack spec through --spec): enable()d and the
+    Seq1F1B function installed, which then trains one micro-batch in two segments with the
+    script's own forward_step to Megatron's loss and gradients. Same needs as
+    test_patched_forward_step."""
+    result = run_probe(hybrid_checkout, tmp_path, HYBRID_BUILDER_PROBE)
+    assert result["hooked"] and result["prepared"], result
+    assert result["model"] == "HybridModel" and result["installed"] == 2, result
+    assert result["layers"] == ["TransformerLayer", "MLPLayer", "TransformerLayer",
+                                "MoETransformerLayer"], result
+    (ours_sum, ours_tokens), (megatron_sum, megatron_tokens) = result["loss"]
+    assert ours_tokens == megatron_tokens == 16, result
+    assert ours_sum == pytest.approx(megatron_sum, rel=1e-5), result
+    same_names, with_grads, params = result["grads"]
+    assert same_names and with_grads == params, result
+    assert result["grad_diff"] < 1e-5, result
+
+
 def test_patched_forward_step(lm_checkout, tmp_path):
     """The patched pretrain_gpt.forward_step cuts each segment's batch, packed (THD) ones too,
     and with context parallelism this CP rank's part of it (get_batch's own CP cut keeps the
@@ -671,7 +834,23 @@ def test_patched_forward_step(lm_checkout, tmp_path):
     Needs the Python version the tag requires (3.12 from core_v0.17) and Megatron-LM's own
     dependencies (its training package imports more than Megatron-Core: pydantic, ...).
     """
-    result = run_probe(lm_checkout, tmp_path, FORWARD_STEP_PROBE)
+    result = run_probe(lm_checkout, tmp_path, for_script("pretrain_gpt.py", FORWARD_STEP_PROBE))
+    check_forward_step(result)
+
+
+def test_patched_hybrid_forward_step(hybrid_checkout, tmp_path):
+    """The patched pretrain_hybrid.forward_step (core_v0.18.2, core_v0.19.0) cuts each segment's
+    batch as pretrain_gpt's does: the same ten get_batch fields, packed batches, context
+    parallelism. Its PackedSeqParams also carries total_tokens (Mamba's seq_idx: the segment's
+    pieces) and, in core_v0.19, tokens_per_sample from the module's global args (__main__'s)."""
+    result = run_probe(hybrid_checkout, tmp_path,
+                       for_script("pretrain_hybrid.py", FORWARD_STEP_PROBE))
+    check_forward_step(result)
+    per_sample = 16 if hybrid_checkout.tag == "core_v0.19.0" else None  # --seq-length
+    assert result["packed_extra"] == [[6, per_sample], [10, per_sample]], result
+
+
+def check_forward_step(result: dict) -> None:
     assert result["flags"] == [True, 2, "uniform"]
     assert result["seen"] == [[[2, 8], [2, 1, 8, 8], 0, [2, 8]],
                               [[2, 8], [2, 1, 8, 16], 8, [2, 8]],
@@ -755,6 +934,72 @@ def test_real_checkout_calls_exist(lm_checkout, tmp_path):
     schedule_calls = call_keywords(training, "forward_backward_func")
     assert len(schedule_calls) == 3  # train_step, evaluate (loss), evaluate (non-loss data)
     assert set().union(*schedule_calls) <= accepted, set().union(*schedule_calls) - accepted
+
+
+def _function(source: str, name: str) -> ast.FunctionDef:
+    (found,) = [node for node in ast.parse(source).body
+                if isinstance(node, ast.FunctionDef) and node.name == name]
+    return found
+
+
+def _stored_names(function: ast.FunctionDef, name: str) -> int:
+    """How often `function` assigns the local `name`."""
+    return sum(isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store)
+               for node in ast.walk(function))
+
+
+def test_real_checkout_hybrid_calls_exist(hybrid_checkout, tmp_path):
+    """pretrain_hybrid.py's unpatched sources hold what its hunks rely on, as pretrain_gpt.py's
+    do: get_batch returns the same ten BATCH_KEYS (in the order forward_step unpacks them), the
+    anchors of the hunks, the model provider (core_v0.18.2) or the HybridModelConfig whose
+    builder runs post_wrap_hooks (core_v0.19.0); pretrain_mamba.py runs pretrain_hybrid.py.
+    Patched, forward_step's `args` is still what it was (core_v0.19: the module's global)."""
+    tag = hybrid_checkout.tag
+    source = unpatched_copy(hybrid_checkout, tmp_path / "Megatron-LM", files=[
+        *touched_files(PATCHES_OF[tag]), "megatron/training/models/hybrid.py",
+        "pretrain_mamba.py"])
+    assert "pretrain_hybrid.py" in touched_files(PATCHES_OF[tag])
+    text = (source / "pretrain_hybrid.py").read_text()
+    assert text.count("= get_batch(data_iterator, vp_stage)") == 1
+    assert text.count("extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None") == 1
+    assert text.count("pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(") == 1
+    keys = [node.value for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BATCH_KEYS"
+                                                    for t in node.targets)]
+    assert len(keys) == 1 and tuple(ast.literal_eval(keys[0])) == megatron_lm.GPT_BATCH_KEYS
+    forward_step = _function(text, "forward_step")
+    unpacked = [[element.id for element in node.targets[0].elts]
+                for node in ast.walk(forward_step) if isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "")
+                == "get_batch"]
+    assert unpacked == [list(megatron_lm.GPT_BATCH_KEYS)]
+    if tag == "core_v0.19.0":  # the model comes from a HybridModelConfig (post-wrap hooks)
+        assert text.count("model_cfg = hybrid_config_from_args(args") == 2  # (and ModelOpt's)
+        assert "pretrain_cfg_container_from_args(args, model_cfg)" in text
+        assert "model_provider, hybrid_builder" not in text
+        hybrid = (source / "megatron" / "training" / "models" / "hybrid.py").read_text()
+        assert "compose_hooks(self._model_config.post_wrap_hooks)" in hybrid
+        assert _stored_names(forward_step, "args") == 0 and "args.seq_length" in \
+            ast.unparse(forward_step)
+    else:  # pretrain() gets the model provider
+        assert "partial(model_provider, hybrid_builder)" in text
+        assert "from hybrid_builders import hybrid_builder" in text
+    # get_batch's CP cut goes through the module-level name the hunk rebinds after the imports
+    assert text.count("batch = get_batch_on_this_cp_rank(") == 1
+    tree = ast.parse(text)
+    imported = [node.lineno for node in tree.body if isinstance(node, ast.ImportFrom)
+                and any(alias.name == "get_batch_on_this_cp_rank" for alias in node.names)]
+    provider = [node.lineno for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module == "model_provider"]
+    assert len(imported) == 1 and provider and imported[0] < provider[0]
+    mamba = (source / "pretrain_mamba.py").read_text()
+    assert 'runpy.run_path(os.path.join(_this_dir, "pretrain_hybrid.py"), run_name="__main__")' \
+        in mamba
+
+    applied = run_script(source)
+    assert applied.returncode == 0 and "patched:" in applied.stdout, applied.stderr
+    patched = _function((source / "pretrain_hybrid.py").read_text(), "forward_step")
+    assert _stored_names(patched, "args") == _stored_names(forward_step, "args")
 
 
 # --------------------------------------------------------------------------- (b)
@@ -945,6 +1190,7 @@ def test_patches_are_well_formed(tag):
     assert patches, f"no patches in {PATCH_ROOT / tag}"
     files = touched_files(patches)
     assert "pretrain_gpt.py" in files and "megatron/training/arguments.py" in files
+    assert [f for f in files if f.startswith("pretrain_")] == SCRIPTS[tag]
     assert not [f for f in files if f.startswith("megatron/core/")], "no hunks in megatron/core"
     for patch in patches:
         text = patch.read_text()
@@ -1006,6 +1252,30 @@ def test_partly_applied_tree_is_reported(tmp_path):
     assert result.returncode == 1
     assert f"{PATCHES[0].name} ({touched_files(PATCHES[:1])[0]}): applied" in result.stderr
     assert snapshot(tree) == before
+
+
+@pytest.mark.skipif(not HAVE_PATCH, reason="no patch")
+@pytest.mark.parametrize("tag", HYBRID_TAGS)
+def test_checkout_patched_before_pretrain_hybrid(tmp_path, tag):
+    """A checkout patched before pretrain_hybrid.py had its patch (0001-0003 applied): the
+    applier changes nothing and names the one patch not applied; applied by hand, the
+    checkout is fully patched (and reverts as usual)."""
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree, tag)
+    hybrid = [p for p in PATCHES_OF[tag] if touched_files([p]) == ["pretrain_hybrid.py"]]
+    assert len(hybrid) == 1 and hybrid[0] == PATCHES_OF[tag][-1]
+    for patch in PATCHES_OF[tag][:-1]:
+        subprocess.run(["patch", "-s", "-d", str(tree), "-p1", "-i", str(patch)], check=True)
+    before = snapshot(tree)
+    result = run_script(tree)
+    assert result.returncode == 1 and "nothing was changed" in result.stderr
+    assert f"{hybrid[0].name} (pretrain_hybrid.py): not applied" in result.stderr
+    for patch in PATCHES_OF[tag][:-1]:
+        assert f"{patch.name} (" in result.stderr and "): applied" in result.stderr
+    assert snapshot(tree) == before
+    subprocess.run(["patch", "-s", "-d", str(tree), "-p1", "-i", str(hybrid[0])], check=True)
+    assert "check: already applied" in run_script(tree, "--check").stdout
+    assert "restored:" in run_script(tree, "--revert").stdout
 
 
 @pytest.mark.parametrize("tag", TAGS)
@@ -1145,6 +1415,7 @@ FLASH = {"transformer_impl": "local", "attention_backend": "flash",
     {"seq1f1b_schedule": "zb-h1", "virtual_pipeline_model_parallel_size": 2,
      "overlap_p2p_comm": True},
     {"seq1f1b_schedule": "zb-h2"},
+    {"mtp_num_layers": 2},  # multi-token prediction (pretrain_hybrid.py: '/' in the pattern)
     # context parallelism with Megatron's local attention or the flash one, documents by
     # end-of-document tokens (dense mask, or the flash attention's own)
     {"context_parallel_size": 2},
@@ -1198,7 +1469,10 @@ def test_validate_does_nothing_without_the_flag():
     ({"hybrid_context_parallel": True}, ["--hybrid-context-parallel"]),
     ({"num_experts": 8, "moe_expert_capacity_factor": 1.25}, ["--moe-expert-capacity-factor"]),
     ({"overlap_moe_expert_parallel_comm": True}, ["--overlap-moe-expert-parallel-comm"]),
-    ({"mtp_num_layers": 1}, ["--mtp-num-layers"]),
+    # multi-token prediction (served per segment) except with CP or one repeated MTP layer
+    ({"mtp_num_layers": 1, "context_parallel_size": 2},
+     ["--mtp-num-layers", "--context-parallel-size"]),
+    ({"mtp_num_layers": 1, "mtp_use_repeated_layer": True}, ["--mtp-use-repeated-layer"]),
     ({"multi_latent_attention": True, "apply_rope_fusion": True}, ["--no-rope-fusion"]),
     ({"multi_latent_attention": True, "mla_down_proj_fusion": True}, ["--mla-down-proj-fusion"]),
     ({"experimental_attention_variant": "gated_delta_net"}, ["--experimental-attention-variant"]),
