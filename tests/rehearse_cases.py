@@ -8,8 +8,8 @@ from functools import partial
 from megatron.core import parallel_state
 
 import megatron_seq1f1b as s1
-from gpt import DataSpec, ModelSpec, build_chunks, forward_step, init_parallel, layer_spec, \
-    make_batches, make_config, unwrap
+from gpt import DataSpec, ModelSpec, build_chunks, clear_moe_losses, forward_step, \
+    init_parallel, layer_spec, make_batches, make_config, unwrap
 from megatron_seq1f1b.planner.peak_memory import SavedActivations
 from megatron_seq1f1b.runtime.trace import TimelineRecorder
 
@@ -32,6 +32,7 @@ def pipeline_then_rehearsal(pp: int, k: int, schedule: str, model: ModelSpec, da
         return [iter(batches) for _ in range(vpp)] if many else iter(batches)
 
     # the real pipeline
+    clear_moe_losses()
     init_parallel(1, pp, vpp)
     config = make_config(model, pp=pp, vpp=vpp)
     chunks = build_chunks(model, config)
@@ -44,19 +45,28 @@ def pipeline_then_rehearsal(pp: int, k: int, schedule: str, model: ModelSpec, da
             forward_step_func=step, data_iterator=iterators(),
             model=chunks if many else chunks[0], num_microbatches=data.num_microbatches,
             seq_length=model.seq_length, micro_batch_size=data.micro_batch_size)
+    from megatron.core.utils import get_model_config
+
+    from megatron_seq1f1b.planner.stage_run import _lengths
+
     real = {"actions": [str(iv.action) for iv in recorder.last.compute],
+            "lengths": _lengths(chunks, get_model_config(chunks[0]), k, partition, None,
+                                model.seq_length, None),
             "saved_peak": meter.peak_bytes,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in _parameters(chunks))}
     del chunks
 
     # the same stage alone
+    clear_moe_losses()
     init_parallel()
     whole = make_config(model, pp=pp, vpp=vpp)
     alone = build_stage_chunks(whole, pp, stage, vocab_size=model.vocab_size,
                                max_sequence_length=model.seq_length,
-                               num_model_chunks=vpp or 1, layer_spec=layer_spec(model),
+                               num_model_chunks=vpp or 1,
+                               layer_spec=None if model.hybrid else layer_spec(model),
                                tied_embeddings=model.tied_embeddings,
-                               position_embedding_type=model.position_embedding_type)
+                               position_embedding_type=model.position_embedding_type,
+                               **_hybrid(model))
     s1.enable(alone)
     rehearsal = rehearse_stage(
         alone if many else alone[0], step, iterators(), num_stages=pp, stage=stage,
@@ -65,7 +75,18 @@ def pipeline_then_rehearsal(pp: int, k: int, schedule: str, model: ModelSpec, da
         schedule=schedule, count_saved=True)
     return {"stage": stage, "real": real, "rehearsal": rehearsal.to_dict(),
             "layers": [len(unwrap(c).decoder.layers) for c in alone],
-            "pre_post": [(unwrap(c).pre_process, unwrap(c).post_process) for c in alone]}
+            "pre_post": [(unwrap(c).pre_process, unwrap(c).post_process) for c in alone],
+            "mtp": [bool(getattr(unwrap(c), "mtp_process", False)) for c in alone]}
+
+
+def _hybrid(model: ModelSpec) -> dict:
+    """build_stage_chunks' HybridModel arguments: the pattern and the spec tests/gpt.py uses."""
+    if not model.hybrid:
+        return {}
+    from megatron_seq1f1b.runtime.hybrid_spec import local_hybrid_stack_spec
+
+    return {"hybrid_layer_pattern": model.hybrid, "hybrid_stack_spec": local_hybrid_stack_spec(
+        attention=model.attention, num_experts=dict(model.extra).get("num_moe_experts"))}
 
 
 def cli(argv: list[str]) -> dict:

@@ -124,6 +124,25 @@ def build_parser() -> ArgumentParser:
                        help="MLP width (default 4 x --hidden-size)")
     model.add_argument("--swiglu", action="store_true",
                        help="gated linear unit (SwiGLU): the MLP's first layer twice as wide")
+    model.add_argument("--hybrid-layer-pattern", metavar="PATTERN",
+                       help="a HybridModel's layers, one symbol each (Megatron-LM's flag): '*' "
+                            "attention, '-' MLP, 'E' MoE (with --num-experts); '|' between "
+                            "virtual pipeline stages (--pp x --vpp of them, or none: an even "
+                            "split), '/' before each multi-token-prediction depth's layers. Sets "
+                            "--num-layers; FLOPs and memory per stage by layer kind")
+    model.add_argument("--mtp-num-layers", type=positive_int, metavar="DEPTHS",
+                       help="multi-token prediction depths on the last stage (a GPTModel's: a "
+                            "layer like its last, a projection and one more output layer each; "
+                            "with --hybrid-layer-pattern its '/' parts set it)")
+    model.add_argument("--num-experts", type=positive_int, metavar="EXPERTS",
+                       help="MoE experts per MoE layer (every GPTModel layer, or the pattern's "
+                            "E layers)")
+    model.add_argument("--moe-router-topk", type=positive_int, default=2, metavar="K",
+                       help="experts each token visits (default 2)")
+    model.add_argument("--moe-ffn-hidden-size", type=positive_int, metavar="FFN",
+                       help="each expert's MLP width (default --ffn-hidden-size)")
+    model.add_argument("--moe-shared-expert-intermediate-size", type=positive_int, metavar="FFN",
+                       help="a shared expert's MLP width (default: none)")
     model.add_argument("--vocab-size", type=positive_int, metavar="TOKENS",
                        help="vocabulary size: the output layer's FLOPs, and needed for memory "
                             "per stage")
@@ -254,14 +273,21 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
                          "use at most "
                          f"{max(args.seq_length // args.min_segment_length, 1)} splits or "
                          "lower --min-segment-length")
+    if args.hybrid_layer_pattern is not None:
+        _check_pattern(parser, args)
     if args.hidden_size is not None:
         missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "num_attention_heads")
                    if getattr(args, n) is None]
         if missing:
             parser.error(f"--hidden-size needs {' and '.join(missing)} too")
-        if args.num_layers % (args.pp * args.vpp):
+        if args.num_layers % (args.pp * args.vpp) and not _pattern_stages(args):
             parser.error(f"--num-layers {args.num_layers} must divide by --pp x --vpp "
                          f"({args.pp * args.vpp}): every virtual stage holds as many layers")
+        if args.num_experts is None and args.hybrid_layer_pattern is None and any(
+                getattr(args, n) is not None for n in ("moe_ffn_hidden_size",
+                                                       "moe_shared_expert_intermediate_size")):
+            parser.error("--moe-ffn-hidden-size / --moe-shared-expert-intermediate-size need "
+                         "--num-experts")
         if args.num_query_groups and args.num_attention_heads % args.num_query_groups:
             parser.error(f"--num-query-groups {args.num_query_groups} must divide "
                          f"--num-attention-heads {args.num_attention_heads}")
@@ -284,6 +310,44 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--schedules zb-h2 with --vpp {args.vpp}: {ZB_H2_PROBLEM}")
 
 
+def _pattern_stages(args: argparse.Namespace) -> int:
+    """The '|' stages of --hybrid-layer-pattern (0 without '|' or without a pattern)."""
+    if args.hybrid_layer_pattern is None or "|" not in args.hybrid_layer_pattern:
+        return 0
+    return len(args.hybrid_layer_pattern.split("/")[0].split("|"))
+
+
+def _check_pattern(parser: ArgumentParser, args: argparse.Namespace) -> None:
+    """--hybrid-layer-pattern as Megatron-LM reads it: --num-layers and --mtp-num-layers from
+    the pattern, its '|' stages one per virtual pipeline stage."""
+    pattern = args.hybrid_layer_pattern
+    if args.pp == 1:  # one stage holds every layer (as Megatron-LM's builders take it)
+        pattern = args.hybrid_layer_pattern = pattern.replace("|", "")
+    other = sorted(set(pattern) - set("*-E|/"))
+    if other:
+        parser.error(f"--hybrid-layer-pattern {pattern!r}: the planner costs attention (*), MLP "
+                     f"(-) and MoE (E) layers and MTP depths (/); not {' '.join(other)}")
+    main, *depths = pattern.split("/")
+    if depths and args.mtp_num_layers not in (None, len(depths)):
+        parser.error(f"--mtp-num-layers {args.mtp_num_layers} with a pattern of {len(depths)} "
+                     "MTP depths ('/' parts); give one of them")
+    if not depths and args.mtp_num_layers:
+        parser.error("--mtp-num-layers with --hybrid-layer-pattern: give the MTP depths as '/' "
+                     "parts of the pattern (e.g. '*-*-/*-/*-' for two)")
+    args.mtp_num_layers = len(depths) or None
+    layers = len(main.replace("|", ""))
+    if args.num_layers not in (None, layers):
+        parser.error(f"--num-layers {args.num_layers}: --hybrid-layer-pattern {pattern!r} has "
+                     f"{layers} layers; drop --num-layers")
+    args.num_layers = layers
+    stages = _pattern_stages(args)
+    if stages and stages != args.pp * args.vpp:
+        parser.error(f"--hybrid-layer-pattern {pattern!r} has {stages} '|' stages: give --pp x "
+                     f"--vpp = {stages} ({args.pp} x {args.vpp} now)")
+    if "E" in pattern and not args.num_experts:
+        parser.error("--hybrid-layer-pattern with MoE layers (E) needs --num-experts")
+
+
 def _model_config(args: argparse.Namespace):
     """The model's sizes for the FLOP model (checked by :func:`_check`), or None."""
     if args.hidden_size is None:
@@ -293,7 +357,59 @@ def _model_config(args: argparse.Namespace):
         num_attention_heads=args.num_attention_heads, kv_channels=None,
         num_query_groups=args.num_query_groups,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        gated_linear_unit=args.swiglu)
+        gated_linear_unit=args.swiglu, mtp_num_layers=args.mtp_num_layers,
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_layer_freq=1)
+
+
+def _by_layer_kind(args: argparse.Namespace) -> bool:
+    """Stages differ by what they hold: a hybrid pattern, or MTP on the last stage."""
+    return args.hybrid_layer_pattern is not None or bool(args.mtp_num_layers)
+
+
+def _stage_cost_models(args: argparse.Namespace, config, stages: int) -> list[tuple]:
+    """Per virtual stage, in pipeline order: (the FLOP model of its own layers, its layers);
+    the output layer and the MTP depths on the last (the embedding's FLOPs are left out, as
+    the whole model's FLOP model leaves them)."""
+    from megatron_seq1f1b.planner.footprint import hybrid_stage_patterns, layers_per_virtual_stage
+
+    mtp = args.mtp_num_layers or 0
+    if args.hybrid_layer_pattern is not None:
+        parts = hybrid_stage_patterns(args.hybrid_layer_pattern, stages)
+        counts = [len(part.split("/")[0]) for part in parts]
+    else:
+        per = layers_per_virtual_stage(args.num_layers, stages)
+        parts, counts = [None] * stages, [per] * stages
+    models = []
+    for index, (part, layers) in enumerate(zip(parts, counts)):
+        last = index == stages - 1
+        stage = SimpleNamespace(**{**vars(config), "num_layers": layers,
+                                   "mtp_num_layers": mtp if last else None})
+        models.append((CostModel.from_config(stage, args.vocab_size if last else None,
+                                             args.dense_attention, pattern=part), layers))
+    return models
+
+
+def _flop_calibration(args: argparse.Namespace, config, stages: int) -> Calibration:
+    """Costs from the model's FLOPs: split evenly over the virtual stages, or (a hybrid
+    pattern, MTP) each stage by its own layers."""
+    exchange = (_exchange_seconds_per_token(args, config, stages)
+                + _tensor_parallel_seconds_per_token(args, config, stages))
+    common = dict(flop_rate=args.flop_rate * 1e12,
+                  context_parallel_size=args.context_parallel_size,
+                  exchange_seconds_per_token=exchange,
+                  tensor_parallel_size=args.tensor_model_parallel_size)
+    host = args.host_ms_per_layer * 1e-3
+    if not _by_layer_kind(args):
+        return Calibration.from_cost_model(
+            CostModel.from_config(config, args.vocab_size, args.dense_attention), stages,
+            host_seconds=host * args.num_layers / stages, **common)
+    parts = [Calibration.from_cost_model(model, 1, host_seconds=host * layers, **common)
+             for model, layers in _stage_cost_models(args, config, stages)]
+    return replace(parts[-1], stages=tuple(p.stages[0] for p in parts),
+                   source=parts[-1].source + "; each virtual stage by its own layers")
 
 
 def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
@@ -309,7 +425,10 @@ def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
         add_bias_linear=not args.disable_bias_linear,
         tied_embeddings=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
-        max_sequence_length=args.seq_length)
+        max_sequence_length=args.seq_length, hybrid_layer_pattern=args.hybrid_layer_pattern,
+        mtp_num_layers=args.mtp_num_layers or 0, num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size)
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     training = Training(dtype=dtype, grad_reduce_in_fp32=False if args.no_grad_reduce_in_fp32
                         else None, optimizer=None if args.optimizer == "none" else "adam",
@@ -335,7 +454,7 @@ def _exchange_seconds_per_token(args: argparse.Namespace, config, stages: int) -
     width = 2 if args.bf16 or args.fp16 else 4
     head = config.kv_channels or config.hidden_size // config.num_attention_heads
     kv = 2 * (config.num_query_groups or config.num_attention_heads) * head * width
-    sent = exchanged_bytes([1], config.num_layers / stages, kv, cp, forward_only=True)
+    sent = exchanged_bytes([1], _attention_layers(args) / stages, kv, cp, forward_only=True)
     return sent / (args.cp_bandwidth_gbps * 1e9)
 
 
@@ -350,9 +469,24 @@ def _tensor_parallel_seconds_per_token(args: argparse.Namespace, config,
     if tp == 1:
         return 0.0
     width = 2 if args.bf16 or args.fp16 else 4
-    per_layer = 2 * 2 * (tp - 1) / tp * config.hidden_size * width
-    sent = per_layer * config.num_layers / stages / args.context_parallel_size
+    per_reduce = 2 * (tp - 1) / tp * config.hidden_size * width
+    sent = per_reduce * _tp_reduces(args) / stages / args.context_parallel_size
     return sent / (args.tp_bandwidth_gbps * 1e9)
+
+
+def _attention_layers(args: argparse.Namespace) -> int:
+    """Attention layers of the decoder: every GPTModel layer, a pattern's '*' layers."""
+    if args.hybrid_layer_pattern is None:
+        return args.num_layers
+    return args.hybrid_layer_pattern.split("/")[0].count("*")
+
+
+def _tp_reduces(args: argparse.Namespace) -> int:
+    """The decoder's TP all-reduces per forward: two per GPTModel layer (after attention and
+    after the MLP), one per layer of a hybrid pattern (each symbol is one of them)."""
+    if args.hybrid_layer_pattern is None:
+        return 2 * args.num_layers
+    return len(args.hybrid_layer_pattern.split("/")[0].replace("|", ""))
 
 
 def _sequence_parallel(args: argparse.Namespace) -> bool:
@@ -455,15 +589,7 @@ def main(argv=None) -> int:
             parser.error(f"--calibration {args.calibration}: cannot read it as a calibration "
                          f"(--layout {args.layout}): {type(exc).__name__}: {exc}")
     if calibration is None:
-        exchange = (_exchange_seconds_per_token(args, config, stages)
-                    + _tensor_parallel_seconds_per_token(args, config, stages))
-        calibration = Calibration.from_cost_model(
-            CostModel.from_config(config, args.vocab_size, args.dense_attention), stages,
-            flop_rate=args.flop_rate * 1e12,
-            host_seconds=args.host_ms_per_layer * 1e-3 * args.num_layers / stages,
-            context_parallel_size=args.context_parallel_size,
-            exchange_seconds_per_token=exchange,
-            tensor_parallel_size=args.tensor_model_parallel_size)
+        calibration = _flop_calibration(args, config, stages)
     if args.memory_budget_gib is not None and not (args.bytes_per_token
                                                    or calibration.bytes_per_token):
         parser.error("--memory-budget-gib needs --bytes-per-token (or a calibration that has "
@@ -475,6 +601,9 @@ def main(argv=None) -> int:
             args.seq_length, args.pp, args.microbatches, num_model_chunks=args.vpp,
             micro_batch_size=args.micro_batch_size, calibration=calibration, config=config,
             vocab_size=args.vocab_size, dense_attention=args.dense_attention,
+            cost_model=(CostModel.from_config(config, args.vocab_size, args.dense_attention,
+                                              pattern=args.hybrid_layer_pattern)
+                        if config is not None and _by_layer_kind(args) else None),
             memory_budget=args.memory_budget_microbatches,
             memory_budget_bytes=args.memory_budget_gib * GIB if args.memory_budget_gib else None,
             bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,

@@ -2,9 +2,10 @@
 
 The planner predicts memory per pipeline stage as the sum of
 
-* **weights** of the stage's parameters (the embedding on the first virtual stage, the
-  final norm and output layer on the last; with tied embeddings and more than one
-  virtual stage the last one holds its own copy of the word embeddings, as Megatron does),
+* **weights** of the stage's parameters (its layers; the embedding on the first virtual
+  stage, the final norm and output layer on the last; with tied embeddings and more than
+  one virtual stage the last one holds its own copy of the word embeddings, as Megatron
+  does; the multi-token-prediction block and its copy of the embedding on the last),
 * **main gradients**: Megatron DDP's contiguous gradient buffer, fp32 when gradients are
   reduced in fp32 (``grad_reduce_in_fp32``, Megatron-LM's default for bf16), else the
   parameter dtype; every data-parallel rank holds all of it, with or without the
@@ -13,10 +14,16 @@ The planner predicts memory per pipeline stage as the sum of
   of the weights where they are trained in half precision; the distributed optimizer
   shards exactly these (master weights and moments) over the data-parallel ranks,
 * **activations**: the planner's replay of the stage's units times the bytes one token
-  leaves for the backward (:func:`activation_bytes_per_token`, or a measured value).
+  leaves for the backward (:func:`chunk_activation_bytes`, or a measured value).
 
-Parameter counts are those of Megatron-Core's ``GPTModel`` with the local layer spec
-(checked against built models in ``tests/test_rehearse.py``). Pure: no torch, no Megatron.
+Both are counted per layer kind (:meth:`ModelShape.stage_layers`): a GPTModel layer is
+attention and an MLP (or a mixture of experts); a HybridModel's pattern gives each layer one
+kind, ``*`` attention, ``-`` MLP, ``E`` MoE, its ``|`` stages which layers each virtual
+stage holds and its ``/`` parts the MTP depths. Parameter counts are those of
+Megatron-Core's ``GPTModel`` with the local layer spec and of ``HybridModel`` with
+:func:`~megatron_seq1f1b.runtime.hybrid_spec.local_hybrid_stack_spec` (checked against
+built stages in ``tests/test_rehearse.py`` and ``tests/test_planner_hybrid.py``). Pure: no
+torch, no Megatron.
 
 With tensor parallelism (``tensor_parallel_size``) everything is per TP rank: the column- and
 row-parallel linear layers, the vocabulary-parallel embedding and output layer and the
@@ -34,9 +41,64 @@ from typing import Sequence
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+#: What one layer holds, by kind (as :func:`~megatron_seq1f1b.schedules.partition.layer_kinds`
+#: names them): a GPTModel layer is ``("attention", "mlp")`` (or ``"moe"``), a HybridModel
+#: pattern's symbol one kind, ``*`` ``("attention",)``, ``-`` ``("mlp",)``, ``E`` ``("moe",)``.
+Layer = tuple
+GPT_LAYER: Layer = ("attention", "mlp")
+#: The symbols of a HybridModel pattern this memory model counts (Megatron-Core's
+#: ``hybrid_layer_allocation.Symbols``); ``|`` separates pipeline stages, ``/`` MTP depths.
+PATTERN_KINDS = {"*": "attention", "-": "mlp", "E": "moe"}
+
+
+def parse_pattern(pattern: str) -> tuple[list[str], list[str]]:
+    """(the main pattern's ``|`` stages, the MTP depths' patterns) of a HybridModel's
+    ``hybrid_layer_pattern``; ValueError for a symbol this model does not count."""
+    main, *depths = pattern.split("/")
+    unknown = sorted(set(pattern) - set(PATTERN_KINDS) - set("|/"))
+    if unknown:
+        raise ValueError(f"hybrid layer pattern {pattern!r}: the memory model counts attention "
+                         f"(*), MLP (-) and MoE (E) layers; not {' '.join(unknown)}")
+    return main.split("|"), depths
+
+
+def hybrid_stage_patterns(pattern: str, num_virtual_stages: int,
+                          mtp: bool = True) -> list[str]:
+    """Each virtual stage's own HybridModel pattern, in pipeline order: its ``|`` part of the
+    main pattern (Megatron's ``select_pipeline_segment``: stage ``vp * pp + rank``; a pattern
+    without ``|`` split evenly), the last one followed by the MTP depths (``/`` parts) where
+    ``mtp``. ValueError where the pattern does not fit the virtual stages."""
+    main, *depths = pattern.split("/")
+    stages = main.split("|")
+    if len(stages) == 1 and num_virtual_stages > 1:
+        layers = stages[0]
+        per = layers_per_virtual_stage(len(layers), num_virtual_stages)
+        stages = [layers[i * per:(i + 1) * per] for i in range(num_virtual_stages)]
+    elif len(stages) != num_virtual_stages:
+        raise ValueError(f"hybrid layer pattern {pattern!r} has {len(stages)} '|' stages for "
+                         f"{num_virtual_stages} virtual pipeline stages (pipeline stages x "
+                         "model chunks)")
+    if mtp and depths:
+        stages[-1] = "/".join([stages[-1], *depths])
+    return stages
+
+
+def _kinds(symbols: str) -> list[Layer]:
+    return [(PATTERN_KINDS[c],) for c in symbols]
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a GPT that decide its parameters and activations."""
+    """The sizes of a GPTModel or a HybridModel that decide its parameters and activations.
+
+    ``hybrid_layer_pattern``: a HybridModel's pattern (one symbol per layer, ``*`` attention,
+    ``-`` MLP, ``E`` MoE; ``|`` between pipeline stages, ``/`` before each MTP depth's
+    layers); ``num_layers`` is then the main pattern's. Without it every layer is a GPTModel
+    layer, attention and an MLP (a mixture of experts on ``moe_layer_freq``'s layers where
+    ``num_moe_experts`` is set). ``mtp_num_layers``: multi-token prediction depths on the
+    last virtual stage (a GPTModel's: one layer like its last each; a pattern's ``/`` parts:
+    None takes them all, as Megatron-LM sets ``--mtp-num-layers`` from the pattern, 0 none).
+    """
 
     num_layers: int
     hidden_size: int
@@ -52,12 +114,36 @@ class ModelShape:
     tied_embeddings: bool = False
     position_embedding_type: str = "rope"  # or "learned_absolute"
     max_sequence_length: int = 0  # learned positions only
+    hybrid_layer_pattern: str | None = None
+    mtp_num_layers: int | None = None  # GPTModel: None = 0; a pattern: None = its '/' depths
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # default ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | tuple = 1  # GPTModel: every N-th layer MoE, or one flag per layer
+
+    def __post_init__(self):
+        if self.hybrid_layer_pattern is None:
+            return
+        stages, depths = parse_pattern(self.hybrid_layer_pattern)
+        layers = sum(len(stage) for stage in stages)
+        if layers != self.num_layers:
+            raise ValueError(f"hybrid layer pattern {self.hybrid_layer_pattern!r} has {layers} "
+                             f"layers, num_layers is {self.num_layers}")
+        if self.mtp_num_layers and self.mtp_num_layers != len(depths):
+            raise ValueError(f"mtp_num_layers={self.mtp_num_layers} with a pattern of "
+                             f"{len(depths)} MTP depths ('/' parts)")
+        if "E" in self.hybrid_layer_pattern and not self.num_moe_experts:
+            raise ValueError("a hybrid layer pattern with MoE layers (E) needs num_moe_experts")
 
     @classmethod
     def from_config(cls, config, vocab_size: int, *, tied_embeddings: bool = False,
                     position_embedding_type: str = "rope",
-                    max_sequence_length: int = 0) -> "ModelShape":
-        """From a TransformerConfig (or anything with its field names)."""
+                    max_sequence_length: int = 0, pattern: str | None = None) -> "ModelShape":
+        """From a TransformerConfig (or anything with its field names); ``pattern``: a
+        HybridModel's ``hybrid_layer_pattern`` (its MTP depths count where the config's
+        ``mtp_num_layers`` is set, as Megatron builds them)."""
+        freq = getattr(config, "moe_layer_freq", 1)
         return cls(
             num_layers=config.num_layers, hidden_size=config.hidden_size,
             num_attention_heads=config.num_attention_heads, vocab_size=vocab_size,
@@ -69,11 +155,22 @@ class ModelShape:
             add_bias_linear=bool(getattr(config, "add_bias_linear", True)),
             qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
             tied_embeddings=tied_embeddings, position_embedding_type=position_embedding_type,
-            max_sequence_length=max_sequence_length)
+            max_sequence_length=max_sequence_length, hybrid_layer_pattern=pattern,
+            mtp_num_layers=getattr(config, "mtp_num_layers", None) or 0,
+            num_moe_experts=getattr(config, "num_moe_experts", None),
+            moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None),
+            moe_router_topk=getattr(config, "moe_router_topk", 2) or 2,
+            moe_shared_expert_intermediate_size=getattr(
+                config, "moe_shared_expert_intermediate_size", None),
+            moe_layer_freq=freq if isinstance(freq, int) else tuple(freq))
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def moe_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn
 
     @property
     def head_dim(self) -> int:
@@ -90,18 +187,77 @@ class ModelShape:
     def _norm(self, width: int) -> int:
         return 2 * width if self.normalization == "LayerNorm" else width
 
-    def layer_parameters(self, tensor_parallel_size: int = 1) -> int:
-        """One transformer layer on one TP rank: two norms, QKV and output projections, the
-        MLP (the linear layers' weights and the column-parallel biases split over TP)."""
+    # ------------------------------------------------------------ which layers
+
+    def _gpt_layers(self) -> list[Layer]:
+        if not self.num_moe_experts:
+            return [GPT_LAYER] * self.num_layers
+        freq = self.moe_layer_freq
+        moe = ([i % freq == 0 for i in range(self.num_layers)] if isinstance(freq, int)
+               else [bool(x) for x in freq])
+        return [("attention", "moe" if m else "mlp") for m in moe]
+
+    def stage_layers(self, num_virtual_stages: int) -> list[list[Layer]]:
+        """Each virtual stage's decoder layers, in pipeline order: a pattern's ``|`` stages
+        (as many as virtual stages), else Megatron's even split of the layers."""
+        v = num_virtual_stages
+        if self.hybrid_layer_pattern is not None:
+            return [_kinds(stage) for stage in
+                    hybrid_stage_patterns(self.hybrid_layer_pattern, v, mtp=False)]
+        layers = self._gpt_layers()
+        per = layers_per_virtual_stage(len(layers), v)
+        return [layers[i * per:(i + 1) * per] for i in range(v)]
+
+    def mtp_layers(self) -> list[list[Layer]]:
+        """Each multi-token-prediction depth's layers (empty without MTP)."""
+        if self.hybrid_layer_pattern is not None:
+            _, depths = parse_pattern(self.hybrid_layer_pattern)
+            return [] if self.mtp_num_layers == 0 else [_kinds(depth) for depth in depths]
+        return [self._gpt_layers()[-1:]] * (self.mtp_num_layers or 0)
+
+    # ------------------------------------------------------------ parameters
+
+    def kind_parameters(self, kind: str, tensor_parallel_size: int = 1) -> int:
+        """One layer kind's parameters on one TP rank: ``attention`` its norm, QKV and
+        output projections; ``mlp`` its norm and MLP; ``moe`` its norm, the router, every
+        expert (Megatron's local experts, each an MLP ``moe_ffn_hidden_size`` wide) and the
+        shared expert (no expert parallelism: a rank holds every expert)."""
         h, bias, t = self.hidden_size, int(self.add_bias_linear), tensor_parallel_size
-        qkv = self.q_dim + 2 * self.kv_dim
-        fc1 = self.ffn * (2 if self.gated_linear_unit else 1)
-        count = 2 * self._norm(h)
-        count += _per_rank(h * qkv + bias * qkv + self.q_dim * h, t) + bias * h
-        count += _per_rank(h * fc1 + bias * fc1 + self.ffn * h, t) + bias * h
-        if self.qk_layernorm:
-            count += 2 * self._norm(self.head_dim)
-        return count
+        gated = 2 if self.gated_linear_unit else 1
+
+        def mlp(width: int) -> int:
+            return _per_rank(h * width * gated + bias * width * gated + width * h, t) + bias * h
+
+        if kind == "attention":
+            qkv = self.q_dim + 2 * self.kv_dim
+            count = self._norm(h) + _per_rank(h * qkv + bias * qkv + self.q_dim * h, t) + bias * h
+            return count + (2 * self._norm(self.head_dim) if self.qk_layernorm else 0)
+        if kind == "mlp":
+            return self._norm(h) + mlp(self.ffn)
+        if kind == "moe":
+            if not self.num_moe_experts:
+                raise ValueError("MoE layers need num_moe_experts")
+            experts = self.num_moe_experts
+            shared = self.moe_shared_expert_intermediate_size
+            return (self._norm(h) + experts * (h + bias) + experts * mlp(self.moe_ffn)
+                    + (mlp(shared) if shared else 0))
+        raise ValueError(f"no parameter count for layer kind {kind!r}")
+
+    def layer_parameters(self, tensor_parallel_size: int = 1, layer: Layer = GPT_LAYER) -> int:
+        """One layer on one TP rank (a GPTModel layer by default: two norms, QKV and output
+        projections, the MLP; the linear layers' weights and the column-parallel biases
+        split over TP)."""
+        return sum(self.kind_parameters(kind, tensor_parallel_size) for kind in layer)
+
+    def layers_parameters(self, layers, tensor_parallel_size: int = 1) -> int:
+        return sum(self.layer_parameters(tensor_parallel_size, layer) for layer in layers)
+
+    def mtp_parameters(self, tensor_parallel_size: int = 1) -> int:
+        """The MTP block: per depth the norms of the embedding, the hidden state and the
+        output (three), the projection of both ``[2h -> h]`` (no bias) and its layers."""
+        h, t = self.hidden_size, tensor_parallel_size
+        return sum(3 * self._norm(h) + _per_rank(2 * h * h, t)
+                   + self.layers_parameters(depth, t) for depth in self.mtp_layers())
 
     def embedding_parameters(self, tensor_parallel_size: int = 1) -> int:
         """Word embeddings (vocabulary-parallel: 1/TP per rank) and learned positions."""
@@ -116,8 +272,10 @@ class ModelShape:
         return self._norm(self.hidden_size) + (0 if tied_here else vocab * self.hidden_size)
 
     def total_parameters(self) -> int:
-        return (self.num_layers * self.layer_parameters() + self.embedding_parameters()
-                + self.output_parameters(True))
+        """The whole model on one rank (one chunk: the embedding shared with MTP)."""
+        layers = [layer for stage in self.stage_layers(1) for layer in stage]
+        return (self.layers_parameters(layers) + self.embedding_parameters()
+                + self.output_parameters(True) + self.mtp_parameters())
 
 
 def _per_rank(count: int, tensor_parallel_size: int) -> int:
@@ -136,12 +294,16 @@ def layers_per_virtual_stage(num_layers: int, num_virtual_stages: int) -> int:
 def virtual_stage_parameters(shape: ModelShape, num_stages: int, num_model_chunks: int = 1,
                              tensor_parallel_size: int = 1) -> list[int]:
     """Parameters of each virtual stage, in pipeline order (``chunk * num_stages + rank``),
-    on one TP rank."""
+    on one TP rank: its layers; the embedding on the first; the final norm and output layer
+    on the last, with the MTP block and, unless it is also the first, the MTP block's copy
+    of the embedding."""
     count, t = num_stages * num_model_chunks, tensor_parallel_size
-    per_layer = shape.layer_parameters(t) * layers_per_virtual_stage(shape.num_layers, count)
-    params = [per_layer] * count
+    params = [shape.layers_parameters(layers, t) for layers in shape.stage_layers(count)]
     params[0] += shape.embedding_parameters(t)
     params[-1] += shape.output_parameters(holds_embedding=count == 1, tensor_parallel_size=t)
+    if shape.mtp_layers():
+        params[-1] += shape.mtp_parameters(t) + (shape.embedding_parameters(t) if count > 1
+                                                 else 0)
     return params
 
 
@@ -196,7 +358,8 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
                                tensor_parallel_size: int = 1,
                                sequence_parallel: bool = False) -> tuple[float, float]:
     """(bytes one token leaves for the backward, the part of it that is keys and values) on a
-    chunk of ``num_layers`` layers, per sample of the micro-batch.
+    chunk of ``num_layers`` GPTModel layers (attention and an MLP each), per sample of the
+    micro-batch; :func:`chunk_activation_bytes` for any layers.
 
     An estimate of what Megatron-Core's local layers save, no dropout, no recomputation:
     per layer the inputs of both norms and of the four linear layers (the output
@@ -221,24 +384,120 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
     the vocabulary's softmax divide by TP; the ``[s, b, h]`` inputs of the norms, of QKV,
     of the first MLP layer and of the output layer only with ``sequence_parallel``.
     """
+    return chunk_activation_bytes(
+        shape, [GPT_LAYER] * num_layers, first=first, last=last, dtype=dtype, flash=flash,
+        whole_qkv=whole_qkv, tensor_parallel_size=tensor_parallel_size,
+        sequence_parallel=sequence_parallel)
+
+
+def kind_activation_bytes(shape: ModelShape, kind: str, *, dtype: str = "bf16",
+                          flash: bool = True, whole_qkv: bool = False,
+                          tensor_parallel_size: int = 1,
+                          sequence_parallel: bool = False) -> tuple[float, float]:
+    """(bytes one token of one sample leaves for the backward, of which keys and values) in
+    one layer kind (:func:`activation_bytes_per_token` says what is counted):
+
+    * ``attention``: the norm's and QKV's inputs (``[s, b, h]``), the query, keys and values,
+      the output projection's input, the flash kernel's output and log-sum-exp, unfused
+      RoPE's cosines and sines for queries and keys (``whole_qkv``: the rest of the viewed
+      QKV output);
+    * ``mlp``: the norm's and the first linear layer's inputs, the activation's input and
+      output;
+    * ``moe`` (Megatron's local experts): the norm's and the router's inputs, and per routed
+      copy of the token (``moe_router_topk``) the permuted input, the experts' activation
+      input and output and that output weighted by the router's probability (the second
+      linear layer's input), the routing's indices, probabilities and permutation maps; a
+      shared expert as an MLP on the same input.
+    """
     e, h, t = DTYPE_BYTES[dtype], shape.hidden_size, tensor_parallel_size
     whole = t if sequence_parallel else 1  # what Megatron keeps whole on every TP rank
-    fc1 = shape.ffn * (2 if shape.gated_linear_unit else 1)
-    kv = 2 * shape.kv_dim * e / t
-    split = e * (2 * shape.q_dim + fc1 + shape.ffn)
-    if flash:  # SDPA's output and its fp32 log-sum-exp per head, kept for its backward
-        split += e * shape.q_dim + 4 * shape.num_attention_heads
-    if whole_qkv and shape.position_embedding_type == "rope":
-        split += e * (shape.q_dim + shape.kv_dim)  # the rest of the viewed QKV output
-    per_layer = e * 4 * h / whole + split / t + kv
-    if shape.position_embedding_type == "rope":  # unfused RoPE: cos and sin for q and for k
-        per_layer += 4 * shape.head_dim * e
-    total = num_layers * per_layer
+    gated = 2 if shape.gated_linear_unit else 1
+    if kind == "attention":
+        kv = 2 * shape.kv_dim * e / t
+        split = e * 2 * shape.q_dim
+        if flash:  # SDPA's output and its fp32 log-sum-exp per head, kept for its backward
+            split += e * shape.q_dim + 4 * shape.num_attention_heads
+        if whole_qkv and shape.position_embedding_type == "rope":
+            split += e * (shape.q_dim + shape.kv_dim)  # the rest of the viewed QKV output
+        total = e * 2 * h / whole + split / t + kv
+        if shape.position_embedding_type == "rope":  # unfused RoPE: cos and sin for q and k
+            total += 4 * shape.head_dim * e
+        return float(total), float(kv)
+    if kind == "mlp":
+        return float(e * 2 * h / whole + e * (shape.ffn * gated + shape.ffn) / t), 0.0
+    if kind == "moe":
+        k, width = shape.moe_router_topk, shape.moe_ffn
+        total = e * 2 * h / whole  # the norm's input, the router's and experts' input
+        # per routed copy: the permuted input, the experts' activation input and output, the
+        # output weighted by the router's probability (the next linear layer's input); the
+        # top-k indices, probabilities and permutation maps (int64, fp32)
+        total += k * (e * h + e * (width * gated + 2 * width) / t + 40)
+        shared = shape.moe_shared_expert_intermediate_size
+        if shared:
+            total += e * (shared * gated + shared) / t
+        return float(total), 0.0
+    raise ValueError(f"no activation estimate for layer kind {kind!r}")
+
+
+def chunk_activation_bytes(shape: ModelShape, layers, *, first: bool, last: bool,
+                           mtp: bool | None = None, dtype: str = "bf16", flash: bool = True,
+                           whole_qkv: bool = False, tensor_parallel_size: int = 1,
+                           sequence_parallel: bool = False) -> tuple[float, float]:
+    """(bytes per token, of which keys and values) of a chunk holding ``layers`` (layer-kind
+    tuples, :meth:`ModelShape.stage_layers`), per sample: :func:`kind_activation_bytes` per
+    layer; the first chunk adds the token ids, the last the final norm's and output layer's
+    inputs, the fp32 softmax over the vocabulary and the labels; with ``mtp`` (default: the
+    last chunk of a model with MTP depths) every depth adds its embedding's input and output,
+    the norms' and projection's inputs, its layers, its own output-layer input, softmax and
+    labels (:func:`mtp_activation_bytes`)."""
+    e, h, t = DTYPE_BYTES[dtype], shape.hidden_size, tensor_parallel_size
+    whole = t if sequence_parallel else 1
+    options = dict(dtype=dtype, flash=flash, whole_qkv=whole_qkv, tensor_parallel_size=t,
+                   sequence_parallel=sequence_parallel)
+    total = kv = 0.0
+    for layer in layers:
+        for kind in layer:
+            all_bytes, kv_bytes = kind_activation_bytes(shape, kind, **options)
+            total, kv = total + all_bytes, kv + kv_bytes
     if first:
         total += 8  # token ids (int64)
-    if last:  # norm and output inputs, fp32 softmax
+    if last:  # norm and output inputs, fp32 softmax, labels
         total += 2 * e * h / whole + 4 * shape.vocab_size / t + 8
-    return float(total), float(num_layers * kv)
+    if mtp if mtp is not None else last:
+        all_bytes, kv_bytes = mtp_activation_bytes(shape, **options)
+        total, kv = total + all_bytes, kv + kv_bytes
+    return float(total), float(kv)
+
+
+def mtp_activation_bytes(shape: ModelShape, *, dtype: str = "bf16", flash: bool = True,
+                         whole_qkv: bool = False, tensor_parallel_size: int = 1,
+                         sequence_parallel: bool = False) -> tuple[float, float]:
+    """(bytes per token, of which keys and values) the MTP block leaves, per sample: per depth
+    the rolled token ids, the embedding's output (the ``enorm``'s input), the ``hnorm``'s
+    input, the projection's ``[2h]`` input, its layers, the final norm's and the output
+    layer's inputs, the fp32 softmax over the vocabulary, the rolled labels and loss mask and
+    the per-token losses."""
+    e, h, t = DTYPE_BYTES[dtype], shape.hidden_size, tensor_parallel_size
+    whole = t if sequence_parallel else 1
+    options = dict(dtype=dtype, flash=flash, whole_qkv=whole_qkv, tensor_parallel_size=t,
+                   sequence_parallel=sequence_parallel)
+    total = kv = 0.0
+    for depth in shape.mtp_layers():
+        total += 8 + e * 4 * h / whole + e * 2 * h / whole + 4 * shape.vocab_size / t + 8
+        total += 8  # the rolled loss mask and the depth's per-token losses (fp32)
+        for layer in depth:
+            for kind in layer:
+                all_bytes, kv_bytes = kind_activation_bytes(shape, kind, **options)
+                total, kv = total + all_bytes, kv + kv_bytes
+    return float(total), float(kv)
+
+
+def stage_attention_layers(shape: ModelShape, num_virtual_stages: int) -> list[int]:
+    """Attention layers of each virtual stage (the last one's MTP depths' included)."""
+    counts = [sum("attention" in layer for layer in layers)
+              for layers in shape.stage_layers(num_virtual_stages)]
+    counts[-1] += sum("attention" in layer for depth in shape.mtp_layers() for layer in depth)
+    return counts
 
 
 def attention_pair_bytes(shape: ModelShape, num_layers: int, *, dtype: str = "bf16",

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_seq1f1b.planner.footprint import (
-    ModelShape, Training, activation_bytes_per_token, attention_pair_bytes,
-    layers_per_virtual_stage, stage_activation_bytes, stage_parameters, unit_bytes,
+    ModelShape, Training, attention_pair_bytes, chunk_activation_bytes, stage_activation_bytes,
+    stage_attention_layers, stage_parameters, unit_bytes,
 )
 from megatron_seq1f1b.schedules.schedule import Schedule, build_schedule
 
@@ -59,7 +59,8 @@ class MemoryModel:
     is trained (:class:`~megatron_seq1f1b.planner.footprint.Training`) and its attention kernel.
 
     Activation bytes per token come from
-    :func:`~megatron_seq1f1b.planner.footprint.activation_bytes_per_token` for every chunk, and
+    :func:`~megatron_seq1f1b.planner.footprint.chunk_activation_bytes` for every chunk (its
+    layers by kind: :meth:`~megatron_seq1f1b.planner.footprint.ModelShape.stage_layers`), and
     with Megatron's unfused attention (``flash=False``) the probabilities it keeps per
     query-key pair (:func:`~megatron_seq1f1b.planner.footprint.attention_pair_bytes`); with
     ``bytes_per_token`` (measured on a whole micro-batch: what one token of one sample
@@ -82,28 +83,28 @@ class MemoryModel:
                          ) -> list[list[float]]:
         """[rank][chunk] -> bytes per query-key pair its attention keeps (0 for flash)."""
         p, v = num_stages, num_model_chunks
-        layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
-        return [[attention_pair_bytes(self.shape, layers, dtype=self.training.dtype,
-                                      flash=self.flash,
+        attention = stage_attention_layers(self.shape, p * v)
+        return [[attention_pair_bytes(self.shape, attention[c * p + r],
+                                      dtype=self.training.dtype, flash=self.flash,
                                       tensor_parallel_size=self.tensor_parallel_size)
-                 for _ in range(v)] for _ in range(p)]
+                 for c in range(v)] for r in range(p)]
 
     def chunk_bytes_per_token(self, num_stages: int, num_model_chunks: int = 1,
                               whole_qkv: bool = False, seq_length: int | None = None
                               ) -> list[list[tuple[float, float]]]:
         """[rank][chunk] -> (bytes per token, of which keys and values); ``whole_qkv`` for
-        unsegmented micro-batches (see :func:`activation_bytes_per_token`); ``seq_length``:
+        unsegmented micro-batches (see :func:`~.footprint.activation_bytes_per_token`); ``seq_length``:
         what a measured ``bytes_per_token`` was measured on (per token a rank holds: with
         context parallelism ``seq_length / cp`` of them, and the whole sequence's K/V; the
         unfused attention's pairs are taken out)."""
         p, v = num_stages, num_model_chunks
-        layers = layers_per_virtual_stage(self.shape.num_layers, p * v)
+        layers = self.shape.stage_layers(p * v)
 
         def estimate(whole: bool) -> list[list[tuple[float, float]]]:
-            return [[activation_bytes_per_token(
-                self.shape, layers, first=c * p + r == 0, last=c * p + r == p * v - 1,
-                dtype=self.training.dtype, flash=self.flash, whole_qkv=whole,
-                tensor_parallel_size=self.tensor_parallel_size,
+            return [[chunk_activation_bytes(
+                self.shape, layers[c * p + r], first=c * p + r == 0,
+                last=c * p + r == p * v - 1, dtype=self.training.dtype, flash=self.flash,
+                whole_qkv=whole, tensor_parallel_size=self.tensor_parallel_size,
                 sequence_parallel=self.sequence_parallel)
                 for c in range(v)] for r in range(p)]
 
