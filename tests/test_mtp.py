@@ -27,6 +27,7 @@ CASES = [
     (1, 1, 1, False, 1),
     (1, 1, 3, False, 2),
     (2, 2, 3, False, 2),
+    (1, 2, 3, True, 2),
     (2, 2, 3, True, 2),
     (1, 4, 3, True, 2),
     (2, 4, 3, True, 2),
@@ -65,8 +66,10 @@ def test_gpt_mtp_equals_no_pipelining(ranks, depth, pp, k, per_token, mbs):
 HYBRID_CASES = [
     # (pattern, pipeline stages, k, per-token loss)
     ("*-*E/*-", 1, 3, False),
+    ("*-*E|*-*-/*-", 2, 3, True),
     ("*-*E|*-*-/*-/*-", 2, 3, True),
     ("*E|-*|*-|*-/*-", 4, 3, True),
+    ("*E|-*|*-|*-/*-/*-", 4, 3, True),
 ]
 
 
