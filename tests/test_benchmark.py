@@ -187,6 +187,8 @@ def test_benchmark_packed_documents(tmp_path, backend):
     assert "## Packed documents" in text
 
 
+@pytest.mark.skipif(os.environ.get("SEQ1F1B_FULL") != "1",
+                    reason="SEQ1F1B_FULL=1 runs it (35 s; CP exactness and bytes are tested in test_context_parallel, the report in test_bench)")
 def test_benchmark_context_parallel(tmp_path):
     """--pp 2 --cp 2 on 4 ranks: Seq1F1B rows only, seq1f1b-k1 the reference; the CP bytes
     the executor counted equal the planner's count, and every row has a predicted stage-0

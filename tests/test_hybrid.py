@@ -3,6 +3,7 @@ of a hybrid pattern, pipeline stages where the pattern's "|" puts them; loss and
 equal no-pipelining training of the same pattern on the full sequence (fp32, rel. 1e-5)."""
 
 import importlib.util
+import os
 
 import pytest
 
@@ -35,16 +36,16 @@ def hybrid(pattern: str, **fields) -> ModelSpec:
     return ModelSpec(hybrid=pattern, extra=extra, **fields)
 
 
+FULL = os.environ.get("SEQ1F1B_FULL") == "1"  # CI runs one case per k and layout
 CASES = [
     # (pattern, pipeline stages, virtual stages, k, partition, schedule)
     ("*-*E", 1, None, 3, "balanced", "1f1b"),
     ("*-*E|*-*-", 2, None, 1, "uniform", "1f1b"),
     ("*-*E|*-*-", 2, None, 2, "uniform", "1f1b"),
-    ("*-*E|*-*-", 2, None, 3, "balanced", "1f1b"),
     ("*-*E|*-*-", 2, None, 4, "balanced", "zb-h1"),
     ("*E|-|*-*|*", 4, None, 3, "balanced", "1f1b"),  # uneven stages; one without attention
     ("*-|*E|*-|*-", 2, 2, 2, "balanced", "1f1b"),  # a virtual pipeline layout
-]
+] + ([("*-*E|*-*-", 2, None, 3, "balanced", "1f1b")] if FULL else [])
 
 
 @pytest.mark.parametrize("pattern,pp,vpp,k,partition,schedule", CASES,

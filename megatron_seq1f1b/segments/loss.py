@@ -89,3 +89,26 @@ class SegmentLosses:
     def close(self) -> None:
         if self._open:
             raise RuntimeError(f"Seq1F1B: losses of {sorted(self._open)} were never backwarded")
+
+
+def auxiliary_loss_scale(config, scale_func: str, num_microbatches: int,
+                         context_parallel: bool) -> torch.Tensor:
+    """The backward scale Megatron's forward step gives an auxiliary loss that rides on the
+    activations (MoE router losses, MTP losses): ``config.<scale_func>()`` where the config
+    has one, else the loss scale (``grad_scale_func``), else 1; over the number of
+    micro-batches (times the context-parallel size where ``context_parallel``), or as it is
+    with per-token loss."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    own = getattr(config, scale_func, None)
+    if own is not None:
+        scale = torch.as_tensor(own(), device=device, dtype=torch.float32).reshape(1)
+    elif config.grad_scale_func is not None:
+        scale = config.grad_scale_func(torch.ones(1, device=device))
+    else:
+        scale = torch.ones(1, device=device)
+    if config.calculate_per_token_loss:
+        return scale
+    cp = (getattr(config, "context_parallel_size", 1) or 1) if context_parallel else 1
+    return scale * cp / num_microbatches
+

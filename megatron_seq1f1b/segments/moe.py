@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_seq1f1b.segments import run as segments
+from megatron_seq1f1b.segments.loss import auxiliary_loss_scale
 
 _KINDS = {"_apply_aux_loss": "aux_loss", "_apply_seq_aux_loss": "seq_aux_loss",
           "_apply_global_aux_loss": "global_aux_loss"}
@@ -283,15 +284,6 @@ def set_aux_loss_scale(config, num_microbatches: int) -> None:
         return
     from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    scale_func = getattr(config, "moe_grad_scale_func", None)
-    if scale_func is not None:
-        scale = torch.as_tensor(scale_func(), device=device, dtype=torch.float32).reshape(1)
-    elif config.grad_scale_func is not None:
-        scale = config.grad_scale_func(torch.ones(1, device=device))
-    else:
-        scale = torch.ones(1, device=device)
-    if not config.calculate_per_token_loss:
-        scale = scale * (getattr(config, "context_parallel_size", 1) or 1) / num_microbatches
+    scale = auxiliary_loss_scale(config, "moe_grad_scale_func", num_microbatches,
+                                 context_parallel=True)
     MoEAuxLossAutoScaler.set_loss_scale(scale)

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron_seq1f1b.segments import run as segments
+from megatron_seq1f1b.segments.loss import auxiliary_loss_scale
 
 _INSTALLED = "_seq1f1b_mtp_depth"
 _BATCH_KEYS = {"input_ids": ("tokens", "input_ids"), "position_ids": ("position_ids",),
@@ -306,15 +307,6 @@ def set_loss_scale(config, num_microbatches: int) -> None:
         return
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    scale_func = getattr(config, "mtp_grad_scale_func", None)
-    if scale_func is not None:
-        scale = torch.as_tensor(scale_func(), device=device, dtype=torch.float32).reshape(1)
-    elif config.grad_scale_func is not None:
-        scale = config.grad_scale_func(torch.ones(1, device=device))
-    else:
-        scale = torch.ones(1, device=device)
-    if not config.calculate_per_token_loss:
-        scale = scale / num_microbatches
+    scale = auxiliary_loss_scale(config, "mtp_grad_scale_func", num_microbatches,
+                                 context_parallel=False)
     MTPLossAutoScaler.set_loss_scale(scale)
