@@ -69,6 +69,15 @@ def test_hybrid_tensor_parallel_flash_per_token(ranks):
     _check(results)
 
 
+def test_hybrid_grouped_query_attention(ranks):
+    """GQA (2 key/value groups for 4 heads) in a hybrid pattern, local attention, k=3."""
+    results = ranks.run(2, run_layout, case="hybrid-gqa",
+                        model=hybrid("*-*E|*-*-", num_query_groups=2),
+                        data=DataSpec(num_microbatches=2), pp=2,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
 def test_hybrid_context_parallel_flash(ranks):
     """Context parallelism 2 x pipeline 2 on flash attention (its CP path takes hybrid
     layers as GPT's), k=3 balanced."""
