@@ -317,16 +317,18 @@ def _pattern_stages(args: argparse.Namespace) -> int:
     return len(args.hybrid_layer_pattern.split("/")[0].split("|"))
 
 
-def _check_pattern(parser: ArgumentParser, args: argparse.Namespace) -> None:
+def read_hybrid_pattern(parser: ArgumentParser, args: argparse.Namespace, pp: int,
+                        tool: str) -> tuple[str, str]:
     """--hybrid-layer-pattern as Megatron-LM reads it: --num-layers and --mtp-num-layers from
-    the pattern, its '|' stages one per virtual pipeline stage."""
+    the pattern (one pipeline stage: without its '|'); ``tool`` says what takes the layers
+    ("the planner costs"); (the pattern, its main part). Errors go through ``parser``."""
     pattern = args.hybrid_layer_pattern
-    if args.pp == 1:  # one stage holds every layer (as Megatron-LM's builders take it)
+    if pp == 1:  # one stage holds every layer (as Megatron-LM's builders take it)
         pattern = args.hybrid_layer_pattern = pattern.replace("|", "")
     other = sorted(set(pattern) - set("*-E|/"))
     if other:
-        parser.error(f"--hybrid-layer-pattern {pattern!r}: the planner costs attention (*), MLP "
-                     f"(-) and MoE (E) layers and MTP depths (/); not {' '.join(other)}")
+        parser.error(f"--hybrid-layer-pattern {pattern!r}: {tool} attention (*), MLP (-) and "
+                     f"MoE (E) layers and MTP depths (/); not {' '.join(other)}")
     main, *depths = pattern.split("/")
     if depths and args.mtp_num_layers not in (None, len(depths)):
         parser.error(f"--mtp-num-layers {args.mtp_num_layers} with a pattern of {len(depths)} "
@@ -340,12 +342,18 @@ def _check_pattern(parser: ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--num-layers {args.num_layers}: --hybrid-layer-pattern {pattern!r} has "
                      f"{layers} layers; drop --num-layers")
     args.num_layers = layers
+    if "E" in pattern and not args.num_experts:
+        parser.error("--hybrid-layer-pattern with MoE layers (E) needs --num-experts")
+    return pattern, main
+
+
+def _check_pattern(parser: ArgumentParser, args: argparse.Namespace) -> None:
+    """The pattern (:func:`read_hybrid_pattern`), its '|' stages one per virtual stage."""
+    pattern, _ = read_hybrid_pattern(parser, args, args.pp, "the planner costs")
     stages = _pattern_stages(args)
     if stages and stages != args.pp * args.vpp:
         parser.error(f"--hybrid-layer-pattern {pattern!r} has {stages} '|' stages: give --pp x "
                      f"--vpp = {stages} ({args.pp} x {args.vpp} now)")
-    if "E" in pattern and not args.num_experts:
-        parser.error("--hybrid-layer-pattern with MoE layers (E) needs --num-experts")
 
 
 def _model_config(args: argparse.Namespace):

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 
 from megatron_seq1f1b.base.flags import ArgumentParser, non_negative_int, positive_int
+from megatron_seq1f1b.planner.cli import read_hybrid_pattern
 from megatron_seq1f1b.planner.stage_build import build_stage_chunks
 from megatron_seq1f1b.planner.stage_run import Rehearsal, _zero_grads, rehearse_stage
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
@@ -143,30 +144,11 @@ def check_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Nam
 
 
 def _check_pattern(parser: ArgumentParser, args: argparse.Namespace) -> None:
-    """--hybrid-layer-pattern as Megatron-LM reads it (--num-layers and --mtp-num-layers from
-    the pattern, its '|' stages over the pipeline ranks), and what the rehearsal builds."""
-    pattern, pp = args.hybrid_layer_pattern, args.pipeline_model_parallel_size
-    if pp == 1:  # one stage holds every layer (as Megatron-LM's builders take it)
-        pattern = args.hybrid_layer_pattern = pattern.replace("|", "")
-    other = sorted(set(pattern) - set("*-E|/"))
-    if other:
-        parser.error(f"--hybrid-layer-pattern {pattern!r}: the rehearsal builds attention (*), "
-                     f"MLP (-) and MoE (E) layers and MTP depths (/); not {' '.join(other)}")
-    main, *depths = pattern.split("/")
-    if depths and args.mtp_num_layers not in (None, len(depths)):
-        parser.error(f"--mtp-num-layers {args.mtp_num_layers} with a pattern of {len(depths)} "
-                     "MTP depths ('/' parts); give one of them")
-    if not depths and args.mtp_num_layers:
-        parser.error("--mtp-num-layers with --hybrid-layer-pattern: give the MTP depths as '/' "
-                     "parts of the pattern (e.g. '*-*-/*-/*-' for two)")
-    args.mtp_num_layers = len(depths) or None
-    layers = len(main.replace("|", ""))
-    if args.num_layers not in (None, layers):
-        parser.error(f"--num-layers {args.num_layers}: --hybrid-layer-pattern {pattern!r} has "
-                     f"{layers} layers; drop --num-layers")
-    args.num_layers = layers
-    if "E" in pattern and not args.num_experts:
-        parser.error("--hybrid-layer-pattern with MoE layers (E) needs --num-experts")
+    """The pattern (:func:`~megatron_seq1f1b.planner.cli.read_hybrid_pattern`), its '|'
+    stages over the pipeline ranks, and what the rehearsal builds."""
+    pp = args.pipeline_model_parallel_size
+    pattern, main = read_hybrid_pattern(parser, args, pp, "the rehearsal builds")
+    layers = args.num_layers
     if args.num_layers_per_virtual_pipeline_stage is not None:
         parser.error("--hybrid-layer-pattern sets the virtual stages by its '|' parts; drop "
                      "--num-layers-per-virtual-pipeline-stage")
