@@ -77,20 +77,27 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
 
 def hybrid_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
-    """A Megatron-Core HybridModel chunk of --hybrid-layer-pattern (*, - and E layers) with
-    megatron_seq1f1b's local hybrid spec (Megatron's own modules, no Transformer Engine);
-    one pipeline rank builds the whole pattern."""
+    """A Megatron-Core HybridModel chunk of --hybrid-layer-pattern (*, +, - and E layers) with
+    megatron_seq1f1b's local hybrid spec (Megatron's own modules, no Transformer Engine; MLA's
+    core attention is the flash one, as for the GPT); one pipeline rank builds the whole
+    pattern."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from megatron_seq1f1b.runtime.hybrid_spec import local_hybrid_stack_spec
 
+    from megatron_seq1f1b.attention.context_parallel import context_parallel_layer_spec
+
     pattern = args.hybrid_layer_pattern
     if args.pipeline_model_parallel_size == 1:
         pattern = pattern.replace("|", "")
+    stack = local_hybrid_stack_spec(
+        attention="flash" if args.multi_latent_attention else args.attention_backend,
+        num_experts=args.num_experts)
+    if config.context_parallel_size > 1:
+        stack = context_parallel_layer_spec(stack)
     return HybridModel(
         config=config,
-        hybrid_stack_spec=local_hybrid_stack_spec(attention=args.attention_backend,
-                                                  num_experts=args.num_experts),
+        hybrid_stack_spec=stack,
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         hybrid_layer_pattern=pattern,

@@ -78,11 +78,25 @@ def test_hybrid_grouped_query_attention(ranks):
     _check(results)
 
 
-def test_hybrid_context_parallel_flash(ranks):
-    """Context parallelism 2 x pipeline 2 on flash attention (its CP path takes hybrid
-    layers as GPT's), k=3 balanced."""
-    results = ranks.run(4, run_layout, case="hybrid-pp2-cp2-flash",
-                        model=hybrid("*-*E|*-*-", attention="flash"),
+@pytest.mark.parametrize("attention", ["local", "flash"])
+def test_hybrid_multi_latent_attention(ranks, attention):
+    """MLA layers ("+", Megatron's MLASelfAttention with its own RoPE) in a hybrid pattern,
+    k=3, balanced; local: Transformer Engine's core attention stand-in (MLA's values are
+    narrower than its queries)."""
+    results = ranks.run(2, run_layout, case=f"hybrid-mla-{attention}",
+                        model=hybrid("+-+E|+-+-", mla=True, normalization="RMSNorm",
+                                     attention=attention),
+                        data=DataSpec(num_microbatches=2), pp=2,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
+@pytest.mark.parametrize("attention", ["flash", "local"])
+def test_hybrid_context_parallel(ranks, attention):
+    """Context parallelism 2 x pipeline 2 (hybrid layers take the CP path as GPT's; local:
+    the stack spec made CP-buildable by context_parallel_layer_spec), k=3 balanced."""
+    results = ranks.run(4, run_layout, case=f"hybrid-pp2-cp2-{attention}",
+                        model=hybrid("*-*E|*-*-", attention=attention),
                         data=DataSpec(num_microbatches=2), pp=2, cp=2,
                         seq1f1b=dict(num_splits=3, partition="balanced"))
     _check(results)
@@ -162,3 +176,30 @@ def test_balanced_cut_counts_the_pattern_layers(ranks):
     (attention,) = ranks.run(1, _cuts, case="cuts-attention", pattern="*-*-*")
     assert heavy_mlp[0] == heavy_mlp[1] and attention[0] == attention[1]
     assert heavy_mlp[0][0] - heavy_mlp[0][-1] < attention[0][0] - attention[0][-1]
+
+
+def test_stack_spec_attention_layers_swapped_for_context_parallel_and_flash():
+    """context_parallel_layer_spec and flash_layer_spec take a HybridStack spec: its attention
+    (*) and MLA (+, where the version has it) layers' core attentions, nothing else, and
+    the spec given is left as it was."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_seq1f1b.attention.context_parallel import (
+        HYBRID_ATTENTION_LAYERS, context_parallel_layer_spec,
+    )
+    from megatron_seq1f1b.attention.flash import FlashDotProductAttention, flash_layer_spec
+    from megatron_seq1f1b.runtime.hybrid_spec import local_hybrid_stack_spec
+
+    def cores(stack):
+        return {name: getattr(stack.submodules, name).submodules.self_attention.submodules
+                .core_attention for name in HYBRID_ATTENTION_LAYERS
+                if hasattr(stack.submodules, name)}
+
+    stack = local_hybrid_stack_spec()
+    assert set(cores(stack).values()) == {DotProductAttention}
+    parallel = cores(context_parallel_layer_spec(stack))
+    assert {c.__name__ for c in parallel.values()} == {"ContextParallelDotProductAttention"}
+    assert set(cores(flash_layer_spec(stack)).values()) == {FlashDotProductAttention}
+    assert set(cores(stack).values()) == {DotProductAttention}  # a copy was changed
+    mlp = context_parallel_layer_spec(stack).submodules.mlp_layer
+    assert mlp.submodules.mlp.module is stack.submodules.mlp_layer.submodules.mlp.module

@@ -80,6 +80,9 @@ SHIM_CALLS = {
 # The file whose GPT builder builds pretrain_gpt.py's model (layer_spec's hunk goes there).
 BUILDER = {"core_v0.16.1": "gpt_builders.py", "core_v0.17.1": "gpt_builders.py",
            "core_v0.18.2": "gpt_builders.py", "core_v0.19.0": "megatron/training/models/gpt.py"}
+# The hybrid builders (core_v0.18+), patched as BUILDER for context parallelism (0005).
+HYBRID_BUILDER = {"core_v0.18.2": "hybrid_builders.py",
+                  "core_v0.19.0": "megatron/training/models/hybrid.py"}
 # The tags whose patches add --seq1f1b to pretrain_hybrid.py too (Megatron-Core's HybridModel,
 # from core_v0.18; the same hooks as pretrain_gpt.py's, in a patch of its own).
 HYBRID_TAGS = ["core_v0.18.2", "core_v0.19.0"]
@@ -805,6 +808,88 @@ print(json.dumps({
 """
 
 
+HYBRID_CP_BUILDER_PROBE = r"""
+import json, socket, sys
+sys.argv = ["pretrain_hybrid.py", "--hybrid-layer-pattern", "*-*-",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+            "--transformer-impl", "local", "--context-parallel-size", "2",
+            "--spec", "megatron_seq1f1b.megatron_lm.hybrid_spec", "local", "--seq1f1b",
+            "--seq1f1b-splits", "2"]
+""" + _guarded_imports("""import pretrain_hybrid  # noqa: F401 (the patched script's imports)
+from megatron.training import global_vars
+from megatron.training.arguments import parse_args""") + r"""
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+
+from megatron_seq1f1b import megatron_lm
+from megatron_seq1f1b.runtime import cpu
+
+if not torch.cuda.is_available():
+    cpu.enable()
+args = parse_args(megatron_lm.extra_args_provider(None))
+args.padded_vocab_size = 128
+global_vars.set_args(args)
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
+pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+# The model's config says CP 2 (this one process stands for a CP rank; building needs no peer).
+config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4,
+                           context_parallel_size=2, use_cpu_initialization=True)
+if BUILDER == "hybrid_builders.py":  # core_v0.18: pretrain_hybrid.py's hybrid_builder
+    from hybrid_builders import hybrid_builder
+
+    def build():
+        return hybrid_builder(args, True, True, None, config=config, pg_collection=pg_collection)
+else:  # core_v0.19: pretrain_hybrid.py's HybridModelConfig, built by its HybridModelBuilder
+    from megatron.training.argument_utils import hybrid_config_from_args
+
+    config.transformer_impl = "local"  # what core_transformer_config_from_args takes from args
+
+    def build():
+        model_config = hybrid_config_from_args(args, config=config)
+        return model_config.get_builder_cls()(model_config).build_model(
+            pg_collection, True, True)
+built = {}
+for backend in ("auto", "flash"):
+    args.attention_backend = backend
+    model = build()
+    built[backend] = sorted({type(layer.self_attention.core_attention).__name__
+                             for layer in model.decoder.layers
+                             if hasattr(getattr(layer, "self_attention", None), "core_attention")})
+args.seq1f1b = False
+try:
+    build()
+    built["without --seq1f1b"] = "built"
+except AssertionError as exc:  # Megatron's own: local attention asserts CP 1
+    built["without --seq1f1b"] = "refused: " + str(exc).splitlines()[0][:60]
+print(json.dumps(built))
+"""
+
+
+def test_patched_hybrid_builder_with_context_parallel(hybrid_checkout, tmp_path):
+    """The patched hybrid builder (core_v0.18.2's hybrid_builder, core_v0.19.0's
+    HybridModelBuilder from the HybridModelConfig of the arguments) builds, with --seq1f1b
+    --context-parallel-size 2 --transformer-impl local and our local stack spec (--spec
+    megatron_seq1f1b.megatron_lm.hybrid_spec local, as docs/megatron_lm.md says),
+    Megatron's local core attention as Seq1F1B's CP subclass, or the flash attention with
+    --attention-backend flash; without --seq1f1b Megatron refuses as before. Same needs as
+    test_patched_forward_step."""
+    probe = f"BUILDER = {HYBRID_BUILDER[hybrid_checkout.tag]!r}\n" + HYBRID_CP_BUILDER_PROBE
+    result = run_probe(hybrid_checkout, tmp_path, probe)
+    assert result["auto"] == ["ContextParallelDotProductAttention"], result
+    assert result["flash"] == ["FlashDotProductAttention"], result
+    assert result["without --seq1f1b"].startswith("refused: Context parallelism"), result
+
+
 def test_patched_hybrid_builder_prepares_the_model(hybrid_checkout, tmp_path):
     """The patched pretrain_hybrid.py's __main__ (core_v0.18.2: the model provider it passes
     to pretrain(), partial(model_provider, hybrid_builder); core_v0.19.0: the post-wrap hook on
@@ -1257,23 +1342,26 @@ def test_partly_applied_tree_is_reported(tmp_path):
 @pytest.mark.skipif(not HAVE_PATCH, reason="no patch")
 @pytest.mark.parametrize("tag", HYBRID_TAGS)
 def test_checkout_patched_before_pretrain_hybrid(tmp_path, tag):
-    """A checkout patched before pretrain_hybrid.py had its patch (0001-0003 applied): the
-    applier changes nothing and names the one patch not applied; applied by hand, the
-    checkout is fully patched (and reverts as usual)."""
+    """A checkout patched before pretrain_hybrid.py and the hybrid builder had their patches
+    (0001-0003 applied): the applier changes nothing and names the patches not applied;
+    applied by hand, the checkout is fully patched (and reverts as usual)."""
     tree = tmp_path / "fake"
     skeleton_checkout(tree, tag)
-    hybrid = [p for p in PATCHES_OF[tag] if touched_files([p]) == ["pretrain_hybrid.py"]]
-    assert len(hybrid) == 1 and hybrid[0] == PATCHES_OF[tag][-1]
-    for patch in PATCHES_OF[tag][:-1]:
+    earlier = [p for p in PATCHES_OF[tag] if p.name < "0004"]
+    later = PATCHES_OF[tag][len(earlier):]
+    assert [touched_files([p]) for p in later] == [["pretrain_hybrid.py"], [HYBRID_BUILDER[tag]]]
+    for patch in earlier:
         subprocess.run(["patch", "-s", "-d", str(tree), "-p1", "-i", str(patch)], check=True)
     before = snapshot(tree)
     result = run_script(tree)
     assert result.returncode == 1 and "nothing was changed" in result.stderr
-    assert f"{hybrid[0].name} (pretrain_hybrid.py): not applied" in result.stderr
-    for patch in PATCHES_OF[tag][:-1]:
+    for patch in later:
+        assert f"{patch.name} ({touched_files([patch])[0]}): not applied" in result.stderr
+    for patch in earlier:
         assert f"{patch.name} (" in result.stderr and "): applied" in result.stderr
     assert snapshot(tree) == before
-    subprocess.run(["patch", "-s", "-d", str(tree), "-p1", "-i", str(hybrid[0])], check=True)
+    for patch in later:
+        subprocess.run(["patch", "-s", "-d", str(tree), "-p1", "-i", str(patch)], check=True)
     assert "check: already applied" in run_script(tree, "--check").stdout
     assert "restored:" in run_script(tree, "--revert").stdout
 

@@ -195,6 +195,7 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-layers-per-stage": _trainer("--pipeline-model-parallel-size", "3", world_size=3),
     "trainer-vpp-needs-pipeline": _trainer("--num-layers-per-virtual-pipeline-stage", "1"),
     "trainer-hybrid-symbols": _trainer("--hybrid-layer-pattern", "*M-"),
+    "trainer-hybrid-mla": _trainer("--hybrid-layer-pattern", "+-+-"),
     "trainer-hybrid-stages": _trainer("--hybrid-layer-pattern", "*-|*-|*-",
                                       "--pipeline-model-parallel-size", "2", world_size=2),
     "trainer-vpp-divides": _trainer("--pipeline-model-parallel-size", "2",

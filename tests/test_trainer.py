@@ -100,6 +100,21 @@ def test_hybrid_pattern_pipeline_2_equals_megatrons_schedule(tmp_path):
     assert ours["summary"]["losses"][-1] < ours["summary"]["losses"][0]  # it learns
 
 
+@full_only
+@pytest.mark.skipif(importlib.util.find_spec("megatron.core.models.hybrid") is None,
+                    reason="HybridModel is in megatron-core 0.18 and later")
+def test_hybrid_multi_latent_attention_equals_megatrons_schedule(tmp_path):
+    """MLA layers (+) in --hybrid-layer-pattern: Seq1F1B k=3 trains as Megatron's 1F1B does."""
+    common = ["--hybrid-layer-pattern", "+-+E|+-+-", "--multi-latent-attention",
+              "--normalization", "RMSNorm", "--q-lora-rank", "16", "--kv-lora-rank", "16",
+              "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
+              "--pipeline-model-parallel-size", "2", "--train-iters", "3",
+              "--position-embedding-type", "rope", "--num-experts", "4", "--disable-bias-linear"]
+    ours, _ = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "3")
+    theirs, _ = train(tmp_path, "1f1b", 2, *common)
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+
+
 def test_mtp_two_layers_pipeline_2_equals_megatrons_schedule(tmp_path):
     """--mtp-num-layers 2 (Megatron's MTP block on the last stage, per-token loss): Seq1F1B
     k=3 trains as Megatron's 1F1B does; the logged MTP losses agree too."""
@@ -215,6 +230,9 @@ CONTEXT_PARALLEL = {
             "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--position-embedding-type", "rope",
             "--normalization", "RMSNorm"],
 }
+if importlib.util.find_spec("megatron.core.models.hybrid") is not None:  # 0.18+: HybridModel
+    CONTEXT_PARALLEL["hybrid-local"] = ["--hybrid-layer-pattern", "*-*-|*-*-",
+                                        "--position-embedding-type", "rope"]
 # CI runs the flash backend (the one long-context training uses; the local backend's CP path
 # is the same code with a mask, proven against one rank in tests/test_context_parallel.py);
 # SEQ1F1B_FULL=1 runs both.
@@ -242,7 +260,8 @@ def test_context_parallel_2_equals_the_same_model_without_it(tmp_path, backend):
         assert f"pp {pp}, vpp None, cp 2, dp 1" in stdout, stdout[-1500:]
         _same(ours["summary"]["losses"], theirs["summary"]["losses"])
         _same([_validation_loss(stdout)], [_validation_loss(reference)])
-        assert ours["summary"]["attention_backend"] == ("local" if backend == "mla" else backend)
+        assert ours["summary"]["attention_backend"] == \
+            ("local" if backend == "mla" else backend.split("-")[-1])
 
 
 _EOD = (["--reset-attention-mask", "--reset-position-ids"], "end-of-document tokens")
@@ -424,7 +443,8 @@ def test_resume_is_bit_exact(tmp_path, name, nproc, flags):
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2 needs --seq1f1b"),
     (["--seq-length", "2", "--seq1f1b", "--seq1f1b-splits", "4"], "use at most 2 splits"),
-    (["--hybrid-layer-pattern", "*M-"], "this trainer builds attention (*), MLP (-) and MoE"),
+    (["--hybrid-layer-pattern", "*M-"], "this trainer builds attention (*), multi-latent"),
+    (["--hybrid-layer-pattern", "+-+-"], "(+) take their sizes from --multi-latent-attention"),
 ])
 def test_bad_flags_fail_fast_with_their_message(flags, message):
     cmd = [sys.executable, str(SCRIPT), *BASE, *flags]

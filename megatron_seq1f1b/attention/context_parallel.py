@@ -191,16 +191,32 @@ def refuse_outside_segments(cp_size: int, module: str) -> None:
             "give it no exchange")
 
 
+#: A HybridStack spec's fields that hold attention layers (``*``, ``+``; Megatron-Core 0.18+).
+HYBRID_ATTENTION_LAYERS = ("attention_layer", "mla_layer")
+
+
+def attention_layer_specs(spec: Any) -> list:
+    """The layer specs inside `spec` that may hold a self-attention: a GPT layer spec itself, a
+    block spec's ``layer_specs``, or a ``HybridStack`` spec's attention and MLA layers."""
+    layers = getattr(spec, "layer_specs", None)
+    if layers is not None:
+        return list(layers)
+    submodules = getattr(spec, "submodules", None)
+    if hasattr(submodules, "attention_layer"):
+        return [getattr(submodules, name) for name in HYBRID_ATTENTION_LAYERS
+                if hasattr(submodules, name)]
+    return [spec]
+
+
 def context_parallel_layer_spec(spec: Any) -> Any:
-    """A copy of a GPT layer (or block) spec whose Megatron local core attention can be built
-    with context parallelism > 1 (Seq1F1B segments make the exchange); other core
-    attentions (the flash one, TE's) are left as they are."""
+    """A copy of a GPT layer (or block, or HybridStack) spec whose Megatron local core attention
+    can be built with context parallelism > 1 (Seq1F1B segments make the exchange); other
+    core attentions (the flash one, TE's) are left as they are."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = copy.deepcopy(spec)
-    layers = getattr(spec, "layer_specs", None)
-    for layer in [spec] if layers is None else list(layers):
+    for layer in attention_layer_specs(spec):
         attention = getattr(getattr(layer, "submodules", None), "self_attention", None)
         submodules = getattr(attention, "submodules", None)
         core = getattr(submodules, "core_attention", None)

@@ -67,7 +67,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_seq1f1b.attention import varlen
-from megatron_seq1f1b.attention.context_parallel import refuse_outside_segments
+from megatron_seq1f1b.attention.context_parallel import attention_layer_specs, refuse_outside_segments
 from megatron_seq1f1b.attention.prefix import bottom_right_causal, causal_spans, cpu_kernels_fit
 from megatron_seq1f1b.attention.varlen import window_mask
 
@@ -293,7 +293,8 @@ class FlashDotProductAttention(MegatronModule):
 
 
 def flash_layer_spec(spec: Any) -> Any:
-    """A copy of a GPT layer spec, or block spec (``layer_specs``), with flash core attention.
+    """A copy of a GPT layer spec, block spec (``layer_specs``) or HybridStack spec with flash
+    core attention.
 
     Every self-attention layer's ``core_attention`` (a class, or a ModuleSpec's
     module) becomes :class:`FlashDotProductAttention`; the rest of the spec is
@@ -302,8 +303,7 @@ def flash_layer_spec(spec: Any) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = copy.deepcopy(spec)
-    layers = getattr(spec, "layer_specs", None)
-    layers = [spec] if layers is None else list(layers)
+    layers = attention_layer_specs(spec)
     replaced = 0
     for layer in layers:
         attention = getattr(getattr(layer, "submodules", None), "self_attention", None)

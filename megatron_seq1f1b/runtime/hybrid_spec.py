@@ -30,14 +30,22 @@ def _final_norm_without_te() -> None:
         hybrid_block.TENorm = WrappedTorchNorm
 
 
-def local_hybrid_stack_spec(*, attention: str = "local", num_experts: int | None = None):
-    """A ``HybridStack`` spec for the symbols ``*`` (self-attention), ``-`` (MLP), ``E``
-    (MoE, ``num_experts`` experts) and ``/`` (multi-token prediction) from Megatron's local
-    modules; ``attention``: ``"local"`` (Megatron's ``DotProductAttention``) or ``"flash"``.
-    Megatron-Core 0.18 or later (``megatron.core.models.hybrid``)."""
+def local_hybrid_stack_spec(*, attention: str | type = "local", num_experts: int | None = None):
+    """A ``HybridStack`` spec for the symbols ``*`` (self-attention), ``+`` (multi-latent
+    attention, Megatron's unfused ``MLASelfAttention``), ``M`` (Mamba-2, ``MambaMixer``),
+    ``G`` (gated delta net), ``-`` (MLP), ``E`` (MoE, ``num_experts`` experts) and ``/``
+    (multi-token prediction) from Megatron's local modules.
+
+    ``attention``: ``"local"`` (Megatron's ``DotProductAttention``), ``"flash"``, or a core
+    attention class. MLA's values are narrower than its queries, which Megatron's local
+    ``DotProductAttention`` does not take: ``+`` needs ``"flash"`` or a class that does
+    (Transformer Engine's). Megatron-Core 0.18 or later (``megatron.core.models.hybrid``)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -45,6 +53,9 @@ def local_hybrid_stack_spec(*, attention: str = "local", num_experts: int | None
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.multi_latent_attention import (
+        MLASelfAttention, MLASelfAttentionSubmodules,
+    )
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules,
         MultiTokenPredictionLayer, MultiTokenPredictionLayerSubmodules,
@@ -55,10 +66,11 @@ def local_hybrid_stack_spec(*, attention: str = "local", num_experts: int | None
         MoETransformerLayer, TransformerLayer, TransformerLayerSubmodules,
     )
 
-    if attention not in ("local", "flash"):
-        raise ValueError(f"local_hybrid_stack_spec: attention={attention!r}; 'local' or 'flash'")
+    if isinstance(attention, str) and attention not in ("local", "flash"):
+        raise ValueError(f"local_hybrid_stack_spec: attention={attention!r}; 'local', 'flash' "
+                         "or a core attention class")
     _final_norm_without_te()
-    core = FlashDotProductAttention if attention == "flash" else DotProductAttention
+    core = {"flash": FlashDotProductAttention, "local": DotProductAttention}.get(attention, attention)
     attention_layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -69,6 +81,41 @@ def local_hybrid_stack_spec(*, attention: str = "local", num_experts: int | None
                     linear_qkv=ColumnParallelLinear, core_attention=core,
                     linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp)),
+            self_attn_bda=get_bias_dropout_add,
+        ),
+    )
+    mla_layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(
+                module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                submodules=MLASelfAttentionSubmodules(
+                    linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                    linear_q_up_proj=ColumnParallelLinear,
+                    linear_kv_down_proj=ColumnParallelLinear,
+                    linear_kv_up_proj=ColumnParallelLinear, core_attention=core,
+                    linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
+                    kv_layernorm=IdentityOp)),
+            self_attn_bda=get_bias_dropout_add,
+        ),
+    )
+    mamba_layer = ModuleSpec(
+        module=MambaLayer,
+        submodules=MambaLayerSubmodules(
+            norm=WrappedTorchNorm,
+            mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+                in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
+            mamba_bda=get_bias_dropout_add,
+        ),
+    )
+    gdn_layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+                in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+                out_proj=RowParallelLinear)),
             self_attn_bda=get_bias_dropout_add,
         ),
     )
@@ -99,8 +146,11 @@ def local_hybrid_stack_spec(*, attention: str = "local", num_experts: int | None
                 eh_proj=ColumnParallelLinear, mtp_model_layer=None),
         )]),
     )
+    # "+" from Megatron-Core 0.19 (0.18's HybridStackSubmodules has no mla_layer), "G" 0.18
+    optional = {name: layer for name, layer in (("mla_layer", mla_layer), ("gdn_layer", gdn_layer))
+                if hasattr(HybridStackSubmodules, name)}
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        attention_layer=attention_layer, mlp_layer=mlp_layer, moe_layer=moe_layer,
+        **optional, mamba_layer=mamba_layer, attention_layer=attention_layer, mlp_layer=mlp_layer, moe_layer=moe_layer,
         mtp_block_spec=mtp_block))
 
 

@@ -94,7 +94,7 @@ def _int_pair(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected two integers like '(1024, 0)', got {text!r}")
 
 
-def _hybrid_pattern_problems(args, pp: int, cp: int) -> list[str]:
+def _hybrid_pattern_problems(args, pp: int) -> list[str]:
     """--hybrid-layer-pattern as Megatron-LM reads it: --num-layers from the pattern, its '|'
     stages over the pipeline ranks (virtual stages where there are more); what this trainer
     builds."""
@@ -104,12 +104,18 @@ def _hybrid_pattern_problems(args, pp: int, cp: int) -> list[str]:
     problems = []
     if len(language_models()) < 2:
         problems.append("--hybrid-layer-pattern needs megatron-core 0.18 or later (HybridModel)")
-    other = sorted(set(pattern) - set("*-E|/"))
+    other = sorted(set(pattern) - set("*+-E|/"))
     if other:
         problems.append(f"--hybrid-layer-pattern {pattern!r}: this trainer builds attention "
-                        f"(*), MLP (-) and MoE (E) layers and MTP depths (/); not "
+                        f"(*), multi-latent attention (+), MLP (-) and MoE (E) layers and MTP "
+                        f"depths (/); not "
                         f"{' '.join(other)} (Mamba-2 M and gated delta net G carry a state "
                         "across Seq1F1B's cuts, which is not supported yet)")
+    if ("+" in pattern) != bool(args.multi_latent_attention):
+        problems.append(f"--hybrid-layer-pattern {pattern!r}: multi-latent attention layers "
+                        "(+) take their sizes from --multi-latent-attention's flags, and "
+                        "--multi-latent-attention builds MLA only in '+' layers: give both "
+                        "or neither")
     main, *depths = pattern.split("/")
     if depths:  # Megatron-LM: the MTP depths come from the pattern
         if args.mtp_num_layers not in (None, len(depths)):
@@ -124,9 +130,6 @@ def _hybrid_pattern_problems(args, pp: int, cp: int) -> list[str]:
         problems.append(f"--hybrid-layer-pattern {pattern!r}: a '|' stage without layers")
     if "E" in pattern and not args.num_experts:
         problems.append("--hybrid-layer-pattern with MoE layers (E) needs --num-experts")
-    if cp > 1:
-        problems.append("--hybrid-layer-pattern with --context-parallel-size > 1 is not "
-                        "supported by this trainer yet")
     if args.num_layers_per_virtual_pipeline_stage is not None:
         problems.append("--hybrid-layer-pattern sets the virtual pipeline by its '|' stages; "
                         "drop --num-layers-per-virtual-pipeline-stage")
@@ -161,10 +164,11 @@ def build_parser() -> StartupParser:
                        help="weight of the MTP losses (their mean over the depths)")
     model.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
                        help="build Megatron-Core's HybridModel (0.18+): one symbol per layer, "
-                            "'*' attention, '-' MLP, 'E' MoE (with --num-experts); '|' between "
+                            "'*' attention, '+' MLA (with --multi-latent-attention), '-' MLP, 'E' "
+                            "MoE (with --num-experts); '|' between "
                             "pipeline stages (stages / --pipeline-model-parallel-size = virtual "
                             "stages per rank). Sets --num-layers. As Megatron-LM's flag; this "
-                            "trainer builds *, - and E layers")
+                            "trainer builds *, +, - and E layers")
     model.add_argument("--hidden-size", type=positive_int, default=128)
     model.add_argument("--ffn-hidden-size", type=positive_int, default=None,
                        help="default 4 * hidden")
@@ -330,7 +334,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                         f"{args.data_parallel_size * tp}")
     args.virtual_pipeline_model_parallel_size = None
     if args.hybrid_layer_pattern is not None:
-        problems += _hybrid_pattern_problems(args, pp, cp)
+        problems += _hybrid_pattern_problems(args, pp)
     elif args.num_layers % pp:
         problems.append(f"--num-layers {args.num_layers} must divide by "
                         f"--pipeline-model-parallel-size {pp}")
