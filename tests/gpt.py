@@ -126,6 +126,12 @@ def make_config(spec: ModelSpec, *, tp=1, pp=1, vpp=None, sp=False, **overrides)
         fields.update(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
                       v_head_dim=6, rope_type="rope", rotary_scaling_factor=4.0,
                       original_max_position_embeddings=16, apply_rope_fusion=False)
+    if "M" in spec.hybrid:  # Mamba-2, small: 4 heads of 8 in 2 groups, state 8, chunks of 8
+        fields.update(mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2)
+    if "G" in spec.hybrid:  # gated delta net, small: 2 key heads, 4 value heads of 8
+        fields.update(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_conv_kernel_dim=4,
+                      activation_func=torch.nn.functional.silu)  # GDN's conv takes silu only
     if spec.hybrid and "/" in spec.hybrid:  # Megatron-LM infers MTP depth from the pattern
         fields["mtp_num_layers"] = spec.hybrid.count("/")
     fields.update(dict(spec.extra))
@@ -206,8 +212,13 @@ def build_hybrid_chunks(spec: ModelSpec, config: TransformerConfig) -> list:
     vpp = config.virtual_pipeline_model_parallel_size
     pattern = spec.hybrid if config.pipeline_model_parallel_size > 1 \
         else spec.hybrid.replace("|", "")
-    stack = local_hybrid_stack_spec(attention=spec.attention,
+    core = TEDotProductAttention if spec.mla and spec.attention == "local" else spec.attention
+    stack = local_hybrid_stack_spec(attention=core,
                                     num_experts=dict(spec.extra).get("num_moe_experts"))
+    if (config.context_parallel_size or 1) > 1:
+        from megatron_seq1f1b.attention.context_parallel import context_parallel_layer_spec
+
+        stack = context_parallel_layer_spec(stack)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
