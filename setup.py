@@ -28,7 +28,7 @@ setup(
         # for Megatron-Core's distributed checkpoint writer (--use-distributed-optimizer --save).
         "train": ["numpy", "psutil"],
         # Tests run on CPU with gloo and use the trainer.
-        "test": ["pytest>=7", "numpy", "psutil"],
+        "test": ["pytest>=7", "numpy", "psutil", "einops"],  # einops: Megatron's Mamba-2 layer
         # Pictures of schedules (PNG); the Chrome trace needs nothing extra.
         "plot": ["matplotlib"],
         # Optional on GPUs: Transformer Engine attention (causal_bottom_right masks).

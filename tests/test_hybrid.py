@@ -126,34 +126,6 @@ def test_hybrid_packed_documents(ranks, form):
     _check(results)
 
 
-def _refused(pattern_layer):
-    """enable() on a HybridModel whose stack holds a recurrent mixer (stand-in class named as
-    Megatron's): the error names the layer and the symbol."""
-    import torch
-
-    import megatron_seq1f1b as s1
-    from gpt import build_chunks, init_parallel, make_config
-
-    spec = hybrid("*-")
-    init_parallel()
-    (model,) = build_chunks(spec, make_config(spec))
-    mixer = type(pattern_layer, (torch.nn.Module,), {})()
-    model.decoder.layers[1].add_module("mixer", mixer)
-    try:
-        s1.enable(model)
-    except s1.ConfigError as error:
-        return str(error)
-    return None
-
-
-@pytest.mark.parametrize("mixer,symbol", [("MambaMixer", "symbol M"),
-                                          ("GatedDeltaNet", "symbol G")])
-def test_recurrent_layers_refused_clearly(ranks, mixer, symbol):
-    (message,) = ranks.run(1, _refused, case=f"refuse-{mixer}", pattern_layer=mixer)
-    assert message is not None and f"decoder.layers.1.mixer: {mixer}" in message, message
-    assert symbol in message and "recurrent state" in message
-
-
 def _cuts(pattern):
     """The executor's balanced cut of a one-stage HybridModel, and the pattern's own."""
     from gpt import build_chunks, init_parallel, make_config

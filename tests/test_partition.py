@@ -209,5 +209,13 @@ def test_hybrid_pattern_costs_by_layer_kind():
     assert unbuilt == hybrid  # '/' depths are built only with mtp_num_layers
     gpt_mtp = CostModel.from_config(config(num_layers=2, mtp_num_layers=1), 50257)
     assert gpt_mtp.per_pair == 1.5 * gpt.per_pair
-    with pytest.raises(ValueError, match="no cost model for G M"):
-        CostModel.from_config(config(num_layers=4), 50257, pattern="*M-G")
+    with pytest.raises(ValueError, match="no cost model for X"):
+        CostModel.from_config(config(num_layers=4), 50257, pattern="*X-G")
+    # recurrent layers: linear in the sequence, so a pattern of them is cut nearly uniformly
+    recurrent = CostModel.from_config(config(num_layers=6), 50257, pattern="M-M-G-")
+    assert recurrent.per_pair == 0 and recurrent.per_token > hybrid.per_token / 2
+    assert split_sequence(4096, 4, "balanced", config=config(num_layers=6), vocab_size=50257,
+                          pattern="M-M-G-") == [1024] * 4
+    mixed = split_sequence(4096, 4, "balanced", config=config(num_layers=7), vocab_size=50257,
+                           pattern="M-M-M*-")
+    assert mixed[0] > mixed[-1] and mixed[0] - mixed[-1] < attention_first[0] - attention_first[-1]

@@ -318,14 +318,26 @@ def _yarn(at: Layout) -> None:
         s1.enable(at.models)
 
 
-def _recurrent_mixer(at: Layout) -> None:
-    """A layer holding a Mamba-2 mixer (a stand-in named as Megatron's class)."""
-    layer = at.gpt().decoder.layers[0]
-    layer.add_module("mixer", type("MambaMixer", (torch.nn.Module,), {})())
-    try:
-        s1.enable(at.models)
-    finally:
-        del layer.mixer
+def _recurrent_mixer(name: str, **config: Any) -> RankTrigger:
+    """A layer holding a recurrent mixer (a stand-in named as Megatron's class, with a copy of
+    the model's config, options changed)."""
+    def trigger(at: Layout) -> None:
+        layer = at.gpt().decoder.layers[0]
+        mixer = type(name, (torch.nn.Module,), {})()
+        mixer.config = dataclasses.replace(at.config, **config)
+        layer.add_module("mixer", mixer)
+        try:
+            s1.enable(at.models)
+        finally:
+            del layer.mixer
+    return trigger
+
+
+def _recurrent_documents(at: Layout) -> None:
+    """End-of-document ids with a hybrid pattern holding Mamba-2 layers (the pattern every
+    stage reads)."""
+    with _changed(at.gpt(), hybrid_layer_pattern="M*M*"):
+        at.run(s1.get_forward_backward_func(2, documents=at.config.num_layers))
 
 
 def _cross_attention(at: Layout) -> None:
@@ -423,7 +435,11 @@ ON_RANKS: dict[str, dict[str, RankTrigger]] = {
         "enable-not-gpt": lambda at: s1.enable(torch.nn.Linear(2, 2)),
         "enable-context-parallel": _enable(context_parallel_size=2),
         "enable-hybrid-context-parallel": _enable(hybrid_context_parallel=True),
-        "enable-recurrent-layer": _recurrent_mixer,
+        "enable-recurrent-context-parallel": _recurrent_mixer("MambaMixer",
+                                                              context_parallel_size=2),
+        "enable-recurrent-deterministic": _recurrent_mixer("GatedDeltaNet",
+                                                           deterministic_mode=True),
+        "executor-recurrent-documents": _recurrent_documents,
         "enable-mla-yarn-rope-fusion": _enable(multi_latent_attention=True, rope_type="yarn",
                                                apply_rope_fusion=True),
         "enable-mla-down-proj-fusion": _enable(multi_latent_attention=True,

@@ -49,6 +49,10 @@ exactly those, in this process only, and only when called:
     applies it once: the same products, so the same numbers, at the cost of one
     call (a fair baseline for packed-document benchmarks; tests compare both).
 
+12. Mamba-2 and the gated delta net: where mamba_ssm, causal-conv1d and fla are missing, the
+    kernels Megatron's layers call are the project's torch references
+    (:mod:`~megatron_seq1f1b.runtime.cpu_recurrent`).
+
 Calling it twice is harmless. It must not be used in a process that also uses
 a GPU.
 """
@@ -62,6 +66,8 @@ import inspect
 import types
 
 import torch
+
+from megatron_seq1f1b.runtime import cpu_recurrent
 
 _ENABLED = False
 
@@ -322,6 +328,7 @@ def enable() -> None:
     _patch_missing_te()
     _patch_all_to_all_splits()
     _patch_thd_rope()
+    cpu_recurrent.install()
     _ENABLED = True
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from megatron_seq1f1b.attention import segmented as attention
 
 from megatron_seq1f1b.base.checks import SUPPORTED_POSITIONS, model_config_problems, raise_if
+from megatron_seq1f1b.runtime import recurrent_hooks
 from megatron_seq1f1b.segments import moe, mtp
 
 _ENABLED = "_seq1f1b_enabled"
@@ -118,10 +119,15 @@ def _check(gpt) -> list[str]:
     return problems
 
 
-#: Sequence mixers with a state along the sequence, by class name (a HybridModel's symbol):
-#: a segment would restart it.
-_RECURRENT = {"MambaMixer": "Mamba-2, hybrid pattern symbol M",
-              "GatedDeltaNet": "gated delta net, hybrid pattern symbol G"}
+def _recurrent_mixers(gpt) -> tuple[list, list[str]]:
+    """The recurrent mixers (Mamba-2, gated delta net) whose state Seq1F1B carries across
+    cuts, and why some cannot."""
+    found, problems = [], []
+    for name, module in gpt.named_modules():
+        if type(module).__name__ in recurrent_hooks.RECURRENT:
+            problems += recurrent_hooks.problems(module, name)
+            found.append(module)
+    return found, problems
 
 
 def _is_mla(module) -> bool:
@@ -145,14 +151,6 @@ def _attention_modules(gpt):
 
     found, problems = [], []
     for name, module in gpt.named_modules():
-        recurrent = _RECURRENT.get(type(module).__name__)
-        if recurrent is not None:
-            problems.append(
-                f"{name}: {type(module).__name__} ({recurrent}) carries a recurrent state "
-                "along the sequence, which Seq1F1B's segments do not carry across a cut yet; "
-                "use a hybrid_layer_pattern (--hybrid-layer-pattern) of attention (*), MLP "
-                "(-) and MoE (E) layers, or train it without segments")
-            continue
         if not isinstance(module, Attention):
             continue
         if _is_mla(module):
@@ -206,12 +204,15 @@ def enable(model):
         gpt = unwrap(chunk)
         problems += _check(gpt)
         cores, core_problems = _attention_modules(gpt)
-        problems += core_problems
-        plans.append((gpt, cores))
+        mixers, mixer_problems = _recurrent_mixers(gpt)
+        problems += core_problems + mixer_problems
+        plans.append((gpt, cores, mixers))
     raise_if(sorted(set(problems), key=problems.index))
-    for gpt, cores in plans:
+    for gpt, cores, mixers in plans:
         for core, make_forward in cores:
             attention.install_forward(core, make_forward)
+        for mixer in mixers:
+            recurrent_hooks.prepare(mixer)
         for router in moe.routers(gpt):
             moe.install(router)
         mtp.install(gpt)

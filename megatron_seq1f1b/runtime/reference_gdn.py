@@ -47,30 +47,32 @@ def _gdr_chunked(q, k, v, g, beta, scale, state, L):
     v = v.reshape(b, nc, L, h, V).permute(0, 3, 1, 2, 4)
     g = g.reshape(b, nc, L, h).permute(0, 3, 1, 2)  # [b, h, nc, L]
     beta = beta.reshape(b, nc, L, h).permute(0, 3, 1, 2)
-    G = g.cumsum(dim=-1)
+    # decays summed in fp64: a chunk's sums reach hundreds, where fp32 differences of two
+    # sums lose digits (a whole sequence and its segments would then round differently)
+    G = g.to(torch.float64).cumsum(dim=-1)
     incl = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     strict = incl.tril(-1)
     diff = G[..., :, None] - G[..., None, :]
     # gamma_t / gamma_s for s <= t, 0 above the diagonal
-    ratio = torch.where(incl, diff, torch.full_like(diff, -math.inf)).exp()
+    ratio = torch.where(incl, diff, torch.full_like(diff, -math.inf)).exp().to(q.dtype)
     kk = k @ k.transpose(-1, -2)
     M = beta[..., None] * torch.where(strict, ratio, torch.zeros_like(ratio)) * kk
     eye = torch.eye(L, dtype=q.dtype, device=q.device)
     tri = eye + M
     Tv = torch.linalg.solve_triangular(tri, beta[..., None] * v, upper=False, unitriangular=True)
     Tk = torch.linalg.solve_triangular(
-        tri, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True
+        tri, (beta * G.exp().to(q.dtype))[..., None] * k, upper=False, unitriangular=True
     )
     qk = (q @ k.transpose(-1, -2)) * ratio
     outs = []
     for c in range(nc):
         U = Tv[:, :, c] - Tk[:, :, c] @ state  # [b, h, L, V]
         Gc = G[:, :, c]
-        o = (q[:, :, c] * Gc.exp()[..., None]) @ state + qk[:, :, c] @ U
+        o = (q[:, :, c] * Gc.exp().to(q.dtype)[..., None]) @ state + qk[:, :, c] @ U
         outs.append(o * scale)
-        to_end = (Gc[..., -1:] - Gc).exp()  # [b, h, L]
+        to_end = (Gc[..., -1:] - Gc).exp().to(q.dtype)  # [b, h, L]
         state = (
-            Gc[..., -1].exp()[..., None, None] * state
+            Gc[..., -1].exp().to(q.dtype)[..., None, None] * state
             + (k[:, :, c] * to_end[..., None]).transpose(-1, -2) @ U
         )
     if nc:

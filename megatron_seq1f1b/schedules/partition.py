@@ -215,8 +215,34 @@ def _mlp_weights(config, moe: bool) -> int:
 
 #: A HybridModel pattern's symbols by what their layer computes per token (Megatron-Core
 #: ``hybrid_layer_allocation.Symbols``): attention (MLA ``+``, sparse ``D`` alike), a dense
-#: MLP, a mixture of experts. Mamba-2 (``M``) and gated delta nets (``G``) are not costed.
-KINDS = {"*": "attention", "+": "attention", "D": "attention", "-": "mlp", "E": "moe"}
+#: MLP, a mixture of experts, Mamba-2 and a gated delta net (recurrent: linear in the
+#: sequence, no pair term).
+KINDS = {"*": "attention", "+": "attention", "D": "attention", "-": "mlp", "E": "moe",
+         "M": "mamba", "G": "gdn"}
+
+
+def _mamba_weights(config) -> int:
+    """What one token costs in Megatron's ``MambaMixer``, as weights: its projections and
+    convolution, and the scan's state update and read-out (``d_inner x d_state`` each)."""
+    h, headdim = config.hidden_size, getattr(config, "mamba_head_dim", 64)
+    heads = getattr(config, "mamba_num_heads", None) or 2 * h // headdim
+    inner = heads * headdim
+    groups, state = getattr(config, "mamba_num_groups", 8), getattr(config, "mamba_state_dim", 128)
+    conv = inner + 2 * groups * state
+    return h * (2 * inner + 2 * groups * state + heads) + inner * h + conv * 4 + 2 * inner * state
+
+
+def _gdn_weights(config) -> int:
+    """What one token costs in Megatron's ``GatedDeltaNet``, as weights: its projections and
+    convolution, and the delta rule's state update and read-out (``d_k x d_v`` per head)."""
+    h = config.hidden_size
+    key_dim = getattr(config, "linear_key_head_dim", 128)  # Megatron-Core's defaults
+    qk = getattr(config, "linear_num_key_heads", 16) * key_dim
+    heads = getattr(config, "linear_num_value_heads", 32)
+    value_dim = getattr(config, "linear_value_head_dim", 128)
+    v = heads * value_dim
+    conv = (2 * qk + v) * (getattr(config, "linear_conv_kernel_dim", 4) or 4)
+    return h * (2 * qk + 2 * v + 2 * heads) + v * h + conv + 3 * heads * key_dim * value_dim
 
 
 Layer = tuple  # what one layer computes per token: ("attention", "mlp"), ("moe",), ...
@@ -233,7 +259,7 @@ def layer_kinds(config, pattern: str | None = None) -> tuple[list[Layer], list[l
     unknown = sorted(set(pattern.replace("|", "").replace("/", "")) - set(KINDS))
     if unknown:
         raise ValueError(f"hybrid pattern {pattern!r}: no cost model for {' '.join(unknown)} "
-                         "(attention *, +, D; MLP -; MoE E)")
+                         "(attention *, +, D; MLP -; MoE E; Mamba-2 M; gated delta net G)")
     if not getattr(config, "mtp_num_layers", None):
         depths = []  # the '/' depths are built only with mtp_num_layers (Megatron-LM sets it)
     return ([(KINDS[c],) for c in main.replace("|", "")],
@@ -244,6 +270,10 @@ def _layer_weights(config, kind: str, attention_weights: int) -> int:
     """Weights one token goes through in a layer of this kind."""
     if kind == "attention":
         return attention_weights
+    if kind == "mamba":
+        return _mamba_weights(config)
+    if kind == "gdn":
+        return _gdn_weights(config)
     return _mlp_weights(config, kind == "moe")
 
 

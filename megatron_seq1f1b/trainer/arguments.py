@@ -109,8 +109,9 @@ def _hybrid_pattern_problems(args, pp: int) -> list[str]:
         problems.append(f"--hybrid-layer-pattern {pattern!r}: this trainer builds attention "
                         f"(*), multi-latent attention (+), MLP (-) and MoE (E) layers and MTP "
                         f"depths (/); not "
-                        f"{' '.join(other)} (Mamba-2 M and gated delta net G carry a state "
-                        "across Seq1F1B's cuts, which is not supported yet)")
+                        f"{' '.join(other)} (Mamba-2 M and gated delta net G: "
+                        "megatron_seq1f1b.enable() carries their state across cuts, this "
+                        "trainer does not build them yet)")
     if ("+" in pattern) != bool(args.multi_latent_attention):
         problems.append(f"--hybrid-layer-pattern {pattern!r}: multi-latent attention layers "
                         "(+) take their sizes from --multi-latent-attention's flags, and "
