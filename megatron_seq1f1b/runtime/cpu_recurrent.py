@@ -49,6 +49,11 @@ class _ExtendedRMSNorm(reference.RMSNormGated):
                                                    prefix, {"weight": 0}, sharded_offsets)
 
 
+def _packing_supported(for_inference_not_training: bool = True) -> tuple[bool, None]:
+    """The reference kernels take packed sequences (``seq_idx``, ``cu_seqlens``)."""
+    return True, None
+
+
 def _install_mamba() -> None:
     if importlib.util.find_spec("mamba_ssm") is not None:
         return
@@ -63,6 +68,8 @@ def _install_mamba() -> None:
         mixer.ExtendedRMSNorm = _ExtendedRMSNorm
     mixer.HAVE_MAMBA_SSM = True
     mixer.MAMBA_HAS_STATE_DTYPE = True  # the reference scans take state_dtype
+    if hasattr(mixer, "_check_mamba_sequence_packing_support"):  # reads the packages' versions
+        mixer._check_mamba_sequence_packing_support = _packing_supported
 
 
 def _install_gdn() -> None:

@@ -238,11 +238,6 @@ def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
         raise_if(["packed (THD) documents with context parallelism are not supported (each "
                   "document would need its own CP split); give documents by end-of-document "
                   "tokens, or use context_parallel_size=1"])
-    recurrent = set(layer_pattern(chunks) or "") & set("MG")
-    if documents is not None and num_splits > 1 and recurrent:
-        raise_if([f"documents with recurrent layers ({' '.join(sorted(recurrent))} in the hybrid "
-                  "pattern): their state does not yet restart at a document start inside a "
-                  "Seq1F1B segment; train packed documents without them, or without documents"])
     if documents == "cu_seqlens" and getattr(config, "apply_rope_fusion", False) and any(
             getattr(unwrap(chunk), "position_embedding_type", None) == "rope" for chunk in chunks):
         raise_if(["packed (THD) documents with apply_rope_fusion: the fused THD RoPE kernel "

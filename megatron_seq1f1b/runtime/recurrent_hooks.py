@@ -76,14 +76,18 @@ def _current() -> Any:
     return layer if layer is not None and segments.active() is not None else None
 
 
-def _no_documents(layer: Any, given: Any) -> None:
-    if given is not None:
-        raise RuntimeError(f"Seq1F1B: {type(layer).__name__} on a packed batch (seq_idx / "
-                           "cu_seqlens): recurrent layers carry state across cuts of unpacked "
-                           "sequences only")
+def _first_of(state: torch.Tensor | None, count: int) -> torch.Tensor | None:
+    """A packed batch's initial states, one per sequence piece: the carried state for the
+    first piece (the document crossing the cut; zeroed where one starts at it), zeros for
+    the others (their documents start inside the segment)."""
+    if state is None or count == 1:
+        return state
+    return torch.cat([state, state.new_zeros((count - 1, *state.shape[1:]))])
 
 
 # -- gated delta net -------------------------------------------------------------------------
+# Packed batches (cu_seqlens: one state per document piece) restart at document starts, as
+# Megatron's layer does; unpacked ones run on across documents, as Megatron's layer does.
 
 def _gdn_conv(original: Callable) -> Callable:
     @functools.wraps(original)
@@ -94,11 +98,13 @@ def _gdn_conv(original: Callable) -> Callable:
             return original(x, weight, bias, *args, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                             **kwargs)
-        _no_documents(layer, cu_seqlens)
-        window = state_carry.initial(layer, "conv", window_axis=2)
+        packed = cu_seqlens is not None
+        window = state_carry.initial(layer, "conv", window_axis=2, restart_documents=packed)
+        if packed:
+            window = _first_of(window, cu_seqlens.numel() - 1)
         y, final = original(x, weight, bias, *args, initial_state=window,
-                            output_final_state=True, **kwargs)
-        return state_carry.handed_on(layer, "conv", y, final), None
+                            output_final_state=True, cu_seqlens=cu_seqlens, **kwargs)
+        return state_carry.handed_on(layer, "conv", y, final[-1:] if packed else final), None
 
     causal_conv1d.seq1f1b_carry = True
     return causal_conv1d
@@ -112,17 +118,40 @@ def _gdn_rule(layer: Any, original: Callable) -> Callable:
             return original(q, k, v, *args, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                             **kwargs)
-        _no_documents(layer, cu_seqlens)
-        state = state_carry.initial(layer, "recurrent")
+        packed = cu_seqlens is not None
+        state = state_carry.initial(layer, "recurrent", restart_documents=packed)
+        if packed:
+            state = _first_of(state, cu_seqlens.numel() - 1)
         out, final = original(q, k, v, *args, initial_state=state, output_final_state=True,
-                              **kwargs)
-        return state_carry.handed_on(layer, "recurrent", out, final), None
+                              cu_seqlens=cu_seqlens, **kwargs)
+        return state_carry.handed_on(layer, "recurrent", out,
+                                     final[-1:] if packed else final), None
 
     gated_delta_rule.seq1f1b_carry = True
     return gated_delta_rule
 
 
 # -- Mamba-2 ----------------------------------------------------------------------------------
+
+def _conv_with_window(conv: Callable, xBC: torch.Tensor, carried: torch.Tensor | None,
+                      weight: torch.Tensor, bias: torch.Tensor | None,
+                      seq_idx: torch.Tensor | None, activation: str):
+    """causal-conv1d's ``causal_conv1d_fn`` over ``xBC`` [b, l, d] preceded by the carried
+    window [b, d, W-1]: (the outputs [b, l, d], the window handed on [b, d, W-1]).
+
+    The window enters as tokens of the first sequence piece (its ``seq_idx``), not as the
+    kernel's ``initial_states``: causal-conv1d takes no initial states with ``seq_idx``.
+    Inputs are laid out channel-last, as the kernel wants for ``seq_idx``."""
+    b, length, _ = xBC.shape
+    taps = weight.shape[-1] - 1
+    if carried is None:
+        carried = xBC.new_zeros(b, xBC.shape[-1], taps)
+    inputs = torch.cat([carried.transpose(1, 2).to(xBC.dtype), xBC], dim=1)  # [b, W-1+l, d]
+    if seq_idx is not None:
+        seq_idx = torch.cat([seq_idx[:, :1].expand(b, taps), seq_idx], dim=1).contiguous()
+    out = conv(inputs.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation=activation)
+    return out[..., taps:].transpose(1, 2), inputs[:, -taps:].transpose(1, 2)
+
 
 def _mamba_split_conv1d_scan(module: Any, original: Callable) -> Callable:
     """mamba_ssm's fused kernel outside segments; inside, its two-kernel equivalent with both
@@ -145,7 +174,6 @@ def _mamba_split_conv1d_scan(module: Any, original: Callable) -> Callable:
                             outproj_weight=outproj_weight, outproj_bias=outproj_bias,
                             headdim=headdim, ngroups=ngroups, norm_before_gate=norm_before_gate,
                             **kwargs)
-        _no_documents(layer, seq_idx)
         if rmsnorm_weight is not None or outproj_weight is not None or initial_states is not None:
             raise NotImplementedError("Seq1F1B's Mamba-2 carry: the fused kernel's own norm, "
                                       "output projection and initial states are not used by "
@@ -158,20 +186,19 @@ def _mamba_split_conv1d_scan(module: Any, original: Callable) -> Callable:
         zx0, z, xBC, dt = torch.split(
             zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
         b, length = zxbcdt.shape[:2]
-        window = state_carry.initial(layer, "conv", window_axis=2)
-        if window is not None:  # the CUDA kernel takes states channel-last, as x is here
-            window = window.transpose(1, 2).contiguous().transpose(1, 2)
-        xBC, window = module.causal_conv1d_fn(
-            xBC.transpose(1, 2), conv1d_weight, conv1d_bias, initial_states=window,
-            return_final_states=True, activation=activation)
-        x, B, C = torch.split(xBC.transpose(1, 2), [dim, ngroups * dstate, ngroups * dstate],
-                              dim=-1)
+        # Packed batches (seq_idx) restart at document starts, as Megatron's layer does;
+        # unpacked ones run on across documents, as Megatron's layer does.
+        packed = seq_idx is not None
+        carried = state_carry.initial(layer, "conv", window_axis=2, restart_documents=packed)
+        xBC, window = _conv_with_window(module.causal_conv1d_fn, xBC, carried, conv1d_weight,
+                                        conv1d_bias, seq_idx, activation)
+        x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         y, state = module.mamba_chunk_scan_combined(
             x.reshape(b, length, nheads, headdim), dt, A, B.reshape(b, length, ngroups, dstate),
             C.reshape(b, length, ngroups, dstate), chunk_size, D=D,
             z=z.reshape(b, length, nheads, headdim), dt_bias=dt_bias, dt_softplus=True,
-            initial_states=state_carry.initial(layer, "ssm"), dt_limit=dt_limit,
-            return_final_states=True, **kwargs)
+            initial_states=state_carry.initial(layer, "ssm", restart_documents=packed),
+            seq_idx=seq_idx, dt_limit=dt_limit, return_final_states=True, **kwargs)
         y = y.reshape(b, length, dim)
         if d_nonssm:
             first, second = zx0.chunk(2, dim=-1)

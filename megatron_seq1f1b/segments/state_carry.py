@@ -143,12 +143,15 @@ class _StateOut(torch.autograd.Function):
         return grad_output, owed, None, None
 
 
-def initial(layer: Any, name: str, window_axis: int | None = None) -> torch.Tensor | None:
+def initial(layer: Any, name: str, window_axis: int | None = None,
+            restart_documents: bool = True) -> torch.Tensor | None:
     """The initial state of ``layer``'s ``name`` for the running segment: the previous
     segment's final state, or None (the first segment, or outside segments): the kernel
     then starts from zeros. With documents, what belongs to earlier documents is zeroed per
     sample (``window_axis``: the state is the last inputs before the cut along that axis,
-    batch first, e.g. a causal convolution's window; else a recurrence's summary state)."""
+    batch first, e.g. a causal convolution's window; else a recurrence's summary state),
+    unless ``restart_documents`` is False (a layer that, as Megatron's recurrent mixers on
+    unpacked batches, does not see the documents: its state runs on across them)."""
     unit = segments.active()
     if unit is None or unit.info.index == 0:
         return None
@@ -162,7 +165,7 @@ def initial(layer: Any, name: str, window_axis: int | None = None) -> torch.Tens
     state = leaf if not leaf.requires_grad else \
         _StateIn.apply(leaf, carry, _key(unit, layer, name, unit.info.index - 1))
     # zeroed after the hand-over: those entries' gradient is zero too
-    return _older_documents(unit, state, window_axis)
+    return _older_documents(unit, state, window_axis) if restart_documents else state
 
 
 def handed_on(layer: Any, name: str, output: torch.Tensor,
