@@ -355,8 +355,10 @@ def packed_seq_params(batch: dict):
 
     cu = batch["cu_seqlens"].squeeze(0)
     longest = int(batch["max_seqlen"].item())
+    # total_tokens: Megatron derives Mamba's seq_idx (its documents) from it
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+                           max_seqlen_q=longest, max_seqlen_kv=longest,
+                           total_tokens=int(batch["tokens"].shape[-1]))
 
 
 def data_documents(data: DataSpec, count: int, seq_length: int):
@@ -472,20 +474,68 @@ def global_name(chunk: GPTModel, local_name: str, spec: ModelSpec) -> str:
     return local_name
 
 
-def tp_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    if getattr(param, "tensor_model_parallel", False):
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank()
+def tp_sections(chunk) -> dict[str, list[int]]:
+    """This rank's section sizes of the chunk's packed tensor-parallel parameters, by name.
+
+    A recurrent mixer's in_proj (a ColumnParallelLinear) concatenates sections that tensor
+    parallelism splits one by one (Mamba: z x B C dt; gated delta net: q k v z beta alpha), and
+    so does its depthwise conv1d (x B C; q k v): a rank holds its part of every section, not
+    one contiguous chunk of the whole. The sizes come from the module: Mamba marks them as
+    `partition_sizes` (what Megatron's resharding reads), the gated delta net keeps its in_proj
+    ones as `in_proj_split_sections`, whose first three (q k v) are its conv1d channels.
+    """
+    sections = {name: list(param.partition_sizes) for name, param in chunk.named_parameters()
+                if getattr(param, "partition_sizes", None)}
+    for prefix, module in chunk.named_modules():
+        split = getattr(module, "in_proj_split_sections", None)
+        if split is None:
+            continue
+        for part, sizes in (("in_proj", list(split)), ("conv1d", list(split[:3]))):
+            for name, param in getattr(module, part).named_parameters():
+                assert sum(sizes) == param.shape[0], (prefix, part, name, sizes)
+                sections.setdefault(f"{prefix}.{part}.{name}", sizes)
+    return sections
+
+
+def tp_partial_grads(chunk) -> set[str]:
+    """Names of the chunk's TP-replicated parameters whose gradient is only this rank's part.
+
+    The gated delta net's out_norm normalizes each value head and TP splits the heads, so each
+    rank's gradient of the (replicated) norm sums over its heads only. Megatron sums such
+    gradients over TP in finalize_model_grads only when marked sequence parallel (TENorm under
+    sequence parallelism) or for q/k layernorms; the local spec's torch norms allow no sequence
+    parallelism, so the harness compares the sum over TP ranks.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return set()
+    return {f"{prefix}.out_norm.{name}" for prefix, module in chunk.named_modules()
+            if hasattr(module, "in_proj_split_sections")
+            for name, param in module.out_norm.named_parameters()
+            if not getattr(param, "sequence_parallel", False)}  # else Megatron sums them
+
+
+def tp_slice(param: torch.Tensor, full: torch.Tensor,
+             sections: list[int] | None = None) -> torch.Tensor:
+    """This rank's part of `full` (the one-rank tensor); `sections`: see tp_sections."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    if not sections:
         return full.chunk(tp, dim=param.partition_dim)[rank]
-    return full
+    parts = full.split([size * tp for size in sections], dim=param.partition_dim)
+    return torch.cat([part.chunk(tp, dim=param.partition_dim)[rank] for part in parts],
+                     dim=param.partition_dim)
 
 
 def copy_weights(chunks: Iterable, ref: dict, spec: ModelSpec) -> None:
     with torch.no_grad():
         for chunk in chunks:
             chunk = unwrap(chunk)
+            sections = tp_sections(chunk)
             for name, param in chunk.named_parameters():
-                param.copy_(tp_slice(param, ref["state"][global_name(chunk, name, spec)]))
+                full = ref["state"][global_name(chunk, name, spec)]
+                param.copy_(tp_slice(param, full, sections.get(name)))
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> tuple[bool, float]:
@@ -499,11 +549,17 @@ def compare_grads(chunks: Iterable, ref: dict, spec: ModelSpec, rtol: float = RT
     problems = []
     for chunk in chunks:
         gpt = unwrap(chunk)
+        sections, partial = tp_sections(gpt), tp_partial_grads(gpt)
         for name, param in gpt.named_parameters():
             grad = getattr(param, "main_grad", None)
             if grad is None:
                 grad = param.grad
-            expected = tp_slice(param, ref["grads"][global_name(gpt, name, spec)])
+            if name in partial and grad is not None:
+                grad = grad.clone()
+                torch.distributed.all_reduce(
+                    grad, group=parallel_state.get_tensor_model_parallel_group())
+            expected = tp_slice(param, ref["grads"][global_name(gpt, name, spec)],
+                                sections.get(name))
             if grad is None:
                 problems.append(f"{name}: no gradient")
                 continue
@@ -592,9 +648,11 @@ def run_layout(
     world = torch.distributed.get_world_size()
     dp = world // (tp * pp * cp)
     batches = make_batches(model, data, count=data.num_microbatches * dp)
-    # Megatron's MTP rolls a packed batch per document, a dense-masked one across documents:
-    # with MTP the reference runs packed batches as packed.
-    packed_reference = data.thd and bool(dict(model.extra).get("mtp_num_layers"))
+    # Megatron's MTP rolls a packed batch per document, a dense-masked one across documents,
+    # and its recurrent mixers restart only on packed ones: with MTP, Mamba-2 or gated delta
+    # net layers the reference runs packed batches as packed.
+    packed_reference = data.thd and (bool(dict(model.extra).get("mtp_num_layers"))
+                                     or bool(set(model.hybrid) & set("MG")))
     ref = reference(model, (data, dp),
                     make_batches(model, data, count=data.num_microbatches * dp,
                                  reference=not packed_reference),

@@ -53,3 +53,34 @@ def test_recurrent_pattern_equals_no_pipelining(ranks, pattern, pp, vpp, k, part
                         pp=pp, vpp=vpp, seq1f1b=seq1f1b)
     _check(results)
 
+
+def test_recurrent_tensor_parallel(ranks):
+    """Tensor parallel 2 x pipeline 2: each rank holds its heads' part of every section of the
+    mixers' packed in_proj and conv1d (and of A_log, D, dt_bias, Mamba's norm) and carries
+    those heads' states from segment to segment (the harness shards by Megatron's sections)."""
+    model = ModelSpec(hybrid="M-G*|G-M*")
+    results = ranks.run(4, run_layout, case="recurrent-tp2-pp2", model=model,
+                        data=DataSpec(num_microbatches=2), tp=2, pp=2,
+                        seq1f1b=dict(num_splits=3, partition="balanced"))
+    _check(results)
+
+
+# documents crossing no, one and several cuts (tests/test_documents.py's layouts)
+DOCUMENTS = (((0, 5, 20),), ((0, 3, 11, 12, 27),), ((0, 8, 16, 24),))
+
+
+@pytest.mark.parametrize("form,k,partition", [("eod-local", 4, "uniform"),
+                                              ("thd-flash", 4, "uniform"),
+                                              ("thd-flash", 3, "documents")])
+def test_recurrent_documents(ranks, form, k, partition):
+    """Packed THD batches: the recurrent states restart at each document start, as Megatron's
+    layers do (Mamba's seq_idx, the gated delta net's cu_seqlens), and only the document
+    crossing a cut carries its state; end-of-document ids: Megatron's layers do not see the
+    documents, so the states run on across them, in segments as in the whole sequence."""
+    thd = form == "thd-flash"
+    model = ModelSpec(hybrid="M-G*|G-M*", attention="flash" if thd else "local")
+    results = ranks.run(2, run_layout, case=f"recurrent-documents-{form}-{k}", model=model,
+                        data=DataSpec(num_microbatches=3, documents=DOCUMENTS, thd=thd), pp=2,
+                        seq1f1b=dict(num_splits=k, partition=partition,
+                                     documents="cu_seqlens" if thd else model.vocab_size - 1))
+    _check(results)
