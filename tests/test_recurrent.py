@@ -4,6 +4,7 @@ GatedDeltaNet, the project's reference kernels on CPU in both runs); loss and ev
 equal no-pipelining training of the same pattern on the full sequence (fp32, rel. 1e-5)."""
 
 import importlib.util
+import os
 
 import pytest
 
@@ -23,6 +24,7 @@ def _check(results):
     assert any(r["entries"] for r in results), "no rank reported losses"
 
 
+FULL = os.environ.get("SEQ1F1B_FULL") == "1"  # CI runs the cases that cut differently
 MOE = (("num_moe_experts", 4), ("moe_router_topk", 2), ("add_bias_linear", False),
        ("moe_aux_loss_coeff", 0.1), ("moe_router_load_balancing_type", "aux_loss"),
        ("moe_token_dispatcher_type", "alltoall"))
@@ -35,8 +37,7 @@ CASES = [
     ("MG|*-|GM|E*", 4, None, 4, "balanced", "1f1b", 2, 32),
     ("M-|G*|-M|*G", 2, 2, 2, "balanced", "1f1b", 1, 32),
     ("MG*-|GM-*", 2, None, 4, "uniform", "zb-h1", 1, 12),
-    ("MG|*-", 2, None, 1, "uniform", "1f1b", 1, 32),
-]
+] + ([("MG|*-", 2, None, 1, "uniform", "1f1b", 1, 32)] if FULL else [])
 
 
 @pytest.mark.parametrize("pattern,pp,vpp,k,partition,schedule,mbs,seq", CASES,
@@ -69,9 +70,8 @@ def test_recurrent_tensor_parallel(ranks):
 DOCUMENTS = (((0, 5, 20),), ((0, 3, 11, 12, 27),), ((0, 8, 16, 24),))
 
 
-@pytest.mark.parametrize("form,k,partition", [("eod-local", 4, "uniform"),
-                                              ("thd-flash", 4, "uniform"),
-                                              ("thd-flash", 3, "documents")])
+@pytest.mark.parametrize("form,k,partition", [("thd-flash", 4, "uniform")] + (
+    [("eod-local", 4, "uniform"), ("thd-flash", 3, "documents")] if FULL else []))
 def test_recurrent_documents(ranks, form, k, partition):
     """Packed THD batches: the recurrent states restart at each document start, as Megatron's
     layers do (Mamba's seq_idx, the gated delta net's cu_seqlens), and only the document
