@@ -77,10 +77,11 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
 
 def hybrid_model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
-    """A Megatron-Core HybridModel chunk of --hybrid-layer-pattern (*, +, - and E layers) with
-    megatron_seq1f1b's local hybrid spec (Megatron's own modules, no Transformer Engine; MLA's
-    core attention is the flash one, as for the GPT); one pipeline rank builds the whole
-    pattern."""
+    """A Megatron-Core HybridModel chunk of --hybrid-layer-pattern (*, +, M, G, - and E layers)
+    with megatron_seq1f1b's local hybrid spec (Megatron's own modules, no Transformer Engine;
+    MLA's core attention is the flash one, as for the GPT; Mamba-2 and gated delta nets are
+    Megatron's MambaMixer and GatedDeltaNet, on CPU with megatron_seq1f1b's reference kernels);
+    one pipeline rank builds the whole pattern."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from megatron_seq1f1b.runtime.hybrid_spec import local_hybrid_stack_spec
@@ -137,8 +138,10 @@ def packed_seq_params(batch: dict):
 
     cu_seqlens = cu_seqlens.squeeze(0)  # [1, N] in the batch, 1-D for attention
     longest = int(batch["max_seqlen"].max().item())
+    # total_tokens, as pretrain_hybrid.py sets it: Mamba's seq_idx (its documents) follows
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+                           max_seqlen_q=longest, max_seqlen_kv=longest,
+                           total_tokens=int(cu_seqlens[-1].item()))
 
 
 def forward_step(data_iterator, model):

@@ -714,19 +714,20 @@ def test_patched_builder_with_context_parallel(lm_checkout, tmp_path):
 
 HYBRID_BUILDER_PROBE = r"""
 import json, runpy, socket, sys, types
-# A hybrid pattern of attention (*), MLP (-) and MoE (E) layers; our local (non-TE) stack spec
-# through --spec (core_v0.18.2's hybrid_builder requires one; core_v0.19.0's builder would
-# take Transformer Engine's); no fusions, dropout or linear biases (CPU, exact comparison).
-sys.argv = ["pretrain_hybrid.py", "--hybrid-layer-pattern", "*-*E", "--hidden-size", "64",
+# A hybrid pattern (PATTERN, with FLAGS; NUM_EXPERTS for its MoE layers, set before this
+# text); our local (non-TE) stack spec through --spec (core_v0.18.2's hybrid_builder requires
+# one; core_v0.19.0's builder would take Transformer Engine's); no fusions, dropout or linear
+# biases (CPU, exact comparison).
+sys.argv = ["pretrain_hybrid.py", "--hybrid-layer-pattern", PATTERN, "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-            "--transformer-impl", "local", "--num-experts", "4", "--use-cpu-initialization",
+            "--transformer-impl", "local", "--use-cpu-initialization",
             "--position-embedding-type", "rope", "--no-rope-fusion", "--no-persist-layer-norm",
             "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
-            "--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--disable-bias-linear",
-            "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--spec", "seq1f1b_probe_spec", "spec", "--seq1f1b", "--seq1f1b-splits", "2"]
+            "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+            "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--spec", "seq1f1b_probe_spec", "spec", "--seq1f1b", "--seq1f1b-splits", "2", *FLAGS]
 """ + _guarded_imports("""import pretrain_hybrid  # noqa: F401 (the patched script's imports)
 import megatron.training
 from megatron.training import training""") + r"""
@@ -736,16 +737,17 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_seq1f1b import ConfigError
 from megatron_seq1f1b.megatron_lm import GPT_BATCH_KEYS, prepare_model
 from megatron_seq1f1b.runtime import cpu
 from megatron_seq1f1b.runtime.model_hooks import is_prepared, unwrap
 
 if not torch.cuda.is_available():
-    cpu.enable()
+    cpu.enable()  # the reference kernels in Megatron's recurrent mixers too (this checkout's)
 from megatron_seq1f1b.runtime.hybrid_spec import local_hybrid_stack_spec
 
 spec_module = types.ModuleType("seq1f1b_probe_spec")
-spec_module.spec = local_hybrid_stack_spec(attention="local", num_experts=4)
+spec_module.spec = local_hybrid_stack_spec(attention="local", num_experts=NUM_EXPERTS)
 sys.modules["seq1f1b_probe_spec"] = spec_module
 
 # The patched __main__ (flags, validate_args, the model hook), up to its pretrain() call.
@@ -761,18 +763,22 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, w
 parallel_state.initialize_model_parallel()
 tensor_parallel.model_parallel_cuda_manual_seed(1234)
 pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-if len(call) == 5:  # core_v0.18: pretrain(config, datasets, partial(model_provider, ...), ...)
-    provider = call[2]
-    hooked = getattr(provider.func, "seq1f1b_wrapped", None) is not None
-    # as get_model calls it (one chunk)
-    chunks = [provider(pre_process=True, post_process=True, config=None,
-                       pg_collection=pg_collection)]
-else:  # core_v0.19: pretrain(config, ...): the HybridModelConfig's builder, as
-    # setup_model_and_optimizer runs it (its post-wrap hooks after building the chunks)
-    model_config = call[0].model
-    hooked = prepare_model in model_config.post_wrap_hooks
-    chunks = model_config.get_builder_cls()(model_config).build_distributed_models(
-        pg_collection=pg_collection, wrap_with_ddp=False)
+try:
+    if len(call) == 5:  # core_v0.18: pretrain(config, datasets, partial(model_provider, ...))
+        provider = call[2]
+        hooked = getattr(provider.func, "seq1f1b_wrapped", None) is not None
+        # as get_model calls it (one chunk)
+        chunks = [provider(pre_process=True, post_process=True, config=None,
+                           pg_collection=pg_collection)]
+    else:  # core_v0.19: pretrain(config, ...): the HybridModelConfig's builder, as
+        # setup_model_and_optimizer runs it (its post-wrap hooks after building the chunks)
+        model_config = call[0].model
+        hooked = prepare_model in model_config.post_wrap_hooks
+        chunks = model_config.get_builder_cls()(model_config).build_distributed_models(
+            pg_collection=pg_collection, wrap_with_ddp=False)
+except ConfigError as exc:  # the model hook's enable() refuses what it cannot run
+    print(json.dumps({"refused": str(exc)}))
+    sys.exit(0)
 model = unwrap(chunks[0])
 func = training.get_forward_backward_func()
 
@@ -799,6 +805,13 @@ ours, megatron = runs["seq1f1b"], runs["megatron"]
 print(json.dumps({
     "hooked": hooked, "model": type(model).__name__,
     "layers": [type(layer).__name__ for layer in model.decoder.layers],
+    "mixers": [type(getattr(layer, "mixer", getattr(layer, "self_attention", layer))).__name__
+               for layer in model.decoder.layers],
+    # the kernels that enable() wrapped to carry state, in this checkout's modules
+    "carrying": sorted(f"{type(m).__name__}.{name}" for m in model.modules()
+                       for name, value in vars(sys.modules[type(m).__module__]).items()
+                       if getattr(value, "seq1f1b_carry", False)
+                       and type(m).__name__ in ("MambaMixer", "GatedDeltaNet")),
     "prepared": is_prepared(chunks), "installed": getattr(func, "num_splits", None),
     "loss": [ours["loss"], megatron["loss"]],
     "grads": [sorted(ours["grads"]) == sorted(megatron["grads"]), len(megatron["grads"]),
@@ -898,11 +911,58 @@ def test_patched_hybrid_builder_prepares_the_model(hybrid_checkout, tmp_path):
     Seq1F1B function installed, which then trains one micro-batch in two segments with the
     script's own forward_step to Megatron's loss and gradients. Same needs as
     test_patched_forward_step."""
-    result = run_probe(hybrid_checkout, tmp_path, HYBRID_BUILDER_PROBE)
-    assert result["hooked"] and result["prepared"], result
-    assert result["model"] == "HybridModel" and result["installed"] == 2, result
+    result = run_probe(hybrid_checkout, tmp_path, hybrid_builder_probe("*-*E", num_experts=4))
     assert result["layers"] == ["TransformerLayer", "MLPLayer", "TransformerLayer",
                                 "MoETransformerLayer"], result
+    check_hybrid_training(result)
+
+
+# Megatron-LM's flags for Mamba-2 and gated-delta-net sizes, small (16 Mamba heads of 8 in 2
+# groups, state 8; 2 key and 4 value heads of 8), and --swiglu: GatedDeltaNet's convolution
+# asserts silu, which Megatron-LM sets with it.
+RECURRENT_FLAGS = ["--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2",
+                   "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
+                   "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+                   "--linear-conv-kernel-dim", "4", "--swiglu", "--normalization", "RMSNorm"]
+
+
+def test_patched_hybrid_builder_carries_mamba_and_gated_delta_net_state(hybrid_checkout,
+                                                                          tmp_path):
+    """As test_patched_hybrid_builder_prepares_the_model, with Mamba-2 (M) and gated delta net
+    (G) layers sized by Megatron-LM's flags ('M-G*': the checkout's own MambaMixer and
+    GatedDeltaNet, on CPU with megatron_seq1f1b's reference kernels, which cpu.enable() puts
+    into this checkout's megatron.core.ssm modules): Seq1F1B's two segments, the second
+    starting from the first's convolution windows and recurrent states, train the
+    micro-batch to Megatron's loss and gradients. Both tags: core_v0.18.2's GatedDeltaNet
+    already calls fla's causal_conv1d and chunk_gated_delta_rule, which the hooks wrap (it is
+    0.16 and 0.17's, which call causal-conv1d's kernel, that recurrent_hooks.problems
+    refuses; those tags have no pretrain_hybrid.py patch)."""
+    result = run_probe(hybrid_checkout, tmp_path, hybrid_builder_probe("M-G*", RECURRENT_FLAGS))
+    assert result["layers"] == ["MambaLayer", "MLPLayer", "TransformerLayer",
+                                "TransformerLayer"], result
+    assert result["mixers"] == ["MambaMixer", "IdentityOp", "GatedDeltaNet", "SelfAttention"], \
+        result
+    assert {"MambaMixer.mamba_split_conv1d_scan_combined", "GatedDeltaNet.causal_conv1d"} \
+        <= set(result["carrying"]), result
+    check_hybrid_training(result)
+
+
+def hybrid_builder_probe(pattern: str, flags: list[str] = (), num_experts: int | None = None,
+                         ) -> str:
+    """HYBRID_BUILDER_PROBE for `pattern`, with `flags` (and --num-experts for MoE layers)."""
+    flags = [*flags, *(["--num-experts", str(num_experts)] if num_experts else [])]
+    # Megatron's MambaMixer needs einops (one of Megatron-LM's dependencies): skip without it
+    needs = _guarded_imports("import einops") if "M" in pattern else ""
+    return (f"import json, sys\n{needs}PATTERN = {pattern!r}\nFLAGS = {flags!r}\n"
+            f"NUM_EXPERTS = {num_experts!r}\n" + HYBRID_BUILDER_PROBE)
+
+
+def check_hybrid_training(result: dict) -> None:
+    """The patched __main__ prepared the HybridModel and installed Seq1F1B (2 segments), which
+    trained one micro-batch to Megatron's loss and gradients, every parameter's."""
+    assert "refused" not in result, result
+    assert result["hooked"] and result["prepared"], result
+    assert result["model"] == "HybridModel" and result["installed"] == 2, result
     (ours_sum, ours_tokens), (megatron_sum, megatron_tokens) = result["loss"]
     assert ours_tokens == megatron_tokens == 16, result
     assert ours_sum == pytest.approx(megatron_sum, rel=1e-5), result

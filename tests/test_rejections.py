@@ -189,12 +189,19 @@ def _without_psutil(trigger: LocalTrigger) -> LocalTrigger:
 
 
 _CP2 = ("--context-parallel-size", "2", "--seq1f1b")
+# Mamba-2 and gated delta net layers, sized to pass (Megatron-LM's GDN sizes; Mamba: 2 x hidden
+# 128 / 64 = 4 heads in 2 groups); --swiglu last.
+_RECURRENT = ("--hybrid-layer-pattern", "MG*-", "--mamba-num-groups", "2", "--swiglu")
 
 TRAINER: dict[str, LocalTrigger] = {
     "trainer-world-size": _trainer("--tensor-model-parallel-size", "2", world_size=3),
     "trainer-layers-per-stage": _trainer("--pipeline-model-parallel-size", "3", world_size=3),
     "trainer-vpp-needs-pipeline": _trainer("--num-layers-per-virtual-pipeline-stage", "1"),
-    "trainer-hybrid-symbols": _trainer("--hybrid-layer-pattern", "*M-"),
+    "trainer-hybrid-symbols": _trainer("--hybrid-layer-pattern", "*D-"),
+    "trainer-recurrent-context-parallel": _trainer(*_CP2, *_RECURRENT, world_size=2),
+    "trainer-gdn-activation": _trainer(*_RECURRENT[:-1]),  # without --swiglu
+    "trainer-mamba-heads": _trainer("--hybrid-layer-pattern", "M-"),  # Megatron's sizes, h 128
+    "trainer-gdn-heads": _trainer(*_RECURRENT, "--linear-num-key-heads", "3"),
     "trainer-hybrid-mla": _trainer("--hybrid-layer-pattern", "+-+-"),
     "trainer-hybrid-stages": _trainer("--hybrid-layer-pattern", "*-|*-|*-",
                                       "--pipeline-model-parallel-size", "2", world_size=2),
@@ -333,13 +340,6 @@ def _recurrent_mixer(name: str, **config: Any) -> RankTrigger:
     return trigger
 
 
-def _recurrent_documents(at: Layout) -> None:
-    """End-of-document ids with a hybrid pattern holding Mamba-2 layers (the pattern every
-    stage reads)."""
-    with _changed(at.gpt(), hybrid_layer_pattern="M*M*"):
-        at.run(s1.get_forward_backward_func(2, documents=at.config.num_layers))
-
-
 def _cross_attention(at: Layout) -> None:
     from megatron.core.transformer.attention import CrossAttention
 
@@ -439,7 +439,6 @@ ON_RANKS: dict[str, dict[str, RankTrigger]] = {
                                                               context_parallel_size=2),
         "enable-recurrent-deterministic": _recurrent_mixer("GatedDeltaNet",
                                                            deterministic_mode=True),
-        "executor-recurrent-documents": _recurrent_documents,
         "enable-mla-yarn-rope-fusion": _enable(multi_latent_attention=True, rope_type="yarn",
                                                apply_rope_fusion=True),
         "enable-mla-down-proj-fusion": _enable(multi_latent_attention=True,
@@ -612,6 +611,8 @@ def test_valid_baselines_are_accepted():
     for world_size in (1, 2, 3):
         arguments.parse(TRAINER_VALID, world_size)
     arguments.parse([*TRAINER_VALID, *_CP2], 2)  # context parallelism under Seq1F1B
+    arguments.parse([*TRAINER_VALID, *_RECURRENT], 1)  # Mamba-2 and gated delta nets
+    arguments.parse([*TRAINER_VALID, *_RECURRENT, "--seq1f1b"], 1)
 
 
 # Once rejected, now accepted: documents the schedule reads (packed batches, end-of-document

@@ -100,6 +100,36 @@ def test_hybrid_pattern_pipeline_2_equals_megatrons_schedule(tmp_path):
     assert ours["summary"]["losses"][-1] < ours["summary"]["losses"][0]  # it learns
 
 
+# Megatron-LM's Mamba-2 and gated-delta-net size flags, small (tests/gpt.py's sizes): Mamba
+# 8 heads of 8 (2 x hidden 32 / 8) in 2 groups, state 8; GDN 2 key heads, 4 value heads of 8.
+RECURRENT_SIZES = ["--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2",
+                   "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
+                   "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+                   "--linear-conv-kernel-dim", "4"]
+
+
+@full_only  # ~50 s on 2 CPU cores; tests/test_recurrent.py covers the layers in CI
+@pytest.mark.skipif(importlib.util.find_spec("megatron.core.models.hybrid") is None,
+                    reason="HybridModel is in megatron-core 0.18 and later")
+@pytest.mark.parametrize("documents", [[], ["--reset-attention-mask", "--reset-position-ids",
+                                             "--attention-backend", "flash"]],
+                         ids=["plain", "packed-documents"])
+def test_hybrid_mamba_and_gated_delta_net_equal_megatrons_schedule(tmp_path, documents):
+    """Mamba-2 (M) and gated delta net (G) layers in --hybrid-layer-pattern, sized by
+    Megatron-LM's flags, the pattern's two stages on two ranks (on CPU: the reference
+    kernels): Seq1F1B k=3, whose segments carry the layers' states, trains as Megatron's 1F1B
+    does; with documents on flash (packed THD batches) the states restart at each document
+    start in both."""
+    common = ["--hybrid-layer-pattern", "M-G*|G-M*", "--pipeline-model-parallel-size", "2",
+              "--train-iters", "3", "--position-embedding-type", "rope", "--swiglu",
+              "--normalization", "RMSNorm", "--disable-bias-linear", *RECURRENT_SIZES,
+              *documents]
+    ours, _ = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "3")
+    theirs, _ = train(tmp_path, "1f1b", 2, *common)
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+    assert ours["summary"]["losses"][-1] < ours["summary"]["losses"][0]  # it learns
+
+
 @full_only
 @pytest.mark.skipif(importlib.util.find_spec("megatron.core.models.hybrid") is None,
                     reason="HybridModel is in megatron-core 0.18 and later")
@@ -443,7 +473,8 @@ def test_resume_is_bit_exact(tmp_path, name, nproc, flags):
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2 needs --seq1f1b"),
     (["--seq-length", "2", "--seq1f1b", "--seq1f1b-splits", "4"], "use at most 2 splits"),
-    (["--hybrid-layer-pattern", "*M-"], "this trainer builds attention (*), multi-latent"),
+    (["--hybrid-layer-pattern", "*D-"], "this trainer builds attention (*), multi-latent"),
+    (["--hybrid-layer-pattern", "*G-", *RECURRENT_SIZES], "add --swiglu"),
     (["--hybrid-layer-pattern", "+-+-"], "(+) take their sizes from --multi-latent-attention"),
 ])
 def test_bad_flags_fail_fast_with_their_message(flags, message):

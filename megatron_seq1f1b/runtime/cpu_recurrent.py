@@ -23,7 +23,8 @@ _MAMBA = {"causal_conv1d_fn": reference.causal_conv1d_fn,
           "mamba_split_conv1d_scan_combined": reference.mamba_split_conv1d_scan_combined,
           "RMSNormGated": reference.RMSNormGated}
 #: The fla names of the gated delta net's modules (0.19: ``gated_delta_net.common`` and
-#: ``.gdn``; 0.16-0.18: ``gated_delta_net``, which calls causal-conv1d's ``causal_conv1d_fn``).
+#: ``.gdn``; 0.16-0.18: ``gated_delta_net``, whose 0.16-0.17 calls causal-conv1d's
+#: ``causal_conv1d_fn``, 0.18 fla's ``causal_conv1d``).
 _GDN = {"causal_conv1d": reference.causal_conv1d, "l2norm": reference.l2norm,
         "chunk_gated_delta_rule": reference.chunk_gated_delta_rule,
         "causal_conv1d_fn": reference.causal_conv1d_fn}

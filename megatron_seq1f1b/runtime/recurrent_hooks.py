@@ -54,8 +54,9 @@ def problems(module: Any, name: str) -> list[str]:
                      "no initial window: set deterministic_mode=False")
     if kind == "GatedDeltaNet" and not hasattr(sys.modules[type(module).__module__],
                                                 "causal_conv1d"):
-        found.append(f"{name}: this Megatron-Core version's GatedDeltaNet (before 0.19) is not "
-                     "hooked for Seq1F1B's state carry; use Megatron-Core 0.19 or later")
+        found.append(f"{name}: this Megatron-Core version's GatedDeltaNet (before 0.18: "
+                     "causal-conv1d's convolution) is not hooked for Seq1F1B's state carry; "
+                     "use Megatron-Core 0.18 or later")
     if kind == "MambaMixer" and not getattr(module, "use_mem_eff_path", True):
         found.append(f"{name}: MambaMixer with use_mamba_mem_eff_path=False (the prefill path) "
                      "is not hooked: use the default training path")

@@ -94,6 +94,11 @@ def _int_pair(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected two integers like '(1024, 0)', got {text!r}")
 
 
+#: The --hybrid-layer-pattern symbols this trainer builds (Megatron-Core's
+#: ``hybrid_layer_allocation.Symbols``; the sparse attention D is not among them).
+HYBRID_SYMBOLS = "*+MG-E|/"
+
+
 def _hybrid_pattern_problems(args, pp: int) -> list[str]:
     """--hybrid-layer-pattern as Megatron-LM reads it: --num-layers from the pattern, its '|'
     stages over the pipeline ranks (virtual stages where there are more); what this trainer
@@ -104,14 +109,11 @@ def _hybrid_pattern_problems(args, pp: int) -> list[str]:
     problems = []
     if len(language_models()) < 2:
         problems.append("--hybrid-layer-pattern needs megatron-core 0.18 or later (HybridModel)")
-    other = sorted(set(pattern) - set("*+-E|/"))
+    other = sorted(set(pattern) - set(HYBRID_SYMBOLS))
     if other:
         problems.append(f"--hybrid-layer-pattern {pattern!r}: this trainer builds attention "
-                        f"(*), multi-latent attention (+), MLP (-) and MoE (E) layers and MTP "
-                        f"depths (/); not "
-                        f"{' '.join(other)} (Mamba-2 M and gated delta net G: "
-                        "megatron_seq1f1b.enable() carries their state across cuts, this "
-                        "trainer does not build them yet)")
+                        f"(*), multi-latent attention (+), Mamba-2 (M), gated delta net (G), "
+                        f"MLP (-) and MoE (E) layers and MTP depths (/); not {' '.join(other)}")
     if ("+" in pattern) != bool(args.multi_latent_attention):
         problems.append(f"--hybrid-layer-pattern {pattern!r}: multi-latent attention layers "
                         "(+) take their sizes from --multi-latent-attention's flags, and "
@@ -166,10 +168,10 @@ def build_parser() -> StartupParser:
     model.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
                        help="build Megatron-Core's HybridModel (0.18+): one symbol per layer, "
                             "'*' attention, '+' MLA (with --multi-latent-attention), '-' MLP, 'E' "
-                            "MoE (with --num-experts); '|' between "
+                            "MoE (with --num-experts), 'M' Mamba-2, 'G' gated delta net (with "
+                            "--swiglu), '/' before each MTP depth; '|' between "
                             "pipeline stages (stages / --pipeline-model-parallel-size = virtual "
-                            "stages per rank). Sets --num-layers. As Megatron-LM's flag; this "
-                            "trainer builds *, +, - and E layers")
+                            "stages per rank). Sets --num-layers. As Megatron-LM's flag")
     model.add_argument("--hidden-size", type=positive_int, default=128)
     model.add_argument("--ffn-hidden-size", type=positive_int, default=None,
                        help="default 4 * hidden")
@@ -228,6 +230,22 @@ def build_parser() -> StartupParser:
                      default="allgather")
     moe.add_argument("--moe-expert-capacity-factor", type=positive_float, default=None)
     moe.add_argument("--expert-model-parallel-size", type=positive_int, default=1)
+
+    ssm = p.add_argument_group(
+        "Mamba-2 (M) and gated delta net (G) layers of --hybrid-layer-pattern (Megatron-LM's "
+        "flags and defaults)",
+        "Seq1F1B carries their convolution windows and recurrent states from segment to "
+        "segment. Gated delta nets take the activation of --swiglu (silu).")
+    ssm.add_argument("--mamba-state-dim", type=positive_int, default=128)
+    ssm.add_argument("--mamba-head-dim", type=positive_int, default=64)
+    ssm.add_argument("--mamba-num-groups", type=positive_int, default=8)
+    ssm.add_argument("--mamba-num-heads", type=positive_int, default=None,
+                     help="default 2 x --hidden-size / --mamba-head-dim")
+    ssm.add_argument("--linear-conv-kernel-dim", type=positive_int, default=4)
+    ssm.add_argument("--linear-key-head-dim", type=positive_int, default=128)
+    ssm.add_argument("--linear-value-head-dim", type=positive_int, default=128)
+    ssm.add_argument("--linear-num-key-heads", type=positive_int, default=16)
+    ssm.add_argument("--linear-num-value-heads", type=positive_int, default=32)
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--micro-batch-size", type=positive_int, default=1)
@@ -409,6 +427,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         problems += moe_flag_problems(args)
     if cp > 1:
         problems += context_parallel_problems(args)
+    problems += recurrent_problems(args)
     if args.data_path and not args.mock_data:
         problems += trainer_data.data_path_problems(args)
     if problems:  # all at once, one line each, as argparse's own errors: status 2
@@ -425,6 +444,51 @@ def context_parallel_problems(args: argparse.Namespace) -> list[str]:
             "trainer's core attentions exchange keys and values over the context-parallel "
             "group only inside Seq1F1B's segments (Megatron-Core's own schedules would give "
             "them none); add --seq1f1b (--seq1f1b-splits 1 for whole micro-batches)"]
+
+
+def recurrent_problems(args: argparse.Namespace) -> list[str]:
+    """Mamba-2 (M) and gated delta net (G) layers of --hybrid-layer-pattern: context
+    parallelism (megatron_seq1f1b carries their state without it only), the activation
+    Megatron-Core's GatedDeltaNet asserts, and the head counts its layers assert."""
+    pattern = args.hybrid_layer_pattern or ""
+    mamba, gdn = "M" in pattern, "G" in pattern
+    if not (mamba or gdn):
+        return []
+    problems = []
+    layers = " or ".join(name for name, there in (("Mamba-2 (M)", mamba),
+                                                   ("gated delta net (G)", gdn)) if there)
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp > 1:
+        problems.append(f"--context-parallel-size {cp} with {layers} layers in "
+                        "--hybrid-layer-pattern: Seq1F1B carries their state from segment to "
+                        "segment without context parallelism only (Megatron's recurrent "
+                        "layers split their heads over the context-parallel group); use "
+                        "--context-parallel-size 1")
+    if gdn and not args.swiglu:
+        problems.append("gated delta net (G) layers need the silu activation (Megatron-Core's "
+                        "GatedDeltaNet convolution asserts it): add --swiglu, which sets it, as "
+                        "in Megatron-LM")
+    if mamba:
+        heads = args.mamba_num_heads
+        if heads is None and 2 * args.hidden_size % args.mamba_head_dim:
+            problems.append(f"Mamba-2 (M) layers: 2 x --hidden-size ({2 * args.hidden_size}) "
+                            f"is not a multiple of --mamba-head-dim {args.mamba_head_dim}; give "
+                            "another head size or --mamba-num-heads")
+        else:
+            heads = heads or 2 * args.hidden_size // args.mamba_head_dim
+            groups = args.mamba_num_groups
+            if heads % groups or groups % tp:
+                problems.append(f"Mamba-2 (M) layers: {heads} heads (--mamba-num-heads, by "
+                                "default 2 x --hidden-size / --mamba-head-dim) must divide by "
+                                f"--mamba-num-groups {groups}, and that by "
+                                f"--tensor-model-parallel-size {tp}")
+    if gdn:
+        keys, values = args.linear_num_key_heads, args.linear_num_value_heads
+        if values % keys or keys % tp:
+            problems.append(f"gated delta net (G) layers: --linear-num-value-heads {values} "
+                            f"must be a multiple of --linear-num-key-heads {keys}, and that of "
+                            f"--tensor-model-parallel-size {tp}")
+    return problems
 
 
 def document_problems(args: argparse.Namespace, auto: bool) -> list[str]:
