@@ -47,6 +47,7 @@ from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm.arguments import AUTO, splits_value
 from megatron_seq1f1b.planner.peak_memory import MMAP_THRESHOLD_HINT, PeakMemory
 from megatron_seq1f1b.runtime.model_hooks import dense_attention
+from megatron_seq1f1b.planner.cli import add_recurrent_arguments
 from megatron_seq1f1b.trainer import arguments, data, setup
 
 
@@ -113,6 +114,15 @@ def build_parser() -> arguments.StartupParser:
                         "(all schedules)")
     p.add_argument("--window-attn-skip-freq", type=positive_int, default=None, metavar="N",
                    help="with --window-size: every N-th layer attends to the whole prefix")
+    p.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
+                   help="Megatron-Core's HybridModel (0.18+, the trainer's flag): one symbol per "
+                        "layer, '*' attention, 'M' Mamba-2, 'G' gated delta net (with "
+                        "--swiglu), '-' MLP, 'E' MoE (with --num-experts), '|' between the --pp "
+                        "stages; sets --num-layers")
+    p.add_argument("--swiglu", action="store_true",
+                   help="SwiGLU MLPs (silu; gated delta nets need it)")
+    add_recurrent_arguments(p.add_argument_group(
+        "Mamba-2 (M) and gated delta net (G) sizes (Megatron-LM's flags; unset: its defaults)"))
     p.add_argument("--num-experts", type=positive_int, default=None, metavar="E",
                    help="mixture of experts: E experts per layer (all schedules; no biases in "
                         "linear layers, all-to-all dispatcher)")
@@ -201,6 +211,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.schedules = [s for s in args.schedules if not s.startswith("1f1b")]
     if any(s in INTERLEAVED for s in args.schedules) and not args.vpp:
         p.error("the interleaved schedules need --vpp")
+    if args.hybrid_layer_pattern is not None:  # the trainer checks the rest
+        if args.vpp:
+            p.error("--hybrid-layer-pattern with --vpp: the benchmark builds one stage per rank")
+        args.num_layers = len(args.hybrid_layer_pattern.split("/")[0].replace("|", ""))
     if args.vpp and args.num_layers % (args.pp * args.vpp):
         p.error(f"--num-layers {args.num_layers} must divide by --pp x --vpp")
     if any(s.startswith("1f1b-interleaved") for s in args.schedules) and \

@@ -73,6 +73,15 @@ def trainer_argv(args: argparse.Namespace, interleaved: bool) -> list[str]:
                  "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear"]
     if args.window_attn_skip_freq is not None:
         argv += ["--window-attn-skip-freq", str(args.window_attn_skip_freq)]
+    if getattr(args, "swiglu", False):
+        argv.append("--swiglu")
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None:
+        argv += ["--hybrid-layer-pattern", pattern]
+        from megatron_seq1f1b.planner.cli import recurrent_fields
+
+        for name, value in recurrent_fields(args).items():
+            argv += [f"--{name.replace('_', '-')}", str(value)]
     if interleaved:
         argv += ["--num-layers-per-virtual-pipeline-stage",
                  str(args.num_layers // (args.pp * args.vpp))]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from megatron_seq1f1b.bench.lineup import BenchSchedule
 
 
@@ -47,12 +49,15 @@ def predicted_stage0_bytes(sched: BenchSchedule, args: argparse.Namespace, confi
     shape = ModelShape.from_config(
         config, args.vocab_size, tied_embeddings=True,  # the trainer's default
         position_embedding_type=args.position_embedding_type,
-        max_sequence_length=args.seq_length)
+        max_sequence_length=args.seq_length,
+        pattern=getattr(args, "hybrid_layer_pattern", None))
     training = Training(dtype="bf16" if args.bf16 else "fp32", optimizer=None)
     memory = stage_memory(
         shape, training, args.pp, args.microbatches, sched.lengths,
         num_model_chunks=sched.layout.chunks, schedule=sched.schedule,
         micro_batch_size=args.micro_batch_size,
         flash=flash, costs=sched.segment_costs, context_parallel_size=args.context_parallel_size,
-        documents=documents, microbatch_lengths=per_microbatch)
+        documents=documents, microbatch_lengths=per_microbatch,
+        # Mamba-2 / gated delta net layers: what their kernels keep (the references on CPU)
+        recurrent_kernels="cuda" if torch.cuda.is_available() else "reference")
     return float(memory[0]["activations"])

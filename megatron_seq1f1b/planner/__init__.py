@@ -12,7 +12,8 @@ that fits the memory budget wins. One job per module:
   :mod:`~.fit`: fits of timed segments and messages;
 - :mod:`~.memory_model`: activations held per stage and each stage's total bytes
   (:func:`activation_peak`, :class:`MemoryModel`, :func:`stage_memory`); :mod:`~.footprint`:
-  weights, gradients and optimizer states per stage;
+  weights, gradients and optimizer states per stage; :mod:`~.recurrent`: what Mamba-2 and
+  gated-delta-net layers hold;
 - :mod:`~.search`: every candidate predicted as the executor would run it, the fastest within
   the budget chosen (:func:`choose_plan`, :func:`predict`);
 - :mod:`~.choice`: what a candidate is (:class:`Plan`), how candidates rank and ties are won,

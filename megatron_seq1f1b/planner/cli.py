@@ -40,6 +40,7 @@ from megatron_seq1f1b.planner.choice import TIE_TOLERANCE, BudgetError, Plan, ti
 from megatron_seq1f1b.planner.costs import Calibration, Fit, load_calibration, save_calibration
 from megatron_seq1f1b.planner.footprint import ModelShape, Training
 from megatron_seq1f1b.planner.memory_model import GIB, MemoryModel
+from megatron_seq1f1b.planner.recurrent import KERNELS, gdn_sizes, mamba_sizes
 from megatron_seq1f1b.planner.search import MAX_SPLITS, RUNTIME_SEND_SLACK, choose_plan
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import METHODS, CostModel
@@ -126,7 +127,8 @@ def build_parser() -> ArgumentParser:
                        help="gated linear unit (SwiGLU): the MLP's first layer twice as wide")
     model.add_argument("--hybrid-layer-pattern", metavar="PATTERN",
                        help="a HybridModel's layers, one symbol each (Megatron-LM's flag): '*' "
-                            "attention, '-' MLP, 'E' MoE (with --num-experts); '|' between "
+                            "attention, '-' MLP, 'E' MoE (with --num-experts), 'M' Mamba-2, 'G' "
+                            "gated delta net (sized by --mamba-* / --linear-*); '|' between "
                             "virtual pipeline stages (--pp x --vpp of them, or none: an even "
                             "split), '/' before each multi-token-prediction depth's layers. Sets "
                             "--num-layers; FLOPs and memory per stage by layer kind")
@@ -146,6 +148,11 @@ def build_parser() -> ArgumentParser:
     model.add_argument("--vocab-size", type=positive_int, metavar="TOKENS",
                        help="vocabulary size: the output layer's FLOPs, and needed for memory "
                             "per stage")
+    add_recurrent_arguments(model)
+    model.add_argument("--recurrent-kernels", choices=KERNELS, default="cuda",
+                       help="what runs M and G layers, for their activations: cuda (default: "
+                            "mamba_ssm, causal-conv1d, fla) or reference (the package's torch "
+                            "kernels on CPU, which keep [chunk x chunk] blocks per head)")
     model.add_argument("--dense-attention", action="store_true",
                        help="attention computes the masked scores too (non-flash kernels)")
     parser.add_argument("--memory-budget-microbatches", "--memory-budget", type=positive_float,
@@ -325,10 +332,11 @@ def read_hybrid_pattern(parser: ArgumentParser, args: argparse.Namespace, pp: in
     pattern = args.hybrid_layer_pattern
     if pp == 1:  # one stage holds every layer (as Megatron-LM's builders take it)
         pattern = args.hybrid_layer_pattern = pattern.replace("|", "")
-    other = sorted(set(pattern) - set("*-E|/"))
+    other = sorted(set(pattern) - set("*-EMG|/"))
     if other:
-        parser.error(f"--hybrid-layer-pattern {pattern!r}: {tool} attention (*), MLP (-) and "
-                     f"MoE (E) layers and MTP depths (/); not {' '.join(other)}")
+        parser.error(f"--hybrid-layer-pattern {pattern!r}: {tool} attention (*), MLP (-), MoE "
+                     f"(E), Mamba-2 (M) and gated delta net (G) layers and MTP depths (/); not "
+                     f"{' '.join(other)}")
     main, *depths = pattern.split("/")
     if depths and args.mtp_num_layers not in (None, len(depths)):
         parser.error(f"--mtp-num-layers {args.mtp_num_layers} with a pattern of {len(depths)} "
@@ -344,7 +352,53 @@ def read_hybrid_pattern(parser: ArgumentParser, args: argparse.Namespace, pp: in
     args.num_layers = layers
     if "E" in pattern and not args.num_experts:
         parser.error("--hybrid-layer-pattern with MoE layers (E) needs --num-experts")
+    _check_recurrent(parser, args, pattern)
     return pattern, main
+
+
+#: Megatron-LM's flags that size Mamba-2 and gated-delta-net layers (default: Megatron's).
+RECURRENT_FLAGS = {
+    "mamba_state_dim": "Mamba-2 SSM state per head (d_state; default 128)",
+    "mamba_head_dim": "Mamba-2 head width (default 64)",
+    "mamba_num_groups": "Mamba-2 groups of B and C (default 8)",
+    "mamba_num_heads": "Mamba-2 heads (default 2 x --hidden-size / --mamba-head-dim)",
+    "linear_conv_kernel_dim": "gated delta net convolution width (default 4)",
+    "linear_key_head_dim": "gated delta net key head width (default 128)",
+    "linear_value_head_dim": "gated delta net value head width (default 128)",
+    "linear_num_key_heads": "gated delta net key heads (default 16)",
+    "linear_num_value_heads": "gated delta net value heads (default 32)",
+}
+
+
+def add_recurrent_arguments(group) -> None:
+    """The ``--mamba-*`` and ``--linear-*`` flags (:data:`RECURRENT_FLAGS`)."""
+    for name, text in RECURRENT_FLAGS.items():
+        group.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
+                           metavar="N", help=text)
+
+
+def recurrent_fields(args: argparse.Namespace) -> dict:
+    """The recurrent sizes given on the command line, as ``TransformerConfig`` / ``ModelShape``
+    fields (the rest keep Megatron's defaults)."""
+    return {name: getattr(args, name) for name in RECURRENT_FLAGS
+            if getattr(args, name, None) is not None}
+
+
+def _check_recurrent(parser: ArgumentParser, args: argparse.Namespace, pattern: str) -> None:
+    """The M and G layers' sizes as Megatron checks them (heads over groups and TP ranks)."""
+    if args.hidden_size is None or not set(pattern) & set("MG"):
+        return
+    shape = ModelShape(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=1,
+                       vocab_size=1, **recurrent_fields(args))
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    try:
+        if "M" in pattern:
+            mamba_sizes(shape, tp)
+        if "G" in pattern:
+            gdn_sizes(shape, tp)
+    except ValueError as exc:
+        parser.error(f"--hybrid-layer-pattern {pattern!r}: {exc} (--mamba-* / --linear-* "
+                     "flags)")
 
 
 def _check_pattern(parser: ArgumentParser, args: argparse.Namespace) -> None:
@@ -369,7 +423,7 @@ def _model_config(args: argparse.Namespace):
         num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_layer_freq=1)
+        moe_layer_freq=1, **recurrent_fields(args))
 
 
 def _by_layer_kind(args: argparse.Namespace) -> bool:
@@ -436,7 +490,8 @@ def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
         max_sequence_length=args.seq_length, hybrid_layer_pattern=args.hybrid_layer_pattern,
         mtp_num_layers=args.mtp_num_layers or 0, num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size)
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        **recurrent_fields(args))
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     training = Training(dtype=dtype, grad_reduce_in_fp32=False if args.no_grad_reduce_in_fp32
                         else None, optimizer=None if args.optimizer == "none" else "adam",
@@ -446,7 +501,8 @@ def _memory_model(args: argparse.Namespace, config) -> MemoryModel | None:
                        bytes_per_token=args.bytes_per_token,
                        context_parallel_size=args.context_parallel_size,
                        tensor_parallel_size=args.tensor_model_parallel_size,
-                       sequence_parallel=_sequence_parallel(args))
+                       sequence_parallel=_sequence_parallel(args),
+                       recurrent_kernels=args.recurrent_kernels)
 
 
 def _exchange_seconds_per_token(args: argparse.Namespace, config, stages: int) -> float:

@@ -18,8 +18,9 @@ The planner predicts memory per pipeline stage as the sum of
 
 Both are counted per layer kind (:meth:`ModelShape.stage_layers`): a GPTModel layer is
 attention and an MLP (or a mixture of experts); a HybridModel's pattern gives each layer one
-kind, ``*`` attention, ``-`` MLP, ``E`` MoE, its ``|`` stages which layers each virtual
-stage holds and its ``/`` parts the MTP depths. Parameter counts are those of
+kind, ``*`` attention, ``-`` MLP, ``E`` MoE, ``M`` Mamba-2, ``G`` gated delta net (the
+recurrent kinds: :mod:`~megatron_seq1f1b.planner.recurrent`), its ``|`` stages which layers
+each virtual stage holds and its ``/`` parts the MTP depths. Parameter counts are those of
 Megatron-Core's ``GPTModel`` with the local layer spec and of ``HybridModel`` with
 :func:`~megatron_seq1f1b.runtime.hybrid_spec.local_hybrid_stack_spec` (checked against
 built stages in ``tests/test_rehearse.py`` and ``tests/test_planner_hybrid.py``). Pure: no
@@ -38,17 +39,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from megatron_seq1f1b.planner.recurrent import (
+    RECURRENT_KINDS, RecurrentUnits, gdn_sizes, mamba_sizes, recurrent_parameters,
+    recurrent_token_bytes,
+)
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 #: What one layer holds, by kind (as :func:`~megatron_seq1f1b.schedules.partition.layer_kinds`
 #: names them): a GPTModel layer is ``("attention", "mlp")`` (or ``"moe"``), a HybridModel
-#: pattern's symbol one kind, ``*`` ``("attention",)``, ``-`` ``("mlp",)``, ``E`` ``("moe",)``.
+#: pattern's symbol one kind, ``*`` ``("attention",)``, ``-`` ``("mlp",)``, ``E`` ``("moe",)``,
+#: ``M`` ``("mamba",)``, ``G`` ``("gdn",)``.
 Layer = tuple
 GPT_LAYER: Layer = ("attention", "mlp")
 #: The symbols of a HybridModel pattern this memory model counts (Megatron-Core's
 #: ``hybrid_layer_allocation.Symbols``); ``|`` separates pipeline stages, ``/`` MTP depths.
-PATTERN_KINDS = {"*": "attention", "-": "mlp", "E": "moe"}
+PATTERN_KINDS = {"*": "attention", "-": "mlp", "E": "moe", "M": "mamba", "G": "gdn"}
+#: Megatron's ``TransformerConfig`` fields that size the recurrent layers (:class:`ModelShape`'s
+#: fields of the same names).
+RECURRENT_FIELDS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+                    "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_num_key_heads", "linear_num_value_heads")
 
 
 def parse_pattern(pattern: str) -> tuple[list[str], list[str]]:
@@ -58,7 +70,8 @@ def parse_pattern(pattern: str) -> tuple[list[str], list[str]]:
     unknown = sorted(set(pattern) - set(PATTERN_KINDS) - set("|/"))
     if unknown:
         raise ValueError(f"hybrid layer pattern {pattern!r}: the memory model counts attention "
-                         f"(*), MLP (-) and MoE (E) layers; not {' '.join(unknown)}")
+                         f"(*), MLP (-), MoE (E), Mamba-2 (M) and gated delta net (G) layers; "
+                         f"not {' '.join(unknown)}")
     return main.split("|"), depths
 
 
@@ -92,8 +105,10 @@ class ModelShape:
     """The sizes of a GPTModel or a HybridModel that decide its parameters and activations.
 
     ``hybrid_layer_pattern``: a HybridModel's pattern (one symbol per layer, ``*`` attention,
-    ``-`` MLP, ``E`` MoE; ``|`` between pipeline stages, ``/`` before each MTP depth's
-    layers); ``num_layers`` is then the main pattern's. Without it every layer is a GPTModel
+    ``-`` MLP, ``E`` MoE, ``M`` Mamba-2, ``G`` gated delta net; ``|`` between pipeline stages,
+    ``/`` before each MTP depth's layers); ``num_layers`` is then the main pattern's. The
+    ``mamba_*`` and ``linear_*`` sizes are Megatron's ``TransformerConfig`` fields (and
+    defaults) of the recurrent layers. Without it every layer is a GPTModel
     layer, attention and an MLP (a mixture of experts on ``moe_layer_freq``'s layers where
     ``num_moe_experts`` is set). ``mtp_num_layers``: multi-token prediction depths on the
     last virtual stage (a GPTModel's: one layer like its last each; a pattern's ``/`` parts:
@@ -121,6 +136,15 @@ class ModelShape:
     moe_router_topk: int = 2
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int | tuple = 1  # GPTModel: every N-th layer MoE, or one flag per layer
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None  # default 2 * hidden / mamba_head_dim
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
 
     def __post_init__(self):
         if self.hybrid_layer_pattern is None:
@@ -135,6 +159,10 @@ class ModelShape:
                              f"{len(depths)} MTP depths ('/' parts)")
         if "E" in self.hybrid_layer_pattern and not self.num_moe_experts:
             raise ValueError("a hybrid layer pattern with MoE layers (E) needs num_moe_experts")
+        if "M" in self.hybrid_layer_pattern:
+            mamba_sizes(self)  # ValueError for sizes Megatron refuses
+        if "G" in self.hybrid_layer_pattern:
+            gdn_sizes(self)
 
     @classmethod
     def from_config(cls, config, vocab_size: int, *, tied_embeddings: bool = False,
@@ -144,7 +172,9 @@ class ModelShape:
         HybridModel's ``hybrid_layer_pattern`` (its MTP depths count where the config's
         ``mtp_num_layers`` is set, as Megatron builds them)."""
         freq = getattr(config, "moe_layer_freq", 1)
-        return cls(
+        recurrent = {name: getattr(config, name) for name in RECURRENT_FIELDS
+                     if getattr(config, name, None) is not None}
+        return cls(**recurrent,
             num_layers=config.num_layers, hidden_size=config.hidden_size,
             num_attention_heads=config.num_attention_heads, vocab_size=vocab_size,
             ffn_hidden_size=getattr(config, "ffn_hidden_size", None),
@@ -221,7 +251,10 @@ class ModelShape:
         """One layer kind's parameters on one TP rank: ``attention`` its norm, QKV and
         output projections; ``mlp`` its norm and MLP; ``moe`` its norm, the router, every
         expert (Megatron's local experts, each an MLP ``moe_ffn_hidden_size`` wide) and the
-        shared expert (no expert parallelism: a rank holds every expert)."""
+        shared expert (no expert parallelism: a rank holds every expert); ``mamba`` and
+        ``gdn``: :func:`~megatron_seq1f1b.planner.recurrent.recurrent_parameters`."""
+        if kind in RECURRENT_KINDS:
+            return recurrent_parameters(self, kind, tensor_parallel_size)
         h, bias, t = self.hidden_size, int(self.add_bias_linear), tensor_parallel_size
         gated = 2 if self.gated_linear_unit else 1
 
@@ -392,8 +425,8 @@ def activation_bytes_per_token(shape: ModelShape, num_layers: int, *, first: boo
 
 def kind_activation_bytes(shape: ModelShape, kind: str, *, dtype: str = "bf16",
                           flash: bool = True, whole_qkv: bool = False,
-                          tensor_parallel_size: int = 1,
-                          sequence_parallel: bool = False) -> tuple[float, float]:
+                          tensor_parallel_size: int = 1, sequence_parallel: bool = False,
+                          recurrent_kernels: str = "cuda") -> tuple[float, float]:
     """(bytes one token of one sample leaves for the backward, of which keys and values) in
     one layer kind (:func:`activation_bytes_per_token` says what is counted):
 
@@ -407,8 +440,17 @@ def kind_activation_bytes(shape: ModelShape, kind: str, *, dtype: str = "bf16",
       copy of the token (``moe_router_topk``) the permuted input, the experts' activation
       input and output and that output weighted by the router's probability (the second
       linear layer's input), the routing's indices, probabilities and permutation maps; a
-      shared expert as an MLP on the same input.
+      shared expert as an MLP on the same input;
+    * ``mamba``, ``gdn``: the part that grows with the tokens
+      (:func:`~megatron_seq1f1b.planner.recurrent.recurrent_token_bytes`, by
+      ``recurrent_kernels``; ``whole_qkv`` there means a whole micro-batch); what they keep
+      per scan chunk and per segment is :func:`~megatron_seq1f1b.planner.recurrent.
+      chunk_recurrent_units`'s.
     """
+    if kind in RECURRENT_KINDS:
+        return recurrent_token_bytes(shape, kind, dtype=dtype, kernels=recurrent_kernels,
+                                     whole=whole_qkv, tensor_parallel_size=tensor_parallel_size,
+                                     sequence_parallel=sequence_parallel), 0.0
     e, h, t = DTYPE_BYTES[dtype], shape.hidden_size, tensor_parallel_size
     whole = t if sequence_parallel else 1  # what Megatron keeps whole on every TP rank
     gated = 2 if shape.gated_linear_unit else 1
@@ -442,7 +484,8 @@ def kind_activation_bytes(shape: ModelShape, kind: str, *, dtype: str = "bf16",
 def chunk_activation_bytes(shape: ModelShape, layers, *, first: bool, last: bool,
                            mtp: bool | None = None, dtype: str = "bf16", flash: bool = True,
                            whole_qkv: bool = False, tensor_parallel_size: int = 1,
-                           sequence_parallel: bool = False) -> tuple[float, float]:
+                           sequence_parallel: bool = False,
+                           recurrent_kernels: str = "cuda") -> tuple[float, float]:
     """(bytes per token, of which keys and values) of a chunk holding ``layers`` (layer-kind
     tuples, :meth:`ModelShape.stage_layers`), per sample: :func:`kind_activation_bytes` per
     layer; the first chunk adds the token ids, the last the final norm's and output layer's
@@ -453,7 +496,7 @@ def chunk_activation_bytes(shape: ModelShape, layers, *, first: bool, last: bool
     e, h, t = DTYPE_BYTES[dtype], shape.hidden_size, tensor_parallel_size
     whole = t if sequence_parallel else 1
     options = dict(dtype=dtype, flash=flash, whole_qkv=whole_qkv, tensor_parallel_size=t,
-                   sequence_parallel=sequence_parallel)
+                   sequence_parallel=sequence_parallel, recurrent_kernels=recurrent_kernels)
     total = kv = 0.0
     for layer in layers:
         for kind in layer:
@@ -471,7 +514,8 @@ def chunk_activation_bytes(shape: ModelShape, layers, *, first: bool, last: bool
 
 def mtp_activation_bytes(shape: ModelShape, *, dtype: str = "bf16", flash: bool = True,
                          whole_qkv: bool = False, tensor_parallel_size: int = 1,
-                         sequence_parallel: bool = False) -> tuple[float, float]:
+                         sequence_parallel: bool = False,
+                         recurrent_kernels: str = "cuda") -> tuple[float, float]:
     """(bytes per token, of which keys and values) the MTP block leaves, per sample: per depth
     the rolled token ids, the embedding's output (the ``enorm``'s input), the ``hnorm``'s
     input, the projection's ``[2h]`` input, its layers, the final norm's and the output
@@ -480,7 +524,7 @@ def mtp_activation_bytes(shape: ModelShape, *, dtype: str = "bf16", flash: bool 
     e, h, t = DTYPE_BYTES[dtype], shape.hidden_size, tensor_parallel_size
     whole = t if sequence_parallel else 1
     options = dict(dtype=dtype, flash=flash, whole_qkv=whole_qkv, tensor_parallel_size=t,
-                   sequence_parallel=sequence_parallel)
+                   sequence_parallel=sequence_parallel, recurrent_kernels=recurrent_kernels)
     total = kv = 0.0
     for depth in shape.mtp_layers():
         total += 8 + e * 4 * h / whole + e * 2 * h / whole + 4 * shape.vocab_size / t + 8
@@ -580,7 +624,9 @@ def stage_activation_bytes(schedule: Sequence[Sequence], lengths: Sequence[int],
                            micro_batch_size: int = 1, *,
                            pair_bytes: Sequence[Sequence[float]] | None = None,
                            microbatches: Sequence[Sequence[UnitBytes]] | None = None,
-                           dense: bool = False, context_parallel_size: int = 1) -> list[float]:
+                           dense: bool = False, context_parallel_size: int = 1,
+                           recurrent: Sequence[Sequence[RecurrentUnits]] | None = None
+                           ) -> list[float]:
     """Peak activation bytes per rank of a schedule (lists of actions per rank).
 
     ``bytes_per_token[rank][chunk]``: (all, keys and values) bytes one token of
@@ -592,6 +638,9 @@ def stage_activation_bytes(schedule: Sequence[Sequence], lengths: Sequence[int],
     forward to the head's backward (:func:`unit_bytes`). ``microbatches``: each
     micro-batch's :func:`unit_bytes` (packed documents: their own lengths and
     chains), cycled; default: ``lengths`` for every micro-batch, without documents.
+    ``recurrent[rank][chunk]``: what its recurrent layers hold per unit beyond their
+    per-token bytes (:class:`~megatron_seq1f1b.planner.recurrent.RecurrentUnits`: scan chunks
+    padded, the state a later segment starts from), held as the unit's own.
     """
     default = unit_bytes(lengths, dense=dense, context_parallel_size=context_parallel_size)
     peaks = []
@@ -609,6 +658,10 @@ def stage_activation_bytes(schedule: Sequence[Sequence], lengths: Sequence[int],
             if action.is_forward:
                 own = (unit.tokens * (all_bytes - kv_bytes) + unit.kv_rows * kv_bytes
                        + unit.pairs * pair) * scale
+                if recurrent is not None and recurrent[rank][action.chunk]:
+                    length = unit.tokens if microbatches else lengths[action.segment]
+                    own += recurrent[rank][action.chunk].bytes(
+                        length, action.segment > 0) * scale
                 held[action.unit] = (own, unit.buffer_rows * kv_bytes * scale)
                 live += sum(held[action.unit])
                 peak = max(peak, live)

@@ -19,6 +19,7 @@ from megatron_seq1f1b.planner.footprint import (
     ModelShape, Training, attention_pair_bytes, chunk_activation_bytes, stage_activation_bytes,
     stage_attention_layers, stage_parameters, unit_bytes,
 )
+from megatron_seq1f1b.planner.recurrent import RecurrentUnits, chunk_recurrent_units
 from megatron_seq1f1b.schedules.schedule import Schedule, build_schedule
 
 GIB = 2.0 ** 30
@@ -68,6 +69,11 @@ class MemoryModel:
     scaled so that stage matches it (the unfused attention's ``s x s`` pairs taken out of
     the measurement first: they are counted per pair). With ``tensor_parallel_size`` every
     byte is one TP rank's (a measured ``bytes_per_token`` too: measure on a TP rank).
+    Mamba-2 and gated-delta-net layers (pattern ``M``, ``G``) also hold, per unit, what
+    their scans keep per chunk and the state a later segment starts from
+    (:meth:`chunk_recurrent_units`); ``recurrent_kernels`` says which kernels run them
+    (``"cuda"``: mamba_ssm, causal-conv1d and fla; ``"reference"``: the package's torch
+    references on CPU; :mod:`~megatron_seq1f1b.planner.recurrent`).
     """
 
     shape: ModelShape
@@ -78,6 +84,7 @@ class MemoryModel:
     context_parallel_size: int = 1  # each rank holds 1/cp of the tokens, all of the K/V
     tensor_parallel_size: int = 1  # per TP rank: split layers and their activations
     sequence_parallel: bool = False  # with TP: the [s, b, h] activations split too
+    recurrent_kernels: str = "cuda"  # or "reference" (CPU): what M and G layers save
 
     def chunk_pair_bytes(self, num_stages: int, num_model_chunks: int = 1
                          ) -> list[list[float]]:
@@ -98,31 +105,60 @@ class MemoryModel:
         context parallelism ``seq_length / cp`` of them, and the whole sequence's K/V; the
         unfused attention's pairs are taken out)."""
         p, v = num_stages, num_model_chunks
-        layers = self.shape.stage_layers(p * v)
-
-        def estimate(whole: bool) -> list[list[tuple[float, float]]]:
-            return [[chunk_activation_bytes(
-                self.shape, layers[c * p + r], first=c * p + r == 0,
-                last=c * p + r == p * v - 1, dtype=self.training.dtype, flash=self.flash,
-                whole_qkv=whole, tensor_parallel_size=self.tensor_parallel_size,
-                sequence_parallel=self.sequence_parallel)
-                for c in range(v)] for r in range(p)]
-
-        table = estimate(whole_qkv)
+        table = self._estimate(p, v, whole_qkv)
         scale = self.activation_scale
-        if self.bytes_per_token:  # measured on a whole micro-batch (the calibration's k=1)
-            cp = self.context_parallel_size
-            measured_kind = table if whole_qkv or cp > 1 else estimate(True)
-            pairs = [sum(rank) for rank in self.chunk_pair_bytes(p, v)]
-            busiest = max(range(p), key=lambda r: sum(b for b, _ in measured_kind[r]))
-            all_bytes = sum(b for b, _ in measured_kind[busiest])
-            kv_bytes = sum(kv for _, kv in measured_kind[busiest])
-            measured = self.bytes_per_token - (seq_length or 0) * pairs[busiest]
-            estimated = all_bytes + (cp - 1) * kv_bytes  # per token held: K/V of cp tokens
-            scale = max(measured, 0.0) / estimated
+        if self.bytes_per_token:
+            scale = self._measured_scale(p, v, seq_length)
         if scale != 1.0:
             table = [[(b * scale, kv * scale) for b, kv in rank] for rank in table]
         return table
+
+    def _estimate(self, p: int, v: int, whole: bool) -> list[list[tuple[float, float]]]:
+        layers = self.shape.stage_layers(p * v)
+        return [[chunk_activation_bytes(
+            self.shape, layers[c * p + r], first=c * p + r == 0, last=c * p + r == p * v - 1,
+            dtype=self.training.dtype, flash=self.flash, whole_qkv=whole,
+            tensor_parallel_size=self.tensor_parallel_size,
+            sequence_parallel=self.sequence_parallel, recurrent_kernels=self.recurrent_kernels)
+            for c in range(v)] for r in range(p)]
+
+    def _measured_scale(self, p: int, v: int, seq_length: int | None) -> float:
+        """Measured ``bytes_per_token`` (on a whole micro-batch: the calibration's k=1) over
+        this model's estimate of the busiest stage, per token it holds (the recurrent layers'
+        per-chunk bytes of a whole sequence included)."""
+        cp = self.context_parallel_size
+        table = self._estimate(p, v, cp == 1)
+        pairs = [sum(rank) for rank in self.chunk_pair_bytes(p, v)]
+        extras = [0.0] * p
+        if seq_length:
+            extras = [sum(u.bytes(seq_length // cp, False) for u in rank) / seq_length
+                      for rank in self._recurrent_units(p, v, True)]
+        busiest = max(range(p), key=lambda r: sum(b for b, _ in table[r]) + extras[r])
+        all_bytes = sum(b for b, _ in table[busiest]) + extras[busiest]
+        kv_bytes = sum(kv for _, kv in table[busiest])
+        measured = self.bytes_per_token - (seq_length or 0) * pairs[busiest]
+        estimated = all_bytes + (cp - 1) * kv_bytes  # per token held: K/V of cp tokens
+        return max(measured, 0.0) / estimated
+
+    def _recurrent_units(self, p: int, v: int, whole: bool) -> list[list[RecurrentUnits]]:
+        layers = self.shape.stage_layers(p * v)
+        return [[chunk_recurrent_units(
+            self.shape, layers[c * p + r], mtp=c * p + r == p * v - 1,
+            dtype=self.training.dtype, kernels=self.recurrent_kernels, whole=whole,
+            tensor_parallel_size=self.tensor_parallel_size) for c in range(v)] for r in range(p)]
+
+    def chunk_recurrent_units(self, num_stages: int, num_model_chunks: int = 1,
+                              whole: bool = False, seq_length: int | None = None
+                              ) -> list[list[RecurrentUnits]]:
+        """[rank][chunk] -> what its Mamba-2 and gated-delta-net layers hold per unit beyond
+        their bytes per token (:class:`~megatron_seq1f1b.planner.recurrent.RecurrentUnits`;
+        ``whole``: a whole micro-batch), scaled as :meth:`chunk_bytes_per_token` scales."""
+        p, v = num_stages, num_model_chunks
+        scale = self.activation_scale
+        if self.bytes_per_token:
+            scale = self._measured_scale(p, v, seq_length)
+        units = self._recurrent_units(p, v, whole)
+        return [[u.scaled(scale) if scale != 1.0 else u for u in rank] for rank in units]
 
     def static_bytes(self, num_stages: int, num_model_chunks: int = 1) -> list[dict]:
         """Per rank: weights, main gradients and optimizer states, in bytes."""
@@ -145,12 +181,14 @@ class MemoryModel:
                                        context_parallel_size=self.context_parallel_size)
                             for row, docs in zip(rows, documents)]
         cp = self.context_parallel_size
+        whole = len(lengths) == 1 and cp == 1
         activations = stage_activation_bytes(
             schedule, lengths,
-            self.chunk_bytes_per_token(p, num_model_chunks, len(lengths) == 1 and cp == 1,
-                                       sum(lengths)),
+            self.chunk_bytes_per_token(p, num_model_chunks, whole, sum(lengths)),
             micro_batch_size, pair_bytes=self.chunk_pair_bytes(p, num_model_chunks),
-            microbatches=microbatches, dense=not self.flash, context_parallel_size=cp)
+            microbatches=microbatches, dense=not self.flash, context_parallel_size=cp,
+            recurrent=self.chunk_recurrent_units(p, num_model_chunks, len(lengths) == 1,
+                                                 sum(lengths)))
         stages = []
         for static, act in zip(self.static_bytes(p, num_model_chunks), activations):
             entry = dict(static, activations=act)
@@ -167,19 +205,21 @@ def stage_memory(shape: ModelShape, training: Training, num_stages: int,
                  documents=None,
                  microbatch_lengths: Sequence[Sequence[int]] | None = None,
                  context_parallel_size: int = 1, tensor_parallel_size: int = 1,
-                 sequence_parallel: bool = False) -> list[dict]:
+                 sequence_parallel: bool = False, recurrent_kernels: str = "cuda") -> list[dict]:
     """Each pipeline rank's predicted bytes (weights, gradients, optimizer, activations,
     total) for one plan: ``schedule`` a name (built here; zero bubble placed with
     ``costs``, else unit costs) or every rank's action lists; ``documents`` and
     ``microbatch_lengths`` as :meth:`MemoryModel.stage_bytes` takes them; with
-    ``context_parallel_size`` and ``tensor_parallel_size`` per rank of the CP and TP groups."""
+    ``context_parallel_size`` and ``tensor_parallel_size`` per rank of the CP and TP groups;
+    ``recurrent_kernels`` as :class:`MemoryModel` takes it."""
     if isinstance(schedule, str):
         schedule = build_schedule(num_stages, num_microbatches, len(lengths), num_model_chunks,
                                   schedule=schedule, costs=costs)
     model = MemoryModel(shape, training, flash, bytes_per_token,
                         context_parallel_size=context_parallel_size,
                         tensor_parallel_size=tensor_parallel_size,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel,
+                        recurrent_kernels=recurrent_kernels)
     return model.stage_bytes(schedule, lengths, num_model_chunks, micro_batch_size,
                              documents=documents, microbatch_lengths=microbatch_lengths)
 

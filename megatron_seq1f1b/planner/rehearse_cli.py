@@ -4,8 +4,9 @@ prediction for it.
 World size 1 (gloo with :mod:`megatron_seq1f1b.runtime.cpu` on a CPU, NCCL on a GPU),
 Megatron's parallel state with pipeline size 1. Takes the trainer's model flags (a
 GPTModel, or a HybridModel with ``--hybrid-layer-pattern`` and megatron_seq1f1b's local
-hybrid spec; MoE with ``--num-experts``; multi-token prediction with ``--mtp-num-layers``
-or the pattern's ``/`` depths), the pipeline and the Seq1F1B flags; wraps the chunks as the
+hybrid spec; MoE with ``--num-experts``; Mamba-2 and gated-delta-net layers sized by
+``--mamba-*`` / ``--linear-*``; multi-token prediction with ``--mtp-num-layers`` or the
+pattern's ``/`` depths), the pipeline and the Seq1F1B flags; wraps the chunks as the
 trainer does (Float16Module for bf16, Megatron DDP with fp32 gradient reduction, Megatron's
 optimizer); prints the stage's memory and times and the planner's prediction for that stage.
 """
@@ -23,7 +24,9 @@ from typing import Any, Iterator
 import torch
 
 from megatron_seq1f1b.base.flags import ArgumentParser, non_negative_int, positive_int
-from megatron_seq1f1b.planner.cli import read_hybrid_pattern
+from megatron_seq1f1b.planner.cli import (
+    add_recurrent_arguments, read_hybrid_pattern, recurrent_fields,
+)
 from megatron_seq1f1b.planner.stage_build import build_stage_chunks
 from megatron_seq1f1b.planner.stage_run import Rehearsal, _zero_grads, rehearse_stage
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
@@ -44,7 +47,9 @@ def build_parser() -> ArgumentParser:
     model.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
                        help="rehearse Megatron-Core's HybridModel (0.18+) with megatron_seq1f1b's "
                             "local hybrid spec: one symbol per layer, '*' attention, '-' MLP, "
-                            "'E' MoE (with --num-experts); '|' between pipeline stages (stages / "
+                            "'E' MoE (with --num-experts), 'M' Mamba-2, 'G' gated delta net "
+                            "(sized by --mamba-* / --linear-*; with G the activation is SiLU, "
+                            "which its convolution takes); '|' between pipeline stages (stages / "
                             "--pipeline-model-parallel-size = model chunks per rank), '/' before "
                             "each multi-token-prediction depth's layers (they set "
                             "--mtp-num-layers). As Megatron-LM's flag")
@@ -73,6 +78,7 @@ def build_parser() -> ArgumentParser:
                        default="rope")
     model.add_argument("--tie-embeddings", action="store_true",
                        help="share embedding and output weights (default: untied)")
+    add_recurrent_arguments(model)
     model.add_argument("--bf16", action="store_true")
     model.add_argument("--attention-backend", choices=["local", "flash"], default="local")
     par = p.add_argument_group("pipeline")
@@ -235,8 +241,9 @@ def _config(args):
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups, normalization=args.normalization,
         gated_linear_unit=args.swiglu, add_bias_linear=bias, **moe,
-        mtp_num_layers=args.mtp_num_layers,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        mtp_num_layers=args.mtp_num_layers, **recurrent_fields(args),
+        activation_func=torch.nn.functional.silu if args.swiglu or _has_gdn(args)
+        else torch.nn.functional.gelu,
         hidden_dropout=0.0, attention_dropout=0.0,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
@@ -245,6 +252,12 @@ def _config(args):
         masked_softmax_fusion=False, bias_activation_fusion=cuda and (args.swiglu or bias),
         bias_dropout_fusion=cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True, context_parallel_size=args.context_parallel_size)
+
+
+def _has_gdn(args) -> bool:
+    """Gated delta nets (G) convolve with Megatron's activation function, which must be SiLU
+    (Megatron-LM gets it from --swiglu; here an MLP stays ungated without it)."""
+    return "G" in (args.hybrid_layer_pattern or "")
 
 
 def _chunks_count(args) -> int:
@@ -393,7 +406,8 @@ def _hybrid_stack_spec(args):
 def predicted(args, rehearsal: Rehearsal, costs=None) -> dict:
     """The planner's memory prediction for this stage, with the rehearsal's own layout
     (one rank: data-parallel size 1), its segment lengths and, for zero bubble, the
-    per-segment costs that placed its W actions (``costs``)."""
+    per-segment costs that placed its W actions (``costs``); recurrent layers as the kernels
+    that ran them save (CUDA's, or on CPU the package's references)."""
     from megatron_seq1f1b.planner.footprint import ModelShape, Training
     from megatron_seq1f1b.planner.memory_model import stage_memory
     from megatron_seq1f1b.schedules.schedule import build_schedule
@@ -407,7 +421,8 @@ def predicted(args, rehearsal: Rehearsal, costs=None) -> dict:
         position_embedding_type=args.position_embedding_type,
         max_sequence_length=args.seq_length, hybrid_layer_pattern=args.hybrid_layer_pattern,
         mtp_num_layers=args.mtp_num_layers or 0, num_moe_experts=args.num_experts,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk)
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
+        **recurrent_fields(args))
     training = Training(dtype="bf16" if args.bf16 else "fp32",
                         optimizer=None if args.optimizer == "none" else "adam",
                         distributed_optimizer=args.use_distributed_optimizer)
@@ -420,7 +435,8 @@ def predicted(args, rehearsal: Rehearsal, costs=None) -> dict:
                           micro_batch_size=args.micro_batch_size,
                           flash=args.attention_backend == "flash",
                           documents=None if args.document_length is None else [_documents(args)],
-                          context_parallel_size=args.context_parallel_size)
+                          context_parallel_size=args.context_parallel_size,
+                          recurrent_kernels="cuda" if torch.cuda.is_available() else "reference")
     mine = [str(a) for a in schedule[args.rehearse_stage]]
     return dict(memory[args.rehearse_stage], same_actions=mine == rehearsal.actions)
 

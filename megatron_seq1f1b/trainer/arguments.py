@@ -13,6 +13,7 @@ import datetime
 import importlib.util
 import math
 import os
+import re
 import signal
 import sys
 from typing import NoReturn
@@ -25,6 +26,9 @@ from megatron_seq1f1b.base.flags import (
 from megatron_seq1f1b.megatron_lm.arguments import (
     AUTO, add_arguments, auto_flag_problems, moe_flag_problems,
 )
+from megatron_seq1f1b.planner.cli import add_recurrent_arguments, recurrent_fields
+from megatron_seq1f1b.planner.footprint import ModelShape
+from megatron_seq1f1b.planner.recurrent import gdn_sizes, mamba_sizes
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import split_sequence
 from megatron_seq1f1b.trainer import data as trainer_data
@@ -233,19 +237,10 @@ def build_parser() -> StartupParser:
 
     ssm = p.add_argument_group(
         "Mamba-2 (M) and gated delta net (G) layers of --hybrid-layer-pattern (Megatron-LM's "
-        "flags and defaults)",
+        "flags; unset: Megatron's defaults)",
         "Seq1F1B carries their convolution windows and recurrent states from segment to "
         "segment. Gated delta nets take the activation of --swiglu (silu).")
-    ssm.add_argument("--mamba-state-dim", type=positive_int, default=128)
-    ssm.add_argument("--mamba-head-dim", type=positive_int, default=64)
-    ssm.add_argument("--mamba-num-groups", type=positive_int, default=8)
-    ssm.add_argument("--mamba-num-heads", type=positive_int, default=None,
-                     help="default 2 x --hidden-size / --mamba-head-dim")
-    ssm.add_argument("--linear-conv-kernel-dim", type=positive_int, default=4)
-    ssm.add_argument("--linear-key-head-dim", type=positive_int, default=128)
-    ssm.add_argument("--linear-value-head-dim", type=positive_int, default=128)
-    ssm.add_argument("--linear-num-key-heads", type=positive_int, default=16)
-    ssm.add_argument("--linear-num-value-heads", type=positive_int, default=32)
+    add_recurrent_arguments(ssm)
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--micro-batch-size", type=positive_int, default=1)
@@ -468,26 +463,16 @@ def recurrent_problems(args: argparse.Namespace) -> list[str]:
         problems.append("gated delta net (G) layers need the silu activation (Megatron-Core's "
                         "GatedDeltaNet convolution asserts it): add --swiglu, which sets it, as "
                         "in Megatron-LM")
-    if mamba:
-        heads = args.mamba_num_heads
-        if heads is None and 2 * args.hidden_size % args.mamba_head_dim:
-            problems.append(f"Mamba-2 (M) layers: 2 x --hidden-size ({2 * args.hidden_size}) "
-                            f"is not a multiple of --mamba-head-dim {args.mamba_head_dim}; give "
-                            "another head size or --mamba-num-heads")
-        else:
-            heads = heads or 2 * args.hidden_size // args.mamba_head_dim
-            groups = args.mamba_num_groups
-            if heads % groups or groups % tp:
-                problems.append(f"Mamba-2 (M) layers: {heads} heads (--mamba-num-heads, by "
-                                "default 2 x --hidden-size / --mamba-head-dim) must divide by "
-                                f"--mamba-num-groups {groups}, and that by "
-                                f"--tensor-model-parallel-size {tp}")
-    if gdn:
-        keys, values = args.linear_num_key_heads, args.linear_num_value_heads
-        if values % keys or keys % tp:
-            problems.append(f"gated delta net (G) layers: --linear-num-value-heads {values} "
-                            f"must be a multiple of --linear-num-key-heads {keys}, and that of "
-                            f"--tensor-model-parallel-size {tp}")
+    shape = ModelShape(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=1,
+                       vocab_size=1, **recurrent_fields(args))
+    for there, sizes in ((mamba, mamba_sizes), (gdn, gdn_sizes)):
+        try:
+            if there:
+                sizes(shape, tp)
+        except ValueError as exc:  # Megatron's layers would assert it when built
+            named = re.sub(r"\b(?:mamba|linear)_[a-z_]+",
+                           lambda field: "--" + field.group(0).replace("_", "-"), str(exc))
+            problems.append(f"{named} (with --tensor-model-parallel-size {tp})")
     return problems
 
 

@@ -10,6 +10,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_seq1f1b.planner.cli import recurrent_fields
+
 
 def init_distributed(args) -> torch.device:
     """NCCL on GPUs, gloo on CPUs (with megatron_seq1f1b.runtime.cpu patches); then parallel state."""
@@ -89,7 +91,7 @@ def transformer_config(args):
         window_attn_skip_freq=args.window_attn_skip_freq,
         add_bias_linear=not args.disable_bias_linear,
         **_moe_fields(args),
-        **_recurrent_fields(args),
+        **recurrent_fields(args),
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -161,24 +163,6 @@ def _moe_fields(args) -> dict:
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_grouped_gemm=False,
     )
-
-
-def _recurrent_fields(args) -> dict:
-    """TransformerConfig fields of the Mamba-2 (M) and gated delta net (G) flags (Megatron-LM's
-    names are the fields'); none without such layers in --hybrid-layer-pattern."""
-    pattern = getattr(args, "hybrid_layer_pattern", None) or ""
-    fields = {}
-    if "M" in pattern:
-        fields.update(mamba_state_dim=args.mamba_state_dim, mamba_head_dim=args.mamba_head_dim,
-                      mamba_num_groups=args.mamba_num_groups,
-                      mamba_num_heads=args.mamba_num_heads)
-    if "G" in pattern:
-        fields.update(linear_conv_kernel_dim=args.linear_conv_kernel_dim,
-                      linear_key_head_dim=args.linear_key_head_dim,
-                      linear_value_head_dim=args.linear_value_head_dim,
-                      linear_num_key_heads=args.linear_num_key_heads,
-                      linear_num_value_heads=args.linear_num_value_heads)
-    return fields
 
 
 def build_model(args, config, model_provider: Callable) -> list:
