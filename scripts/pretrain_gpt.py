@@ -136,12 +136,14 @@ def packed_seq_params(batch: dict):
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from megatron_seq1f1b.base import compat
+
     cu_seqlens = cu_seqlens.squeeze(0)  # [1, N] in the batch, 1-D for attention
     longest = int(batch["max_seqlen"].max().item())
     # total_tokens, as pretrain_hybrid.py sets it: Mamba's seq_idx (its documents) follows
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest,
-                           total_tokens=int(cu_seqlens[-1].item()))
+                           **compat.packed_total_tokens(int(cu_seqlens[-1].item())))
 
 
 def forward_step(data_iterator, model):

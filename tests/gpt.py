@@ -358,7 +358,7 @@ def packed_seq_params(batch: dict):
     # total_tokens: Megatron derives Mamba's seq_idx (its documents) from it
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=longest, max_seqlen_kv=longest,
-                           total_tokens=int(batch["tokens"].shape[-1]))
+                           **compat.packed_total_tokens(int(batch["tokens"].shape[-1])))
 
 
 def data_documents(data: DataSpec, count: int, seq_length: int):

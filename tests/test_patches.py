@@ -593,6 +593,25 @@ def run_probe(lm: Source, tmp_path: Path, probe: str) -> dict:
     return result
 
 
+# The builder probes' set-up: the patched script's arguments parsed and set as Megatron-LM's
+# global args, one gloo rank, Megatron's parallel state (on CPU with the package's patches).
+ONE_RANK = r"""
+from megatron_seq1f1b import megatron_lm
+from megatron_seq1f1b.runtime import cpu
+
+if not torch.cuda.is_available():
+    cpu.enable()
+args = parse_args(megatron_lm.extra_args_provider(None))
+args.padded_vocab_size = 128
+global_vars.set_args(args)
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
+"""
+
+
 BUILDER_PROBE = r"""
 import json, socket, sys
 sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
@@ -609,21 +628,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 
-from megatron_seq1f1b import megatron_lm
-
-from megatron_seq1f1b.runtime import cpu
-
-if not torch.cuda.is_available():
-    cpu.enable()
-args = parse_args(megatron_lm.extra_args_provider(None))
-args.padded_vocab_size = 128
-global_vars.set_args(args)
-with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-parallel_state.initialize_model_parallel()
-# The model's config says CP 2 (this one process stands for a CP rank; building needs no peer).
+""" + ONE_RANK + r"""# The model's config says CP 2 (this one process stands for a CP rank; building needs no peer).
 config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                            context_parallel_size=2, use_cpu_initialization=True)
 if BUILDER == "gpt_builders.py":  # core_v0.16-0.18: pretrain_gpt.py's gpt_builder
@@ -840,20 +845,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
-from megatron_seq1f1b import megatron_lm
-from megatron_seq1f1b.runtime import cpu
-
-if not torch.cuda.is_available():
-    cpu.enable()
-args = parse_args(megatron_lm.extra_args_provider(None))
-args.padded_vocab_size = 128
-global_vars.set_args(args)
-with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-parallel_state.initialize_model_parallel()
-pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+""" + ONE_RANK + r"""pg_collection = ProcessGroupCollection.use_mpu_process_groups()
 # The model's config says CP 2 (this one process stands for a CP rank; building needs no peer).
 config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4,
                            context_parallel_size=2, use_cpu_initialization=True)

@@ -81,6 +81,17 @@ def per_token_router_losses_count_context_parallel() -> bool:
     return "tp_cp_group.size()" in source
 
 
+def packed_total_tokens(total: int) -> dict:
+    """``PackedSeqParams``' ``total_tokens`` keyword (not in Megatron-Core 0.16; Mamba's
+    ``seq_idx`` follows), or nothing where the dataclass has no such field."""
+    import dataclasses
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    names = {field.name for field in dataclasses.fields(PackedSeqParams)}
+    return {"total_tokens": total} if "total_tokens" in names else {}
+
+
 def megatron_core_version() -> str:
     """The installed Megatron-Core's version, e.g. ``"0.19.2"``."""
     from megatron.core.package_info import __version__

@@ -71,35 +71,28 @@ def local_hybrid_stack_spec(*, attention: str | type = "local", num_experts: int
                          "or a core attention class")
     _final_norm_without_te()
     core = {"flash": FlashDotProductAttention, "local": DotProductAttention}.get(attention, attention)
-    attention_layer = ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear, core_attention=core,
-                    linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp)),
-            self_attn_bda=get_bias_dropout_add,
-        ),
-    )
-    mla_layer = ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
-            self_attention=ModuleSpec(
-                module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                submodules=MLASelfAttentionSubmodules(
-                    linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
-                    linear_q_up_proj=ColumnParallelLinear,
-                    linear_kv_down_proj=ColumnParallelLinear,
-                    linear_kv_up_proj=ColumnParallelLinear, core_attention=core,
-                    linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
-                    kv_layernorm=IdentityOp)),
-            self_attn_bda=get_bias_dropout_add,
-        ),
-    )
+
+    def mixer_layer(mixer: ModuleSpec) -> ModuleSpec:
+        """A TransformerLayer of one sequence mixer (attention, MLA, gated delta net)."""
+        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm, self_attention=mixer,
+            self_attn_bda=get_bias_dropout_add))
+
+    causal = {"attn_mask_type": AttnMaskType.causal}
+    attention_layer = mixer_layer(ModuleSpec(
+        module=SelfAttention, params=causal, submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear, core_attention=core, linear_proj=RowParallelLinear,
+            q_layernorm=IdentityOp, k_layernorm=IdentityOp)))
+    mla_layer = mixer_layer(ModuleSpec(
+        module=MLASelfAttention, params=causal, submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=ColumnParallelLinear, core_attention=core,
+            linear_proj=RowParallelLinear, q_layernorm=IdentityOp, kv_layernorm=IdentityOp)))
+    gdn_layer = mixer_layer(ModuleSpec(
+        module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+            out_proj=RowParallelLinear)))
     mamba_layer = ModuleSpec(
         module=MambaLayer,
         submodules=MambaLayerSubmodules(
@@ -107,16 +100,6 @@ def local_hybrid_stack_spec(*, attention: str | type = "local", num_experts: int
             mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
                 in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
             mamba_bda=get_bias_dropout_add,
-        ),
-    )
-    gdn_layer = ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
-            self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-                in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
-                out_proj=RowParallelLinear)),
-            self_attn_bda=get_bias_dropout_add,
         ),
     )
     mlp_layer = ModuleSpec(
