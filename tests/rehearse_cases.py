@@ -21,7 +21,10 @@ def _parameters(chunks) -> list:
 def pipeline_then_rehearsal(pp: int, k: int, schedule: str, model: ModelSpec, data: DataSpec,
                             vpp: int | None = None, partition: str = "uniform") -> dict:
     """This rank's actions and saved-activation peak in a real pp-stage pipeline, and the
-    same for its stage rehearsed alone (Megatron's parallel state with pipeline size 1)."""
+    same for its stage rehearsed alone (Megatron's parallel state with pipeline size 1),
+    told the pipeline's attention as the rehearsal's command line tells it."""
+    from megatron_seq1f1b.runtime.model_hooks import AttentionKind
+
     from megatron_seq1f1b.planner.rehearse import build_stage_chunks, rehearse_stage
 
     batches = make_batches(model, data)
@@ -45,13 +48,8 @@ def pipeline_then_rehearsal(pp: int, k: int, schedule: str, model: ModelSpec, da
             forward_step_func=step, data_iterator=iterators(),
             model=chunks if many else chunks[0], num_microbatches=data.num_microbatches,
             seq_length=model.seq_length, micro_batch_size=data.micro_batch_size)
-    from megatron.core.utils import get_model_config
-
-    from megatron_seq1f1b.planner.stage_run import _lengths
-
     real = {"actions": [str(iv.action) for iv in recorder.last.compute],
-            "lengths": _lengths(chunks, get_model_config(chunks[0]), k, partition, None,
-                                model.seq_length, None),
+            "lengths": list(recorder.last.lengths[0]),
             "saved_peak": meter.peak_bytes,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in _parameters(chunks))}
     del chunks
@@ -72,7 +70,7 @@ def pipeline_then_rehearsal(pp: int, k: int, schedule: str, model: ModelSpec, da
         alone if many else alone[0], step, iterators(), num_stages=pp, stage=stage,
         num_microbatches=data.num_microbatches, seq_length=model.seq_length,
         micro_batch_size=data.micro_batch_size, num_splits=k, partition=partition,
-        schedule=schedule, count_saved=True)
+        schedule=schedule, count_saved=True, attention=AttentionKind.of_backend(model.attention))
     return {"stage": stage, "real": real, "rehearsal": rehearsal.to_dict(),
             "layers": [len(unwrap(c).decoder.layers) for c in alone],
             "pre_post": [(unwrap(c).pre_process, unwrap(c).post_process) for c in alone],
@@ -105,3 +103,22 @@ def cli(argv: list[str]) -> dict:
         if calibration.exists():
             result["calibration"] = json.loads(calibration.read_text())
         return result
+
+
+def rehearsal_refusals(model: ModelSpec, stage: int, attention) -> str:
+    """The error of rehearsing ``stage`` (of two, balanced cut) told ``attention``, or ''."""
+    from megatron_seq1f1b.planner.rehearse import build_stage_chunks, rehearse_stage
+
+    init_parallel()
+    alone = build_stage_chunks(make_config(model, pp=2), 2, stage, vocab_size=model.vocab_size,
+                               max_sequence_length=model.seq_length, **_hybrid(model))
+    s1.enable(alone)
+    try:
+        rehearse_stage(alone[0], partial(forward_step, slicer=s1.slice_batch),
+                       iter(make_batches(model, DataSpec(num_microbatches=2))), num_stages=2,
+                       stage=stage, num_microbatches=2, seq_length=model.seq_length,
+                       micro_batch_size=1, num_splits=4, partition="balanced",
+                       attention=attention)
+    except ValueError as exc:
+        return str(exc)
+    return ""

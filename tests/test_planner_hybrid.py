@@ -309,11 +309,15 @@ REHEARSED = [  # (model, pp, vpp, k, partition)
                                              ("moe_token_dispatcher_type", "alltoall"))),
      2, 2, 2, "uniform"),
     (ModelSpec(extra=(("mtp_num_layers", 2),)), 2, None, 3, "uniform"),
+    # stage 0 without attention layers: it cuts by the kind stage 1 has (local, dense:
+    # [38, 33, 30, 27]; by its own, none, it would cut [39, 33, 30, 26])
+    (ModelSpec(hybrid="--|*-*-", hidden_size=16, seq_length=128), 2, None, 4, "balanced"),
 ]
 
 
 @pytest.mark.parametrize("model,pp,vpp,k,partition", REHEARSED,
-                         ids=["hybrid-mtp-balanced", "hybrid-vpp", "gpt-mtp"])
+                         ids=["hybrid-mtp-balanced", "hybrid-vpp", "gpt-mtp",
+                              "attention-free-stage"])
 def test_rehearsed_hybrid_stage_does_what_the_stage_does_in_a_pipeline(ranks, model, pp, vpp, k,
                                                                        partition):
     """A HybridModel's stage (its '|' part, MTP on the last) and a GPTModel's MTP stage built
@@ -334,6 +338,26 @@ def test_rehearsed_hybrid_stage_does_what_the_stage_does_in_a_pipeline(ranks, mo
                             for c in range(vpp or 1)], (stage, r["mtp"])
         assert abs(alone["activation_bytes"] - real["saved_peak"]) <= 0.05 * real["saved_peak"], \
             (stage, alone["activation_bytes"], real["saved_peak"])
+
+
+def test_a_rehearsed_stage_cuts_with_the_pipelines_attention(ranks):
+    """A stage without attention layers cannot see the kind its cut weighs: untold, it is
+    refused; a stage whose own attention differs from the pipeline's is refused as the stage
+    agreement would refuse it. (The cut itself: the attention-free-stage case above.)"""
+    if not HYBRID:
+        pytest.skip("HybridModel is in megatron-core 0.18 and later")
+    from megatron_seq1f1b.runtime.model_hooks import AttentionKind
+
+    model = ModelSpec(hybrid="--|*-*-", hidden_size=16, seq_length=128)
+    untold, mixed, agreed = ranks.run(1, cases.rehearsal_refusals, case="rehearse-attention",
+                                      model=model, stage=0, attention=None), \
+        ranks.run(1, cases.rehearsal_refusals, case="rehearse-attention", model=model, stage=1,
+                  attention=AttentionKind.CAUSAL), \
+        ranks.run(1, cases.rehearsal_refusals, case="rehearse-attention", model=model, stage=1,
+                  attention=AttentionKind.DENSE)
+    assert "has no attention layer" in untold[0] and "attention=" in untold[0], untold
+    assert "would refuse to run together" in mixed[0], mixed
+    assert agreed == [""]
 
 
 # ------------------------------------------------------------------ the planner's command line

@@ -294,9 +294,11 @@ def _document_stats(schedules: list, batches: list[dict], args: argparse.Namespa
     if args.document_length is None and DOCUMENTS_KEY not in args.schedules:
         return None
     from megatron_seq1f1b.runtime.executor_setup import document_cut
+    from megatron_seq1f1b.runtime.model_hooks import AttentionKind
     from megatron_seq1f1b.segments.documents import Documents
 
-    cost, multiple = document_cut(layout.model, layout.config, args.vocab_size)
+    cost, multiple = document_cut(layout.model, layout.config, args.vocab_size,
+                                  attention=AttentionKind.of_backend(args.attention_backend))
     found = [data.batch_documents(b, eod) if args.document_length is not None
              else Documents.whole(args.seq_length, args.micro_batch_size) for b in batches]
     for s in schedules:

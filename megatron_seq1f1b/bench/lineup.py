@@ -105,11 +105,13 @@ class BenchSchedule:
 
 def segment_lengths(args: argparse.Namespace, k: int, partition: str, layout: Layout,
                     vocab_size: int) -> list[int]:
-    """The lengths the executor itself would choose for this model (passed explicitly)."""
+    """The lengths the executor itself would choose for this model (passed explicitly): every
+    rank cuts with the backend's attention, also a stage without attention layers."""
     from megatron_seq1f1b.runtime.executor import resolve_lengths
+    from megatron_seq1f1b.runtime.model_hooks import AttentionKind
 
     return resolve_lengths(k, partition, None, args.seq_length, layout.model, layout.config,
-                           vocab_size)
+                           vocab_size, attention=AttentionKind.of_backend(args.attention_backend))
 
 
 def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout], vocab_size: int,

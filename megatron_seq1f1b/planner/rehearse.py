@@ -46,11 +46,11 @@ from megatron_seq1f1b.planner.rehearse_cli import (
 from megatron_seq1f1b.planner.stage_build import (
     build_stage_chunks, hybrid_stage_patterns, stage_layer_problems,
 )
-from megatron_seq1f1b.planner.stage_run import Rehearsal, documents_of, rehearse_stage
+from megatron_seq1f1b.planner.stage_run import Rehearsal, rehearse_stage
 
 __all__ = ["Rehearsal", "build_stage_chunks", "rehearse_stage", "stage_layer_problems", "main",
            "build_parser", "check_args", "prepare", "predicted", "calibrate_stage",
-           "documents_of", "hybrid_stage_patterns"]
+           "hybrid_stage_patterns"]
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from megatron_seq1f1b.planner.cli import (
 )
 from megatron_seq1f1b.planner.stage_build import build_stage_chunks
 from megatron_seq1f1b.planner.stage_run import Rehearsal, _zero_grads, rehearse_stage
+from megatron_seq1f1b.runtime.model_hooks import AttentionKind
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import split_sequence
 
@@ -496,6 +497,9 @@ def main(argv=None) -> int:
     batch = _batch(args, device)
     data = [_repeat(batch) for _ in model] if len(model) > 1 else _repeat(batch)
     count = {"auto": None, "yes": True, "no": False}[args.count_saved]
+    # every stage of the pipeline is built with this backend: a stage without attention
+    # layers cuts as those with them would
+    attention = AttentionKind.of_backend(args.attention_backend)
     rehearsal = rehearse_stage(
         model if len(model) > 1 else model[0], _forward_step, data,
         num_stages=args.pipeline_model_parallel_size, stage=args.rehearse_stage,
@@ -504,12 +508,12 @@ def main(argv=None) -> int:
         partition=args.seq1f1b_partition, schedule=args.seq1f1b_schedule,
         segment_multiple=args.seq1f1b_segment_multiple, iters=args.iters, warmup=args.warmup,
         optimizer=optimizer, count_saved=count,
-        documents=args.vocab_size - 1 if args.document_length else None)
+        documents=args.vocab_size - 1 if args.document_length else None, attention=attention)
     costs = None
     if args.seq1f1b_schedule != "1f1b":
         from megatron_seq1f1b.runtime.executor import zero_bubble_costs
 
-        costs = zero_bubble_costs(rehearsal.lengths, model, config, args.vocab_size)
+        costs = zero_bubble_costs(rehearsal.lengths, model, config, args.vocab_size, attention)
     prediction = predicted(args, rehearsal, costs)
     result = {"arguments": vars(args), "rehearsal": rehearsal.to_dict(), "predicted": prediction,
               "torch": torch.__version__}

@@ -13,11 +13,14 @@ import contextlib
 import dataclasses
 import time
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["Rehearsal", "rehearse_stage", "documents_of"]
+if TYPE_CHECKING:
+    from megatron_seq1f1b.runtime.model_hooks import AttentionKind
+
+__all__ = ["Rehearsal", "rehearse_stage"]
 
 
 @dataclasses.dataclass
@@ -83,37 +86,6 @@ def _finalize_on_real_groups(config):
         config.finalize_model_grads_func = original
 
 
-def _lengths(chunks, config, num_splits, partition, split_lengths, seq_length,
-             segment_multiple, documents=None) -> list[int]:
-    """The segment lengths the executor ran (its own rounding on CUDA included; the
-    documents partition: those of the rehearsal's micro-batch, which every one repeats)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    from megatron_seq1f1b.runtime.executor import document_cut, resolve_lengths
-    from megatron_seq1f1b.schedules.partition import split_documents
-
-    try:
-        vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
-    except RuntimeError:
-        vocab_size = None
-    if partition == "documents" and split_lengths is None:
-        costs, multiple = document_cut(chunks, config, vocab_size, segment_multiple)
-        return split_documents(documents, num_splits, costs, multiple_of=multiple)
-    return resolve_lengths(num_splits, partition, split_lengths, seq_length, chunks, config,
-                           vocab_size, segment_multiple)
-
-
-def documents_of(data_iterator, source, seq_length: int):
-    """The documents of the next micro-batch ``data_iterator`` yields (a rehearsal repeats
-    one), or None."""
-    if source is None:
-        return None
-    from megatron_seq1f1b.segments.document_plan import read_documents
-
-    iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
-    return read_documents(source, next(iterator), seq_length)
-
-
 def rehearse_stage(
     model,
     forward_step_func: Callable,
@@ -135,6 +107,7 @@ def rehearse_stage(
     optimizer=None,
     count_saved: bool | None = None,
     documents=None,
+    attention: AttentionKind | None = None,
 ) -> Rehearsal:
     """Run stage ``stage`` of a ``num_stages`` pipeline alone; ``warmup`` + ``iters``
     iterations, the last ``iters`` measured.
@@ -146,7 +119,9 @@ def rehearse_stage(
     every iteration (its states then count in the CUDA total). ``count_saved``: count
     the bytes autograd saves (default on CPU, where the allocator cannot tell; it costs
     host time per operation). ``documents``: where each micro-batch's packed documents
-    are (:func:`megatron_seq1f1b.get_forward_backward_func`'s argument).
+    are (:func:`megatron_seq1f1b.get_forward_backward_func`'s argument). ``attention``: the
+    whole pipeline's attention, which a balanced or documents cut and zero-bubble costs weigh
+    (default: this stage's own; a stage without attention layers needs it where those read it).
     """
     from megatron.core.utils import get_model_config
 
@@ -172,7 +147,7 @@ def rehearse_stage(
         seq_length=seq_length, micro_batch_size=micro_batch_size, num_splits=num_splits,
         partition=partition, split_lengths=split_lengths, recorder=recorder, schedule=schedule,
         segment_costs=segment_costs, segment_multiple=segment_multiple,
-        rehearse=(num_stages, stage), documents=documents)
+        rehearse=(num_stages, stage, attention), documents=documents)
     with _finalize_on_real_groups(config), (meter or contextlib.nullcontext()):
         for iteration in range(warmup + iters):
             _zero_grads(chunks)
@@ -201,9 +176,8 @@ def rehearse_stage(
             if meter is not None:
                 saved.append(meter.peak_bytes)
     _zero_grads(chunks)
-    lengths = _lengths(chunks, config, num_splits, partition, split_lengths, seq_length,
-                       segment_multiple, documents_of(data_iterator, documents, seq_length))
     record = recorder.last
+    lengths = list(record.lengths[0])  # a rehearsal repeats one micro-batch
     action_s = [iv.end - iv.start for iv in record.compute]
     return Rehearsal(
         num_stages=num_stages, stage=stage, num_model_chunks=len(chunks),

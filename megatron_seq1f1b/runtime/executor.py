@@ -93,6 +93,9 @@ class _Pipeline:
                               documents=documents, microbatch_lengths=microbatch_lengths,
                               cp_group=cp_group if cp > 1 else None,
                               cp_meter=getattr(recorder, "cp_bytes", None))
+        self.microbatch_lengths = (tuple(tuple(row) for row in microbatch_lengths)
+                                   if microbatch_lengths is not None
+                                   else (setup.lengths,) * setup.num_microbatches)
         self.microbatch_shapes = None if microbatch_lengths is None else [
             [(n // setup.divisor, setup.micro_batch_size, setup.hidden_size) for n in row]
             for row in microbatch_lengths]
@@ -239,6 +242,8 @@ class _Pipeline:
         deallocate = self.config.deallocate_pipeline_outputs
         recorder = self.recorder
         record = recorder.begin(self.peers.global_rank) if recorder else None
+        if record is not None:
+            record.lengths = self.microbatch_lengths
         in_flight = InFlight(
             lambda output: deallocate_output_tensor(output, deallocate))
         sent_outputs = []
@@ -331,7 +336,7 @@ def forward_backward(
     schedule: str = "1f1b",
     segment_costs=None,
     segment_multiple: int | None = None,
-    rehearse: tuple[int, int] | None = None,
+    rehearse: tuple | None = None,
     documents=None,
 ) -> list:
     """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options).
@@ -339,6 +344,8 @@ def forward_backward(
     ``rehearse=(num_stages, stage)``: run that stage's steps of a ``num_stages`` pipeline
     on this rank alone, with made-up receives and dropped sends
     (:mod:`megatron_seq1f1b.planner.rehearse`); the model must be that stage's chunk(s).
+    A third entry, the pipeline's :class:`~megatron_seq1f1b.runtime.model_hooks.AttentionKind`,
+    is what the stage cuts with (one without attention layers cannot see it).
     ``documents``: where each micro-batch's packed documents are
     (:data:`~megatron_seq1f1b.segments.document_plan.DocumentSource`); read on the first
     stage and sent to every rank before the iteration (:mod:`megatron_seq1f1b.segments.document_plan`).

@@ -75,12 +75,20 @@ def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_onl
                           schedule, costs)[rank]
 
 
-def zero_bubble_costs(lengths, chunks, config, vocab_size) -> tuple:
-    """Per-segment (F, B, W) of this model from its FLOPs (:func:`flop_costs`), with these
-    chunks' own attention (a stage rehearsed alone; the executor's stages agree on one)."""
+def zero_bubble_costs(lengths, chunks, config, vocab_size,
+                      attention: AttentionKind | None = None) -> tuple:
+    """Per-segment (F, B, W) of this model from its FLOPs (:func:`flop_costs`), with the
+    pipeline's ``attention`` (default: these chunks' own; the executor's stages agree on one)."""
     return flop_costs(lengths, CostModel.from_config(config, vocab_size,
-                                                     dense_attention=dense_attention(chunks),
+                                                     dense_attention=_dense(chunks, attention),
                                                      pattern=layer_pattern(chunks)))
+
+
+def _dense(chunks, attention: AttentionKind | None) -> bool:
+    """Whether a cut made outside the stage agreement counts masked scores: by the pipeline's
+    ``attention`` where the caller knows it, else by these chunks' own layers."""
+    return attention == AttentionKind.DENSE if attention is not None \
+        else dense_attention(chunks)
 
 
 def flop_costs(lengths, model: CostModel) -> tuple:
@@ -100,14 +108,16 @@ def flop_costs(lengths, model: CostModel) -> tuple:
 
 
 def resolve_lengths(num_splits: int, partition: str, split_lengths, seq_length: int, chunks,
-                    config, vocab_size, segment_multiple: int | None = None) -> list[int]:
+                    config, vocab_size, segment_multiple: int | None = None,
+                    attention: AttentionKind | None = None) -> list[int]:
     """The segment lengths the executor uses: given ones, else ``split_sequence`` for this model,
     rounded to :func:`~megatron_seq1f1b.base.checks.rounding_multiple` (64 on CUDA by default).
 
-    (Benchmarks and a stage rehearsed alone call this, with these chunks' own attention; the
-    executor cuts with :func:`cut_lengths` and the attention its stages agreed on.)
+    (Benchmarks and a stage rehearsed alone call this; ``attention``: the pipeline's kind,
+    which a stage without attention layers cannot see in its own chunks (default: theirs).
+    The executor cuts with :func:`cut_lengths` and the attention its stages agreed on.)
     """
-    costs = (CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks),
+    costs = (CostModel.from_config(config, vocab_size, dense_attention=_dense(chunks, attention),
                                    pattern=layer_pattern(chunks))
              if partition == "balanced" and split_lengths is None else None)
     multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
@@ -402,7 +412,8 @@ def setup_for(chunks, config, iterators, pg_collection, peers: Peers, **argument
     if peers.pp_size > 1 and not is_stand_in(pg_collection.pp):
         dense = agree_across_stages(pg_collection.pp, facts)
     else:
-        dense = facts.attention == AttentionKind.DENSE
+        pipeline = getattr(pg_collection.pp, "attention", None)
+        dense = rehearsed_attention(facts, pipeline, layer_pattern(chunks)) == AttentionKind.DENSE
     setup_key = None if key is None else (key, dense)
     setup = _cached(_SETUPS, setup_key)
     if setup is None:
@@ -482,11 +493,13 @@ def build_setup(chunks, config, iterators, pg_collection, peers, facts: Facts, d
     )
 
 
-def document_cut(chunks, config, vocab_size, segment_multiple=None) -> tuple[CostModel, int]:
-    """What the documents partition cuts a micro-batch with: this model's FLOP costs (as its
-    attention computes them) and the layout's multiple (a requested one too; the CUDA
-    default of 64 is not forced on cuts that could fall where documents end)."""
-    costs = CostModel.from_config(config, vocab_size, dense_attention=dense_attention(chunks),
+def document_cut(chunks, config, vocab_size, segment_multiple=None,
+                 attention: AttentionKind | None = None) -> tuple[CostModel, int]:
+    """What the documents partition cuts a micro-batch with: this model's FLOP costs (as the
+    pipeline's ``attention`` computes them; default: these chunks' own) and the layout's
+    multiple (a requested one too; the CUDA default of 64 is not forced on cuts that could
+    fall where documents end)."""
+    costs = CostModel.from_config(config, vocab_size, dense_attention=_dense(chunks, attention),
                                   pattern=layer_pattern(chunks))
     return costs, _document_multiple(config, segment_multiple)
 
@@ -521,15 +534,21 @@ def _final_grad_actions(actions) -> tuple[set, dict]:
     return set(last_of_kind.values()), last
 
 
-def rehearsal_groups(config, num_stages: int, stage: int):
+def rehearsal_groups(config, num_stages: int, stage: int,
+                     attention: AttentionKind | None = None):
     """This rank's process groups with the pipeline group standing in for ``num_stages`` (and the
-    context-parallel group for the config's ``context_parallel_size``)."""
+    context-parallel group for the config's ``context_parallel_size``); the stand-in pipeline
+    group holds the pipeline's ``attention`` (:func:`rehearsed_attention`)."""
     if not (isinstance(num_stages, int) and isinstance(stage, int) and 0 <= stage < num_stages):
         raise_if([f"rehearse=(num_stages, stage) needs 0 <= stage < num_stages, got "
                   f"({num_stages!r}, {stage!r})"])
+    if attention is not None and attention not in list(AttentionKind):
+        raise_if([f"rehearse=(num_stages, stage, attention): attention must be an AttentionKind, "
+                  f"got {attention!r}"])
     _, pg_collection = process_groups(config, None, None)
     rehearsal = copy.copy(pg_collection)
-    rehearsal.pp = _stand_in_group(num_stages, stage)  # one object: the setup cache keys it
+    rehearsal.pp = _stand_in_group(num_stages, stage,  # one object: the setup cache keys it
+                                   None if attention is None else AttentionKind(attention))
     cp = getattr(config, "context_parallel_size", 1) or 1
     if cp > 1 and (pg_collection.cp is None or pg_collection.cp.size() == 1):
         rehearsal.cp = _stand_in_group(cp, 0)  # rank 0 of the CP group, made-up peers
@@ -537,5 +556,32 @@ def rehearsal_groups(config, num_stages: int, stage: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _stand_in_group(size: int, rank: int) -> StandInGroup:
-    return StandInGroup(size, rank)
+def _stand_in_group(size: int, rank: int, attention: AttentionKind | None = None) -> StandInGroup:
+    return StandInGroup(size, rank, attention)
+
+
+def rehearsed_attention(facts: Facts, pipeline: AttentionKind | None,
+                        pattern: str | None) -> AttentionKind:
+    """The attention a stage rehearsed alone cuts with: the pipeline's (what its stages would
+    agree on, and checked as the agreement checks: a stage with attention of another kind
+    is refused where the cut reads it), else the stage's own. A stage without attention
+    layers in a model that has them elsewhere cannot know their kind: where its cut reads
+    it, it is refused unless told."""
+    own = facts.attention
+    if not facts.reads_attention:
+        return own if pipeline is None else AttentionKind(pipeline)
+    if pipeline is None:
+        elsewhere = pattern is None or any(symbol in pattern for symbol in "*+")
+        if own == AttentionKind.NONE and elsewhere:
+            raise_if(["this rehearsed stage has no attention layer, and its segment lengths "
+                      "(partition 'balanced' or 'documents') or zero-bubble costs weigh "
+                      "attention by the kind the other stages have: pass it "
+                      "(rehearse=(num_stages, stage, AttentionKind...), rehearse_stage's "
+                      "attention=), or split_lengths"])
+        return own
+    if own not in (AttentionKind.NONE, pipeline):
+        raise_if([f"this rehearsed stage has {own.describe()}, but the pipeline it stands for "
+                  f"has {AttentionKind(pipeline).describe()}; its segment lengths or "
+                  "zero-bubble costs weigh attention by that kind, so the real stages would "
+                  "refuse to run together: build the stage with the pipeline's attention"])
+    return AttentionKind(pipeline)

@@ -73,6 +73,15 @@ class AttentionKind(enum.IntEnum):
                 AttentionKind.DENSE: "Megatron's local DotProductAttention, which computes "
                                      "masked scores too"}[self]
 
+    @classmethod
+    def of_backend(cls, backend: str) -> "AttentionKind":
+        """The kind a backend's layers have ("local": Megatron's unfused attention; "flash",
+        "te" skip masked blocks): what a rank that builds its stage by name cuts with, when
+        that stage may hold no attention layer of its own."""
+        if backend not in ("local", "flash", "te"):
+            raise ValueError(f"unknown attention backend {backend!r}; one of local, flash, te")
+        return cls.DENSE if backend == "local" else cls.CAUSAL
+
 
 def attention_kind(model) -> AttentionKind:
     """The attention of these chunks: DENSE if any layer uses Megatron's local attention."""

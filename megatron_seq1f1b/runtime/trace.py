@@ -28,6 +28,7 @@ class IterationRecord:
     compute: list[Interval] = field(default_factory=list)
     waits: list[Interval] = field(default_factory=list)
     live_units: list[int] = field(default_factory=list)  # after each compute action
+    lengths: tuple = ()  # per micro-batch, the segment lengths it was cut into
 
     @property
     def peak_live_units(self) -> int:

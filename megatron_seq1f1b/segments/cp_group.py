@@ -17,8 +17,9 @@ class StandInGroup:
 
     stand_in = True
 
-    def __init__(self, size: int, rank: int):
+    def __init__(self, size: int, rank: int, attention=None):
         self._size, self._rank = size, rank
+        self.attention = attention  # a pipeline group's: the kind its stages' cut reads
 
     def size(self) -> int:
         return self._size
