@@ -30,15 +30,18 @@ FAIR_CPU_RATIO = 0.95
 def fairness_note(row: dict, attention_backend: str | None) -> str | None:
     """Why a row's ratio is suspect: on a fused backend segments cannot do less work than
     whole micro-batches, so a Seq1F1B row whose compute (CPU time) is clearly below
-    Megatron's points at a baseline defect (the baseline ran slower code), not a result."""
+    Megatron's points at a baseline defect (the baseline ran slower code) or at the CPU
+    (smaller tensors run faster there; noise), not at the schedule."""
     ratio = row.get("cpu_ratio_vs_1f1b")
     if row["megatron"] or ratio is None or attention_backend not in FUSED_BACKENDS \
             or ratio >= FAIR_CPU_RATIO:
         return None
     return (f"computes {ratio:.2f}x of Megatron's CPU time on {attention_backend} attention, "
             f"below {FAIR_CPU_RATIO}: segments cannot do less work than whole micro-batches on "
-            "a fused kernel, so the baseline row ran slower code (a baseline defect), and this "
-            "row's speed-up overstates the schedule's")
+            "a fused kernel, so either the baseline row ran slower code (a baseline defect), or "
+            "the CPU ran the same work faster on smaller tensors (caches, page faults) or "
+            "noisily: until --profile-ops or other invocations show which, this row's speed-up "
+            "may overstate the schedule's")
 
 
 def split_parts(base: dict | None, row: dict) -> tuple[float, float] | None:
