@@ -1,5 +1,6 @@
 """scripts/benchmark.py end to end on 2 CPU ranks with a tiny model."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -66,6 +67,25 @@ def test_benchmark_reports_every_schedule(tmp_path):
     assert (out / "timeline_seq1f1b-uniform_simulated.png").exists()
     trace = json.loads((out / "timeline_seq1f1b-uniform_measured.json").read_text())
     assert trace["traceEvents"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.core.models.hybrid") is None,
+                    reason="HybridModel is in megatron-core 0.18 and later")
+def test_benchmark_hybrid_pattern_with_a_stage_without_attention(tmp_path):
+    """'--|*-*-': the pattern begins with '-' (read as a value, not an option), and stage 0 has
+    no attention layer, so each rank cuts the balanced split with the backend's attention
+    (local: dense, [38, 33, 30, 27]; by stage 0's own, none, [39, 33, 30, 26], which the
+    stages would refuse to run together); the losses equal Megatron's 1F1B."""
+    out = tmp_path / "bench"
+    run_benchmark(2, "--pp", "2", "--microbatches", "2", "--splits", "4", "--seq-length", "128",
+                  "--hidden-size", "16", "--hybrid-layer-pattern", "--|*-*-",
+                  "--num-attention-heads", "4", "--vocab-size", "64", "--iters", "1",
+                  "--warmup", "0", "--no-calibration", "--no-timelines", "--schedules", "1f1b",
+                  "seq1f1b-balanced", "--out", str(out))
+    rows = json.loads((out / "results.json").read_text())["schedules"]
+    assert rows[1]["lengths"] == [38, 33, 30, 27]
+    losses = [row["first_iteration_loss"] for row in rows]
+    assert abs(losses[1] - losses[0]) <= 1e-6 * abs(losses[0])
 
 
 def test_benchmark_zero_bubble_rows(tmp_path):

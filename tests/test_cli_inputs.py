@@ -303,3 +303,21 @@ def test_memory_budget_message_names_only_what_is_missing(given, missing):
     assert problem.endswith(missing), problem
     assert not auto_flag_problems(SimpleNamespace(**{**vars(args), "seq1f1b": True,
                                                      "seq1f1b_splits": "auto"}))
+
+
+def test_a_hybrid_pattern_may_begin_with_a_dash():
+    """argparse reads '--*-*' after its flag as an option; every entry point that takes
+    --hybrid-layer-pattern joins it to the flag (base.flags.DASH_VALUES), and still reads a
+    following option as one."""
+    from megatron_seq1f1b.base.flags import ArgumentParser
+
+    parser = ArgumentParser(prog="t")
+    parser.add_argument("--hybrid-layer-pattern")
+    parser.add_argument("--num-layers", type=int)
+    for pattern in ("--|*-*-", "-*-*", "-", "M-M*|-G*-/*-"):
+        assert parser.parse_args(["--hybrid-layer-pattern", pattern]).hybrid_layer_pattern \
+            == pattern
+    with pytest.raises(SystemExit):  # an option is not taken for a pattern
+        parser.parse_args(["--hybrid-layer-pattern", "--num-layers", "4"])
+    assert arguments.build_parser().parse_args(
+        ["--hybrid-layer-pattern", "-*|-*"]).hybrid_layer_pattern == "-*|-*"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from typing import Callable, NoReturn
 
@@ -22,11 +23,32 @@ __all__ = ["ArgumentParser", "integer", "number", "positive_int", "non_negative_
            "positive_float", "non_negative_float", "fraction", "OldSpelling"]
 
 
+#: Options whose values may begin with '-' (a hybrid layer pattern opening with MLP layers,
+#: ``--hybrid-layer-pattern --*-*``), with the shape such a value has: argparse would read the
+#: value as an option ("expected one argument"), so :class:`ArgumentParser` joins it to its flag.
+DASH_VALUES = {"--hybrid-layer-pattern": re.compile(r"[-*+|/A-Z]+")}
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser whose errors are one line: ``<prog>: error: <message>``, status 2."""
+    """argparse's parser whose errors are one line: ``<prog>: error: <message>``, status 2;
+    values of :data:`DASH_VALUES` options may begin with '-'."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        given = list(sys.argv[1:] if args is None else args)
+        joined, i = [], 0
+        while i < len(given):
+            shape = DASH_VALUES.get(given[i])
+            if shape is not None and i + 1 < len(given) and given[i + 1].startswith("-") \
+                    and shape.fullmatch(given[i + 1]):
+                joined.append(f"{given[i]}={given[i + 1]}")
+                i += 2
+            else:
+                joined.append(given[i])
+                i += 1
+        return super().parse_known_args(joined, namespace)
 
 
 def _refuse(what: str, text) -> NoReturn:
