@@ -37,7 +37,9 @@ from megatron_seq1f1b.bench.markdown import markdown
 from megatron_seq1f1b.bench.pictures import (
     bar_chart, draw_measured_timelines, draw_simulated_timelines,
 )
-from megatron_seq1f1b.bench.predict import calibrated_predictions, shared_cores_per_pipeline
+from megatron_seq1f1b.bench.predict import (
+    backend_is_dense, calibrated_predictions, shared_cores_per_pipeline,
+)
 from megatron_seq1f1b.bench.ranks import rank0, say
 from megatron_seq1f1b.bench.runner import (
     confirm_rounds, count_saved_runs, measure_rounds, op_profile_runs, profile_runs,
@@ -46,7 +48,6 @@ from megatron_seq1f1b.bench.summary import auto_vs_sweep, reference_key, summari
 from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm.arguments import AUTO, splits_value
 from megatron_seq1f1b.planner.peak_memory import MMAP_THRESHOLD_HINT, PeakMemory
-from megatron_seq1f1b.runtime.model_hooks import dense_attention
 from megatron_seq1f1b.planner.cli import add_recurrent_arguments
 from megatron_seq1f1b.trainer import arguments, data, setup
 
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         samples = calibrate(args, layouts, batches[0], forward_step)
         plan, plan_record = autoplan.choose(samples, args, layouts["plain"].config,
                                             shared_cores,
-                                            dense_attention(layouts["plain"].model))
+                                            backend_is_dense(args))
     schedules = make_schedules(args, layouts, args.vocab_size, plan,
                                documents=packing.documents_source(plain_args, eod))
     _give_forms(schedules, batches, args, eod)

@@ -20,7 +20,7 @@ from megatron_seq1f1b.bench.lineup import AUTO_KEY, BenchSchedule
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.bench.sharing import pipeline_replay
 from megatron_seq1f1b.planner.fit import extrapolated_fits, fit_costs, fit_p2p, quadratic_for
-from megatron_seq1f1b.runtime.model_hooks import dense_attention
+from megatron_seq1f1b.runtime.model_hooks import AttentionKind
 from megatron_seq1f1b.schedules.replay import Timeline
 from megatron_seq1f1b.schedules.schedule import build_schedule
 from megatron_seq1f1b.schedules.simulate import SimResult, simulate
@@ -133,6 +133,12 @@ def _by_stage_name(per_layout: dict) -> dict:
             for name, per in per_layout.items()}
 
 
+def backend_is_dense(args: argparse.Namespace) -> bool:
+    """Whether the benchmark's attention computes masked scores too (Megatron's local one): by
+    its backend, which every rank knows alike, also one whose stage has no attention layer."""
+    return AttentionKind.of_backend(args.attention_backend) == AttentionKind.DENSE
+
+
 def calibrated_predictions(schedules: list[BenchSchedule], layouts: dict[str, Layout],
                            samples: CalibrationSamples, args: argparse.Namespace,
                            shared_cores: float | None
@@ -150,7 +156,7 @@ def calibrated_predictions(schedules: list[BenchSchedule], layouts: dict[str, La
         p2p_fit = fit_p2p(samples.p2p_rows)
         say(f"> p2p one-way time: {p2p_fit['alpha'] * 1e3:.3f} ms + "
             f"{p2p_fit['beta'] * 1e9:.3f} ns/byte ({len(samples.p2p_rows)} samples)")
-    quadratic, fit_error = quadratic_for(raw[mode_used], dense_attention(layouts["plain"].model))
+    quadratic, fit_error = quadratic_for(raw[mode_used], backend_is_dense(args))
     fits = {mode: {name: fit_costs(rows, quadratic) for name, rows in per.items()}
             for mode, per in raw.items()}
 
