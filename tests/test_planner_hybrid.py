@@ -349,12 +349,10 @@ def test_a_rehearsed_stage_cuts_with_the_pipelines_attention(ranks):
     from megatron_seq1f1b.runtime.model_hooks import AttentionKind
 
     model = ModelSpec(hybrid="--|*-*-", hidden_size=16, seq_length=128)
-    untold, mixed, agreed = ranks.run(1, cases.rehearsal_refusals, case="rehearse-attention",
-                                      model=model, stage=0, attention=None), \
-        ranks.run(1, cases.rehearsal_refusals, case="rehearse-attention", model=model, stage=1,
-                  attention=AttentionKind.CAUSAL), \
-        ranks.run(1, cases.rehearsal_refusals, case="rehearse-attention", model=model, stage=1,
-                  attention=AttentionKind.DENSE)
+    untold, mixed, agreed = (
+        ranks.run(1, cases.rehearsal_refusals, case="rehearse-attention", model=model,
+                  stage=stage, attention=attention)
+        for stage, attention in ((0, None), (1, AttentionKind.CAUSAL), (1, AttentionKind.DENSE)))
     assert "has no attention layer" in untold[0] and "attention=" in untold[0], untold
     assert "would refuse to run together" in mixed[0], mixed
     assert agreed == [""]

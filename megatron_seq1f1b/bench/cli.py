@@ -31,7 +31,8 @@ from megatron_seq1f1b.bench.cp_bytes import attach_meters, measured_bytes
 from megatron_seq1f1b.bench.document_stats import row_stats
 from megatron_seq1f1b.bench.layouts import build_layouts, microbatches, trainer_argv
 from megatron_seq1f1b.bench.lineup import (
-    ALL_SCHEDULES, AUTO_KEY, DOCUMENTS_KEY, INTERLEAVED, OPT_IN, make_schedules, sweep_key,
+    ALL_SCHEDULES, AUTO_KEY, DOCUMENTS_KEY, INTERLEAVED, OPT_IN, backend_attention, make_schedules,
+    sweep_key,
 )
 from megatron_seq1f1b.bench.markdown import markdown
 from megatron_seq1f1b.bench.pictures import (
@@ -295,11 +296,10 @@ def _document_stats(schedules: list, batches: list[dict], args: argparse.Namespa
     if args.document_length is None and DOCUMENTS_KEY not in args.schedules:
         return None
     from megatron_seq1f1b.runtime.executor_setup import document_cut
-    from megatron_seq1f1b.runtime.model_hooks import AttentionKind
     from megatron_seq1f1b.segments.documents import Documents
 
     cost, multiple = document_cut(layout.model, layout.config, args.vocab_size,
-                                  attention=AttentionKind.of_backend(args.attention_backend))
+                                  attention=backend_attention(args))
     found = [data.batch_documents(b, eod) if args.document_length is not None
              else Documents.whole(args.seq_length, args.micro_batch_size) for b in batches]
     for s in schedules:

@@ -103,15 +103,23 @@ class BenchSchedule:
         self.cpu.append(result["cpu"])
 
 
-def segment_lengths(args: argparse.Namespace, k: int, partition: str, layout: Layout,
-                    vocab_size: int) -> list[int]:
-    """The lengths the executor itself would choose for this model (passed explicitly): every
-    rank cuts with the backend's attention, also a stage without attention layers."""
-    from megatron_seq1f1b.runtime.executor import resolve_lengths
+def backend_attention(args: argparse.Namespace):
+    """The attention kind of the benchmark's backend, which every rank knows alike (a rank
+    whose stage has no attention layer cannot read it from its chunks): what cuts, fits and
+    plans weigh attention by."""
     from megatron_seq1f1b.runtime.model_hooks import AttentionKind
 
+    return AttentionKind.of_backend(args.attention_backend)
+
+
+def segment_lengths(args: argparse.Namespace, k: int, partition: str, layout: Layout,
+                    vocab_size: int) -> list[int]:
+    """The lengths the executor itself would choose for this model (passed explicitly), cut
+    with the backend's attention on every rank."""
+    from megatron_seq1f1b.runtime.executor import resolve_lengths
+
     return resolve_lengths(k, partition, None, args.seq_length, layout.model, layout.config,
-                           vocab_size, attention=AttentionKind.of_backend(args.attention_backend))
+                           vocab_size, attention=backend_attention(args))
 
 
 def make_schedules(args: argparse.Namespace, layouts: dict[str, Layout], vocab_size: int,

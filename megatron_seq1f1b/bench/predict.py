@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from megatron_seq1f1b.bench.calibration import CalibrationSamples
 from megatron_seq1f1b.bench.fit import fitted_cost, message_latency, virtual_fits
 from megatron_seq1f1b.bench.layouts import Layout
-from megatron_seq1f1b.bench.lineup import AUTO_KEY, BenchSchedule
+from megatron_seq1f1b.bench.lineup import AUTO_KEY, BenchSchedule, backend_attention
 from megatron_seq1f1b.bench.ranks import say
 from megatron_seq1f1b.bench.sharing import pipeline_replay
 from megatron_seq1f1b.planner.fit import extrapolated_fits, fit_costs, fit_p2p, quadratic_for
@@ -134,9 +134,8 @@ def _by_stage_name(per_layout: dict) -> dict:
 
 
 def backend_is_dense(args: argparse.Namespace) -> bool:
-    """Whether the benchmark's attention computes masked scores too (Megatron's local one): by
-    its backend, which every rank knows alike, also one whose stage has no attention layer."""
-    return AttentionKind.of_backend(args.attention_backend) == AttentionKind.DENSE
+    """Whether the benchmark's attention computes masked scores too (Megatron's local one)."""
+    return backend_attention(args) == AttentionKind.DENSE
 
 
 def calibrated_predictions(schedules: list[BenchSchedule], layouts: dict[str, Layout],
