@@ -1,4 +1,4 @@
-"""Numbers on the command line: checked where they are read, refused in one line.
+"""Command-line values: numbers checked where they are read, errors in one line.
 
 Every entry point (planner, simulate, rehearse, the benchmarks, the trainer)
 builds its parser with :class:`ArgumentParser`, whose errors are one line on
@@ -8,7 +8,9 @@ stderr and exit status 2, without a usage block or a traceback::
 
 and reads every number through a ``type=`` callable below, which names what is
 allowed (argparse puts the flag in front). Checks that need several flags run
-after parsing and report through ``parser.error`` the same way.
+after parsing and report through ``parser.error`` the same way. A value that
+begins with '-' where a flag takes one (``--hybrid-layer-pattern --*-*``) is
+joined to its flag before argparse reads it (:data:`DASH_VALUES`).
 """
 
 from __future__ import annotations
