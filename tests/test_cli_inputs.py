@@ -15,6 +15,7 @@ make_dataset.py input are one line and status 2 too.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -321,3 +322,24 @@ def test_a_hybrid_pattern_may_begin_with_a_dash():
         parser.parse_args(["--hybrid-layer-pattern", "--num-layers", "4"])
     assert arguments.build_parser().parse_args(
         ["--hybrid-layer-pattern", "-*|-*"]).hybrid_layer_pattern == "-*|-*"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.core.models.hybrid") is None,
+                    reason="HybridModel is in megatron-core 0.18 and later")
+def test_the_pattern_sets_the_trainers_layers_and_says_what_it_overrides():
+    """--num-layers defaults to 4; a hybrid pattern sets it, and a different --num-layers is
+    ignored with a start-up warning (Megatron-LM's rule), never silently."""
+    def parse(*flags):
+        return arguments.parse(["--mock-data", "--vocab-size", "128", *flags])
+
+    plain = parse()
+    assert (plain.num_layers, plain.startup_warnings) == (4, [])
+    given = parse("--hybrid-layer-pattern", "*-*-*-")
+    assert (given.num_layers, given.startup_warnings) == (6, [])
+    same = parse("--hybrid-layer-pattern", "*-*-*-", "--num-layers", "6")
+    assert (same.num_layers, same.startup_warnings) == (6, [])
+    other = parse("--hybrid-layer-pattern", "*-*-*-", "--num-layers", "4")
+    assert other.num_layers == 6
+    assert other.startup_warnings == [
+        "--hybrid-layer-pattern '*-*-*-' has 6 layers; ignoring --num-layers 4 (as Megatron-LM "
+        "does)"]

@@ -98,6 +98,9 @@ def _int_pair(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected two integers like '(1024, 0)', got {text!r}")
 
 
+#: --num-layers when neither it nor --hybrid-layer-pattern is given.
+DEFAULT_NUM_LAYERS = 4
+
 #: The --hybrid-layer-pattern symbols this trainer builds (Megatron-Core's
 #: ``hybrid_layer_allocation.Symbols``; the sparse attention D is not among them).
 HYBRID_SYMBOLS = "*+MG-E|/"
@@ -140,7 +143,12 @@ def _hybrid_pattern_problems(args, pp: int) -> list[str]:
     if args.num_layers_per_virtual_pipeline_stage is not None:
         problems.append("--hybrid-layer-pattern sets the virtual pipeline by its '|' stages; "
                         "drop --num-layers-per-virtual-pipeline-stage")
-    args.num_layers = len(main.replace("|", ""))
+    layers = len(main.replace("|", ""))
+    if args.num_layers not in (None, layers):
+        args.startup_warnings.append(
+            f"--hybrid-layer-pattern {pattern!r} has {layers} layers; ignoring --num-layers "
+            f"{args.num_layers} (as Megatron-LM does)")
+    args.num_layers = layers
     if len(stages) > 1 and pp > 1:
         if len(stages) % pp:
             problems.append(f"--hybrid-layer-pattern has {len(stages)} '|' stages, not a "
@@ -162,7 +170,10 @@ def build_parser() -> StartupParser:
         allow_abbrev=False,
     )
     model = p.add_argument_group("model")
-    model.add_argument("--num-layers", type=positive_int, default=4)
+    model.add_argument("--num-layers", type=positive_int, default=None,
+                       help=f"default {DEFAULT_NUM_LAYERS}; with --hybrid-layer-pattern the "
+                            "pattern's layer count (a different --num-layers is ignored with a "
+                            "warning, as in Megatron-LM)")
     model.add_argument("--mtp-num-layers", type=positive_int, default=None, metavar="D",
                        help="multi-token prediction: D extra layers on the last stage, depth d "
                             "predicting token t + d + 1 (as Megatron-LM's flag; with "
@@ -329,8 +340,12 @@ def build_parser() -> StartupParser:
 
 
 def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Fill defaults and reject contradictions (each message names the flags)."""
+    """Fill defaults and reject contradictions (each message names the flags); what is
+    accepted but overridden goes to ``args.startup_warnings`` (printed at start-up)."""
     problems = []
+    args.startup_warnings = []
+    if args.hybrid_layer_pattern is None and args.num_layers is None:
+        args.num_layers = DEFAULT_NUM_LAYERS
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size
     if world_size % (tp * pp * cp):

@@ -236,8 +236,9 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
            f"{args.data_parallel_size}, "
            f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x "
            f"{args.seq_length} tokens{_documents_note(args)}")
-    if memory.warning:
-        _print(f"> warning: {memory.warning}")
+    for warning in [*args.startup_warnings, memory.warning]:
+        if warning:
+            _print(f"> warning: {warning}")
 
     # With --timeline-dir every iteration after the first (warm-up) is timed per action, so
     # that a summary's bubble and busy time are medians, not one iteration's; the last one
