@@ -127,13 +127,10 @@ def test_hybrid_mamba_and_gated_delta_net_equal_megatrons_schedule(tmp_path, doc
               "--train-iters", "3", "--position-embedding-type", "rope", "--swiglu",
               "--normalization", "RMSNorm", "--disable-bias-linear", *RECURRENT_SIZES,
               *documents]
-    ours, stdout = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "3")
+    ours, _ = train(tmp_path, "seq", 2, *common, "--seq1f1b", "--seq1f1b-splits", "3")
     theirs, _ = train(tmp_path, "1f1b", 2, *common)
     _same(ours["summary"]["losses"], theirs["summary"]["losses"])
     assert ours["summary"]["losses"][-1] < ours["summary"]["losses"][0]  # it learns
-    # BASE's --num-layers 4 gives way to the pattern's 8, and the start-up says so
-    assert "> warning: --hybrid-layer-pattern '*-*E|*-*-' has 8 layers; ignoring --num-layers " \
-        "4" in stdout, stdout[-1500:]
 
 
 @full_only
