@@ -181,8 +181,14 @@ def test_benchmark_packed_documents(tmp_path, backend):
                          "--timeline-runs", "1", "--no-calibration", "--attention-backend",
                          backend, "--document-length", "12", "--schedules", "1f1b",
                          "seq1f1b-balanced", "seq1f1b-documents", "--out", str(out),
-                         *(["--profile-ops"] if backend == "flash" else []))
+                         *(["--profile-ops"] if backend == "flash" else ["--profile"]))
     assert "first-iteration loss" in done.stdout and "OK)" in done.stdout, done.stdout[-3000:]
+    if backend == "local":  # cProfile: a text report and the raw statistics per schedule
+        import pstats
+
+        assert "Ordered by: internal time" in (out / "profile_1f1b_rank0.txt").read_text()
+        raw = pstats.Stats(str(out / "profile_seq1f1b-documents_rank0.prof")).stats
+        assert any(name == "execute" for _, _, name in raw)  # the Seq1F1B executor ran
     if backend == "flash":  # the operator profile: every row, the carry-over's own operators
         table = (out / "ops_rank0.md").read_text()
         assert table.startswith("| operator | 1f1b calls | 1f1b ms | seq1f1b-balanced calls")

@@ -166,7 +166,8 @@ def build_parser() -> arguments.StartupParser:
                         "keeps for backward per stage (activations without one layer's "
                         "temporaries)")
     p.add_argument("--profile", action="store_true",
-                   help="cProfile one extra run of every schedule on --profile-rank")
+                   help="cProfile one extra run of every schedule on --profile-rank (a text "
+                        "report and the raw .prof per schedule)")
     p.add_argument("--profile-ops", action="store_true",
                    help="torch.profiler of one extra run of every schedule on --profile-rank: "
                         "calls and self CPU time per operator, side by side (ops_rank<r>.md)")

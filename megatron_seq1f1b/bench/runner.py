@@ -175,7 +175,8 @@ def op_profile_runs(schedules: list[BenchSchedule], batches: list, args: argpars
 
 def profile_runs(schedules: list[BenchSchedule], batches: list, args: argparse.Namespace,
                  forward_step: Callable, memory: PeakMemory, out: Path) -> None:
-    """cProfile one extra run of every schedule on --profile-rank; text reports in `out`."""
+    """cProfile one extra run of every schedule on --profile-rank: text reports in `out`, and
+    the raw statistics beside them (``.prof``, for ``pstats`` to compare two schedules)."""
     for s in schedules:
         profile = cProfile.Profile() if dist.get_rank() == args.profile_rank else None
         run_once(s, batches, args, forward_step, memory, profile=profile)
@@ -186,6 +187,7 @@ def profile_runs(schedules: list[BenchSchedule], batches: list, args: argparse.N
             stats.sort_stats("cumulative").print_stats(40)
             path = out / f"profile_{s.key}_rank{args.profile_rank}.txt"
             path.write_text(text.getvalue())
+            profile.dump_stats(path.with_suffix(".prof"))
             print(f"> cProfile of {s.key} on rank {args.profile_rank}: {path}", flush=True)
 
 
