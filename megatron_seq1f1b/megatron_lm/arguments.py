@@ -346,8 +346,8 @@ def context_parallel_problems(args: Any) -> list[str]:
     values (:mod:`megatron_seq1f1b.attention.context_parallel`), with Megatron's local attention or
     the flash one (``--transformer-impl local``). Refused: Transformer Engine's attention
     (its CP path is not wired into segments yet), ``--cp-comm-type`` a2a / a2a+p2p, packed
-    (THD) documents, multi-latent attention without the flash attention and
-    ``--seq1f1b-splits auto``. Hybrid CP is refused on its own.
+    (THD) documents, and multi-latent attention without the flash attention. Hybrid CP is
+    refused on its own.
     """
     cp = _flag(args, "context_parallel_size", 1) or 1
     if cp <= 1:

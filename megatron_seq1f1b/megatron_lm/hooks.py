@@ -40,8 +40,9 @@ documents`` gives the schedule the tokenizer's end-of-document id
 
 Without ``--seq1f1b`` every function here is a no-op (or the identity).
 Importing this module does not import torch or Megatron.
-``python -m megatron_seq1f1b.megatron_lm`` prints the flags' help (Megatron-LM's
-own ``pretrain_gpt.py --help`` fails in core_v0.18.2 and core_v0.19.0).
+``python -m megatron_seq1f1b.megatron_lm`` prints the flags' help without a checkout (an
+unpatched ``pretrain_gpt.py --help`` fails in core_v0.18.2 and core_v0.19.0; a patched one
+lists these flags with Megatron's own, :func:`help_with_flags`).
 """
 
 from __future__ import annotations
@@ -424,11 +425,12 @@ def flags_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=FLAGS_PROG, allow_abbrev=False,
         description="The flags that the Seq1F1B patches add to Megatron-LM's pretrain_gpt.py "
-                    "(the same function adds them there). Megatron-LM's own "
-                    "'pretrain_gpt.py --help' stops in core_v0.18.2 and core_v0.19.0 on an "
-                    "upstream help string (a '%' in --moe-paged-stash-buffer-size-factor-cuda's "
-                    "help), patched or not; this lists ours. Given flags are parsed as "
-                    "pretrain_gpt.py would parse them.")
+                    "(the same function adds them there). A patched 'pretrain_gpt.py --help' "
+                    "lists them with Megatron's own; an unpatched one stops in core_v0.18.2 "
+                    "and core_v0.19.0 on an upstream help string (a bare '%' in "
+                    "--moe-paged-stash-buffer-size-factor-cuda's help). This lists ours "
+                    "without a checkout. Given flags are parsed as pretrain_gpt.py would "
+                    "parse them.")
     return add_arguments(parser)
 
 

@@ -5,7 +5,7 @@ built on the pipeline group). Receive buffers have the per-segment shapes the
 plan knows in advance: no shape handshake, no ``variable_seq_lengths``.
 
 A step waits only for its receives; its sends finish at the next step
-(:class:`InFlight`; the validator's ``send_slack=1``), so a rank computes while
+(:class:`InFlight`; ``replay``'s ``send_slack=1``), so a rank computes while
 its neighbour has not yet taken what it sent. Two transports give that:
 
 * **Links** (NCCL): every direction of every pipeline link (stage ``a`` to
