@@ -277,7 +277,7 @@ def test_make_dataset_missing_input_is_one_line_and_a_good_one_prints_no_warning
 
 def test_tokens_beyond_the_vocabulary_are_one_line_naming_both(tmp_path, capsys):
     prefix = write_indexed(["byte text", "more"], tmp_path / "bytes")  # end of document: 256
-    data = ["--data-path", str(prefix), "--tokenizer-type", "NullTokenizer"]
+    data = ["--data-path", str(prefix), "--tokenizer-type", "NullTokenizer", "--split", "1"]
     line = _refused(lambda: arguments.parse([*data, "--vocab-size", "128"]), capsys)
     assert line == (f"pretrain_gpt.py: error: --data-path {prefix}: token id 256 is beyond "
                     "--vocab-size 128 (--tokenizer-type NullTokenizer: ids 0..127); give "
@@ -343,3 +343,45 @@ def test_the_pattern_sets_the_trainers_layers_and_says_what_it_overrides():
     assert other.startup_warnings == [
         "--hybrid-layer-pattern '*-*-*-' has 6 layers; ignoring --num-layers 4 (as Megatron-LM "
         "does)"]
+
+
+def test_a_split_part_without_documents_is_refused_instead_of_a_hang(tmp_path, capsys):
+    """Megatron's dataset builder loops forever on a --split part with weight > 0 and no
+    document (the default 98,2,0 over a few documents); the trainer says so at start-up."""
+    prefix = write_indexed(["one", "two", "three"], tmp_path / "three")
+    data = ["--data-path", str(prefix), "--tokenizer-type", "ByteTokenizer"]
+    line = _refused(lambda: arguments.parse(data), capsys)
+    assert line == (f"pretrain_gpt.py: error: --data-path {prefix}: --split 98,2,0 gives the "
+                    "validation part none of its 3 document(s) (Megatron's dataset builder "
+                    "would loop forever on it); give that part weight 0 (e.g. --split 100,0,0) "
+                    "or more documents")
+    assert arguments.parse([*data, "--split", "100,0,0"]).split == "100,0,0"
+    assert arguments.parse([*data, "--split", "2,1"]).split == "2,1"  # 2 and 1 documents
+    assert _refused(lambda: arguments.parse([*data, "--split", "0,1,0"]), capsys).endswith(
+        "--split 0,1,0: the training part must be > 0")
+    assert _refused(lambda: arguments.parse([*data, "--split", "1:2"]), capsys).endswith(
+        "--split '1:2': give up to three non-negative weights, e.g. 98,2,0")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hidden-size", "66"], "--hidden-size 66 must divide by --num-attention-heads 4 (as in "
+                              "Megatron-LM)"),
+    (["--num-query-groups", "3"], "--num-query-groups 3 must divide --num-attention-heads 4"),
+    (["--num-experts", "3", "--moe-router-topk", "5"], "--moe-router-topk 5 exceeds "
+                                                       "--num-experts 3"),
+    (["--seq1f1b", "--window-size", "(10, 5)"],
+     "--window-size (10, 5): under --seq1f1b a window looks back w >= 0 tokens and not ahead "
+     "(a later segment's keys do not exist when an earlier one runs); use --window-size '(w, 0)'"),
+    (["--seq1f1b-splits", "8"], "--seq1f1b-splits without --seq1f1b: Megatron-Core's own "
+                                "schedule would run and ignore it; add --seq1f1b"),
+    (["--seq1f1b-partition=uniform", "--seq1f1b-schedule", "zb-h1"],
+     "--seq1f1b-schedule / --seq1f1b-partition without --seq1f1b: Megatron-Core's own schedule "
+     "would run and ignore it; add --seq1f1b"),
+])
+def test_trainer_refuses_what_megatron_or_seq1f1b_would_fail_on_later(flags, message, capsys):
+    """Shapes Megatron-LM refuses (or its layers fail on with a traceback), a look-ahead window
+    under Seq1F1B, and plan flags that would be ignored: one line each, before any set-up."""
+    base = ["--mock-data", "--vocab-size", "64", "--hidden-size", "64", "--seq-length", "32"]
+    assert _refused(lambda: arguments.parse([*base, *flags]), capsys) == \
+        f"pretrain_gpt.py: error: {message}"
+    assert arguments.parse([*base, "--seq1f1b", "--seq1f1b-splits", "8"]).seq1f1b_splits == 8

@@ -172,6 +172,17 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
 TRAINER_VALID = ["--mock-data", "--tokenizer-type", "ByteTokenizer"]
 
 
+def _three_documents_default_split():
+    """The trainer on an indexed data set of three documents, with the default --split."""
+    import tempfile
+
+    from megatron_seq1f1b.trainer.data import write_indexed
+
+    with tempfile.TemporaryDirectory() as folder:
+        prefix = write_indexed(["one", "two", "three"], Path(folder) / "three")
+        return arguments.parse(["--data-path", str(prefix), "--tokenizer-type", "ByteTokenizer"])
+
+
 def _trainer(*argv: str, world_size: int = 1) -> LocalTrigger:
     return lambda: arguments.parse([*TRAINER_VALID, *argv], world_size)
 
@@ -248,6 +259,12 @@ TRAINER: dict[str, LocalTrigger] = {
                                                          world_size=2),
     "trainer-segments-context-parallel": _trainer(*_CP2, "--seq1f1b-splits", "2",
                                                   "--seq-length", "66", world_size=2),
+    "trainer-attention-heads": _trainer("--hidden-size", "66"),
+    "trainer-query-groups": _trainer("--num-query-groups", "3"),
+    "trainer-router-topk": _trainer("--num-experts", "3", "--moe-router-topk", "5"),
+    "trainer-window-look-ahead": _trainer("--seq1f1b", "--window-size", "(16, 4)"),
+    "trainer-plan-without-seq1f1b": _trainer("--seq1f1b-splits", "8"),
+    "trainer-split-without-documents": _three_documents_default_split,
 }
 
 # ------------------------------------------------------------------ triggers run on two gloo ranks

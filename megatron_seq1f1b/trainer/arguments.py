@@ -166,7 +166,7 @@ def build_parser() -> StartupParser:
     p = StartupParser(
         prog=PROG,
         description="Train a GPT with Megatron-Core and (optionally) Seq1F1B. Launch with "
-                    "torchrun.",
+                    "torchrun (one process runs without it).",
         allow_abbrev=False,
     )
     model = p.add_argument_group("model")
@@ -279,8 +279,10 @@ def build_parser() -> StartupParser:
     opt.add_argument("--adam-beta1", type=fraction, default=0.9)
     opt.add_argument("--adam-beta2", type=fraction, default=0.95)
     opt.add_argument("--calculate-per-token-loss", action="store_true")
-    opt.add_argument("--bf16", action="store_true", help="GPU only")
-    opt.add_argument("--fp16", action="store_true", help="GPU only")
+    opt.add_argument("--bf16", action="store_true",
+                     help="bf16 parameters and activations (also on CPU, slowly)")
+    opt.add_argument("--fp16", action="store_true",
+                     help="fp16 parameters and activations, with loss scaling")
     opt.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     opt.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     opt.add_argument("--recompute-num-layers", type=positive_int, default=None)
@@ -438,11 +440,61 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if cp > 1:
         problems += context_parallel_problems(args)
     problems += recurrent_problems(args)
+    problems += model_shape_problems(args)
+    problems += seq1f1b_flag_problems(args)
     if args.data_path and not args.mock_data:
+        split = trainer_data.split_weights_problem(args.split)
+        problems += [split] if split else []
         problems += trainer_data.data_path_problems(args)
     if problems:  # all at once, one line each, as argparse's own errors: status 2
         refuse(problems)
     return args
+
+
+def model_shape_problems(args: argparse.Namespace) -> list[str]:
+    """Shapes Megatron-LM's ``validate_args`` (or the layers, later, with a traceback) refuses:
+    attention heads that split the hidden size and the tensor-parallel ranks, query groups that
+    split the heads, a router that picks no more experts than there are."""
+    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+    groups = args.num_query_groups
+    problems = []
+    if args.hidden_size % heads:
+        problems.append(f"--hidden-size {args.hidden_size} must divide by "
+                        f"--num-attention-heads {heads} (as in Megatron-LM)")
+    if heads % tp:
+        problems.append(f"--num-attention-heads {heads} must divide by "
+                        f"--tensor-model-parallel-size {tp}")
+    if groups is not None and heads % groups:
+        problems.append(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
+    elif groups is not None and groups % tp:
+        problems.append(f"--num-query-groups {groups} must divide by "
+                        f"--tensor-model-parallel-size {tp}")
+    if args.ffn_hidden_size % tp:
+        problems.append(f"--ffn-hidden-size {args.ffn_hidden_size} must divide by "
+                        f"--tensor-model-parallel-size {tp}")
+    if args.num_experts and args.moe_router_topk > args.num_experts:
+        problems.append(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts "
+                        f"{args.num_experts}")
+    window = args.window_size
+    if args.seq1f1b and window is not None and (window[0] < 0 or window[1] != 0):
+        problems.append(f"--window-size {window}: under --seq1f1b a window looks back w >= 0 "
+                        "tokens and not ahead (a later segment's keys do not exist when an "
+                        "earlier one runs); use --window-size '(w, 0)'")
+    return problems
+
+
+#: The --seq1f1b-* flags that choose Seq1F1B's plan (the auto budget flags say so themselves).
+PLAN_FLAGS = ("--seq1f1b-splits", "--seq1f1b-schedule", "--seq1f1b-partition")
+
+
+def seq1f1b_flag_problems(args: argparse.Namespace) -> list[str]:
+    """Plan flags given without ``--seq1f1b``: Megatron-Core's own schedule would run and
+    ignore them."""
+    given = [flag for flag in PLAN_FLAGS if flag in getattr(args, "given_flags", ())]
+    if args.seq1f1b or not given:
+        return []
+    return [f"{' / '.join(given)} without --seq1f1b: Megatron-Core's own schedule would run "
+            "and ignore it; add --seq1f1b"]
 
 
 def context_parallel_problems(args: argparse.Namespace) -> list[str]:
@@ -520,4 +572,7 @@ def document_problems(args: argparse.Namespace, auto: bool) -> list[str]:
 
 def parse(argv=None, world_size: int = 1) -> argparse.Namespace:
     """The checked flags of a run on `world_size` ranks (or every rank exits with status 2)."""
-    return validate(build_parser().parse_args(argv), world_size)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.given_flags = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+    return validate(args, world_size)

@@ -100,9 +100,49 @@ def data_path_problems(args) -> list[str]:
         problem = _prefix_problem(prefix)
         if problem is None and args.vocab_size is not None:
             problem = _vocabulary_problem(prefix, args)
+        if problem is None:
+            problem = _split_problem(prefix, args.split)
         if problem is not None:
             problems.append(f"--data-path {prefix}: {problem}")
     return problems
+
+
+SPLIT_NAMES = ("training", "validation", "test")
+
+
+def split_weights_problem(split: str) -> str | None:
+    """Why ``--split`` is not Megatron's ``train,valid,test`` weights with a training part
+    (None: it is)."""
+    import re
+
+    if not re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?){0,2}", split):
+        return f"--split {split!r}: give up to three non-negative weights, e.g. 98,2,0"
+    if not float(split.split(",")[0]) > 0:
+        return f"--split {split}: the training part must be > 0"
+    return None
+
+
+def _split_problem(prefix: str, split: str) -> str | None:
+    """A part of ``--split`` with weight > 0 that gets no document of `prefix`: Megatron's
+    dataset builder loops forever over its empty epochs (None: every such part gets one)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split,
+    )
+
+    if split_weights_problem(split) is not None:
+        return None  # said once, by the flag's own check
+    with open(f"{prefix}.idx", "rb") as index:
+        head = index.read(26)
+    if len(head) < 26:
+        return None  # not an index: the vocabulary check says so
+    documents = int.from_bytes(head[18:26], "little")  # the index's sequence count
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for name, part in zip(SPLIT_NAMES, bounds):
+        if part is not None and round(part[1] * documents) - round(part[0] * documents) < 1:
+            return (f"--split {split} gives the {name} part none of its {documents} "
+                    f"document(s) (Megatron's dataset builder would loop forever on it); "
+                    f"give that part weight 0 (e.g. --split 100,0,0) or more documents")
+    return None
 
 
 def _prefix_problem(prefix: str) -> str | None:

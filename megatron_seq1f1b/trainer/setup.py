@@ -35,7 +35,11 @@ def init_distributed(args) -> torch.device:
         backend = "gloo"
     timeout = datetime.timedelta(minutes=float(os.environ.get("SEQ1F1B_TIMEOUT_MINUTES", "10")))
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout)
+        if "RANK" not in os.environ:  # `python pretrain_gpt.py`, no launcher: one process
+            dist.init_process_group(backend, timeout=timeout, world_size=1, rank=0,
+                                    store=dist.HashStore())
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
