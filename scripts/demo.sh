@@ -9,10 +9,25 @@
 #
 # One pipeline stage per core (2 to 4 stages): with more ranks than cores, idle ranks lend
 # their core to busy ones and hide the bubbles that Seq1F1B removes. Extra arguments go to
-# both training runs (e.g. --seq1f1b-schedule is ignored by the 1F1B run).
+# the training runs; the --seq1f1b-* ones (e.g. --seq1f1b-schedule zb-h1) only to Seq1F1B's.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 0
+fi
 quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+# The extra arguments without the --seq1f1b-* flags and their values, for Megatron's runs.
+plain=()
+skip=0
+for arg in "$@"; do
+    if [ "$skip" = 1 ]; then skip=0; continue; fi
+    case "$arg" in
+        --seq1f1b-*=*) ;;
+        --seq1f1b-*) skip=1 ;;
+        *) plain+=("$arg") ;;
+    esac
+done
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$SEQ1F1B_ROOT"
 out=out/demo
@@ -42,10 +57,10 @@ run() {  # name, extra flags...
         --timeline-dir "$out/$name" 2> >(grep -v -i "warn" >&2)
 }
 seq1f1b=(--seq1f1b --seq1f1b-splits 4 --seq1f1b-partition balanced)
-run 1f1b "$@"
+run 1f1b ${plain[@]+"${plain[@]}"}
 run seq1f1b "${seq1f1b[@]}" "$@"
 # The same pair on flash attention (PyTorch SDPA), which skips masked scores in both schedules.
-run 1f1b-flash --attention-backend flash "$@"
+run 1f1b-flash --attention-backend flash ${plain[@]+"${plain[@]}"}
 run seq1f1b-flash "${seq1f1b[@]}" --attention-backend flash "$@"
 echo
 echo "== Summary =="

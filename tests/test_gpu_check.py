@@ -269,7 +269,9 @@ def test_trainer_command_is_accepted_by_the_trainer():
         20, 4, 256, 1024)
     assert args.log_json == "t.json"
     plain = gc.trainer_command(opts, Path("p.py"), Path("t.json"), seq1f1b=False, port=1)
-    assert "--seq1f1b" not in plain and "--bf16" in plain
+    assert not any(flag.startswith("--seq1f1b") for flag in plain) and "--bf16" in plain
+    args = arguments.parse(plain[plain.index("p.py") + 1:], world_size=1)  # accepted too
+    assert not args.seq1f1b and args.num_layers == 4
 
 
 # ---------------------------------------------------------------- the comparison, on CPU

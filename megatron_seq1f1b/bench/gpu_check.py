@@ -432,14 +432,19 @@ def model_flags(opts: argparse.Namespace) -> list[str]:
         "--seq-length", str(opts.seq_length), "--position-embedding-type", "rope",
         "--micro-batch-size", "1", "--global-batch-size", str(opts.microbatches),
         "--mock-data", "--vocab-size", str(opts.vocab_size), "--seed", str(opts.seed),
-        "--seq1f1b-splits", str(opts.splits), "--seq1f1b-partition", opts.partition,
     ]
+
+
+def seq1f1b_flags(opts: argparse.Namespace) -> list[str]:
+    """Seq1F1B's plan, as trainer flags (the trainer refuses them without --seq1f1b)."""
+    return ["--seq1f1b", "--seq1f1b-splits", str(opts.splits),
+            "--seq1f1b-partition", opts.partition]
 
 
 def _trainer_args(opts: argparse.Namespace, dtype: str) -> argparse.Namespace:
     from megatron_seq1f1b.trainer import arguments
 
-    argv = model_flags(opts) + ["--seq1f1b"] + (["--bf16"] if dtype == "bf16" else [])
+    argv = model_flags(opts) + seq1f1b_flags(opts) + (["--bf16"] if dtype == "bf16" else [])
     return arguments.parse(argv, world_size=1)
 
 
@@ -686,7 +691,7 @@ def trainer_command(opts: argparse.Namespace, script: Path, log_json: Path, seq1
         "--master-port", str(port), str(script), *model_flags(opts), "--bf16",
         "--train-iters", str(opts.train_iters), "--lr", "1e-3", "--lr-decay-style", "constant",
         "--log-interval", "5", "--log-json", str(log_json),
-        *(["--seq1f1b"] if seq1f1b else []),
+        *(seq1f1b_flags(opts) if seq1f1b else []),
     ]
 
 
