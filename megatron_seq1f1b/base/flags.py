@@ -8,7 +8,9 @@ stderr and exit status 2, without a usage block or a traceback::
 
 and reads every number through a ``type=`` callable below, which names what is
 allowed (argparse puts the flag in front). Checks that need several flags run
-after parsing and report through ``parser.error`` the same way. A value that
+after parsing and report through ``parser.error`` the same way. A file a command will
+write is read through :func:`output_file`, so that a folder or a missing folder is refused
+before any work rather than in a traceback after it. A value that
 begins with '-' where a flag takes one (``--hybrid-layer-pattern --*-*``) is
 joined to its flag before argparse reads it (:data:`DASH_VALUES`).
 """
@@ -19,10 +21,11 @@ import argparse
 import math
 import re
 import sys
+from pathlib import Path
 from typing import Callable, NoReturn
 
 __all__ = ["ArgumentParser", "integer", "number", "positive_int", "non_negative_int",
-           "positive_float", "non_negative_float", "fraction", "OldSpelling"]
+           "positive_float", "non_negative_float", "fraction", "output_file", "OldSpelling"]
 
 
 #: Options whose values may begin with '-' (a hybrid layer pattern opening with MLP layers,
@@ -113,6 +116,28 @@ non_negative_int = integer(0)
 positive_float = number(above=0.0)
 non_negative_float = number(0.0)
 fraction = number(0.0, below=1.0)  # [0, 1)
+
+
+def output_file(make_folders: bool = False) -> Callable[[str], str]:
+    """A ``type=`` for a file the command writes (after its work): refused as it is read if
+    it names a folder, or if its folder does not exist (``make_folders``: the command creates
+    missing folders, so only a file standing where a folder must be is refused)."""
+
+    def parse(text: str) -> str:
+        path = Path(text)
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a directory; give a file path")
+        folder = path.parent
+        if make_folders:
+            folder = next(f for f in (folder, *folder.parents) if f.exists())
+        elif not folder.exists():
+            raise argparse.ArgumentTypeError(f"folder {folder} does not exist")
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{folder} is a file, not a folder")
+        return text
+
+    parse.__name__ = "output file"
+    return parse
 
 
 class OldSpelling(argparse.Action):

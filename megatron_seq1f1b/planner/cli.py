@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from megatron_seq1f1b.base.checks import segment_multiple
 from megatron_seq1f1b.base.flags import (
     ArgumentParser, OldSpelling, fraction, integer, non_negative_float, non_negative_int,
-    positive_float, positive_int,
+    output_file, positive_float, positive_int,
 )
 from megatron_seq1f1b.planner.choice import TIE_TOLERANCE, BudgetError, Plan, tie_note
 from megatron_seq1f1b.planner.costs import Calibration, Fit, load_calibration, save_calibration
@@ -248,9 +248,9 @@ def build_parser() -> ArgumentParser:
     memory.add_argument("--gpu-memory-gib", type=positive_float, default=None, metavar="GIB",
                         help="GiB per GPU for the busiest stage's total (weights, gradients, "
                              "optimizer, activations): plans over it are ruled out")
-    parser.add_argument("--json", metavar="FILE",
+    parser.add_argument("--json", metavar="FILE", type=output_file(),
                         help="write the choice and all candidates here (JSON)")
-    parser.add_argument("--save-calibration", metavar="FILE",
+    parser.add_argument("--save-calibration", metavar="FILE", type=output_file(),
                         help="write the costs used as a calibration file (JSON)")
     return parser
 

@@ -23,7 +23,9 @@ from typing import Any, Iterator
 
 import torch
 
-from megatron_seq1f1b.base.flags import ArgumentParser, non_negative_int, positive_int
+from megatron_seq1f1b.base.flags import (
+    ArgumentParser, non_negative_int, output_file, positive_int,
+)
 from megatron_seq1f1b.planner.cli import (
     add_recurrent_arguments, read_hybrid_pattern, recurrent_fields,
 )
@@ -113,13 +115,14 @@ def build_parser() -> ArgumentParser:
                         "first step)")
     p.add_argument("--count-saved", choices=["auto", "yes", "no"], default="auto",
                    help="count the bytes autograd saves (default: on CPU only)")
-    p.add_argument("--save-calibration", metavar="FILE",
+    p.add_argument("--save-calibration", metavar="FILE", type=output_file(make_folders=True),
                    help="also time this stage's segments (the start-up measurement's cases) "
                         "and write them as a one-stage planner calibration")
     p.add_argument("--calibration-reps", type=positive_int, default=3)
     p.add_argument("--min-segment-length", type=positive_int, default=128,
                    help="shortest segment the calibration times (the planner's)")
-    p.add_argument("--json", help="write the result here")
+    p.add_argument("--json", metavar="FILE", type=output_file(make_folders=True),
+                   help="write the result here (missing folders are made)")
     p.add_argument("--seed", type=non_negative_int, default=1234)
     return p
 

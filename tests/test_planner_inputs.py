@@ -1,0 +1,44 @@
+"""What a new user of the planner, rehearsal and simulator command lines trips on.
+
+Output files that cannot be written are refused before any work.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_seq1f1b import planner
+from megatron_seq1f1b.planner import rehearse
+
+PLAN = ["--seq-length", "8192", "--pp", "4", "--microbatches", "4", "--splits", "1", "2",
+        "--schedules", "1f1b", "--partitions", "uniform"]
+MODEL = ["--hidden-size", "1024", "--num-layers", "8", "--num-attention-heads", "8"]
+REHEARSE = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "256", "--vocab-size", "128", "--pipeline-model-parallel-size", "4",
+            "--rehearse-stage", "0", "--num-microbatches", "4"]
+
+
+def _refused(call, capsys) -> str:
+    """The one stderr line of a call that exits with status 2 and prints nothing else."""
+    with pytest.raises(SystemExit) as exited:
+        call()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == "", (exited.value.code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_output_files_are_refused_before_any_work(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "plan.json"
+    line = _refused(lambda: planner.main(PLAN + MODEL + ["--json", str(tmp_path)]), capsys)
+    assert line.endswith(f"argument --json: {tmp_path} is a directory; give a file path")
+    line = _refused(lambda: planner.main(PLAN + MODEL + ["--save-calibration", str(missing)]),
+                    capsys)
+    assert line.endswith(f"argument --save-calibration: folder {missing.parent} does not exist")
+    # the rehearsal and the simulator make missing folders; a folder as the file is refused
+    for flag in ("--json", "--save-calibration"):
+        line = _refused(lambda: rehearse.build_parser().parse_args(
+            REHEARSE + [flag, str(tmp_path)]), capsys)
+        assert f"argument {flag}: {tmp_path} is a directory" in line
+    assert rehearse.build_parser().parse_args(REHEARSE + ["--json", str(missing)]).json
