@@ -536,7 +536,7 @@ def test_tensor_parallelism_halves_compute_and_adds_its_all_reduces(capsys, tmp_
     _, one_data = run_cli(calibrated, capsys, tmp_path)
     lines, tp_data = run_cli(calibrated + ["--tp", "2"], capsys, tmp_path)
     assert tp_data["plan"]["time"] == one_data["plan"]["time"]
-    assert "--tp 2 are in the measured times" in lines[1]
+    assert "--tp 2 sets memory per rank and segment lengths only here" in lines[1]
 
 
 def test_tensor_parallelism_divides_memory_per_rank(capsys, tmp_path):

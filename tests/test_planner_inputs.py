@@ -1,6 +1,7 @@
 """What a new user of the planner, rehearsal and simulator command lines trips on.
 
-Output files that cannot be written are refused before any work.
+Output files that cannot be written are refused before any work; a calibration file that is
+no JSON object, or was made for another pipeline, is refused in one line.
 """
 
 from __future__ import annotations
@@ -42,3 +43,29 @@ def test_output_files_are_refused_before_any_work(tmp_path, capsys):
             REHEARSE + [flag, str(tmp_path)]), capsys)
         assert f"argument {flag}: {tmp_path} is a directory" in line
     assert rehearse.build_parser().parse_args(REHEARSE + ["--json", str(missing)]).json
+
+
+def test_calibration_that_is_no_json_object_is_one_line(tmp_path, capsys):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    line = _refused(lambda: planner.main(PLAN + ["--calibration", str(path)]), capsys)
+    assert "not a calibration: the file holds a JSON list, not an object" in line
+
+
+def test_calibration_for_another_pipeline_is_refused_and_its_source_said(tmp_path, capsys):
+    path = tmp_path / "cal.json"
+    assert planner.main(PLAN + MODEL + ["--save-calibration", str(path)]) == 0  # 4 stages
+    capsys.readouterr()
+    for pp in ("2", "8"):
+        line = _refused(lambda: planner.main(
+            PLAN + ["--pp", pp, "--calibration", str(path)]), capsys)
+        assert f"has costs for 4 virtual stages (pipeline stages x model chunks), but --pp {pp} " \
+               f"plans {pp}" in line, line
+    assert planner.main(PLAN + ["--calibration", str(path)]) == 0
+    costs = capsys.readouterr().out.splitlines()[1]
+    assert costs.startswith(f"costs: from {path}, made by the FLOP model (FLOP cost model at ")
+    line = _refused(lambda: planner.main(PLAN + ["--calibration", str(path), "--layout",
+                                                 "interleaved"]), capsys)
+    assert "layout 'interleaved' picks the fits of a benchmark's results.json" in line
+    line = _refused(lambda: planner.main(PLAN + MODEL + ["--layout", "interleaved"]), capsys)
+    assert "--layout interleaved picks the fits of a --calibration results.json" in line

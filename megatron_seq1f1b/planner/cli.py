@@ -108,9 +108,9 @@ def build_parser() -> ArgumentParser:
                         help="measured costs: a calibration JSON (--save-calibration, the "
                              "trainer's start-up measurement) or a benchmark's results.json; "
                              "without it, costs come from the model's FLOPs")
-    parser.add_argument("--layout", default="plain",
-                        help="which fits of a benchmark's results.json: plain (default) or "
-                             "interleaved")
+    parser.add_argument("--layout", choices=["plain", "interleaved"], default=None,
+                        help="with --calibration a benchmark's results.json: which of its fits, "
+                             "plain (default) or interleaved")
     model = parser.add_argument_group("model (FLOP costs; the balanced partition)")
     model.add_argument("--hidden-size", type=positive_int, metavar="H",
                        help="hidden size (width of the residual stream)")
@@ -307,6 +307,9 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
                              "many of them")
     if args.gpu_memory_gib is not None and (args.hidden_size is None or not args.vocab_size):
         parser.error("--gpu-memory-gib needs the model (--hidden-size ...) and --vocab-size")
+    if args.layout is not None and args.calibration is None:
+        parser.error(f"--layout {args.layout} picks the fits of a --calibration results.json; "
+                     "give --calibration FILE (the FLOP model has no layouts)")
     if args.calibration is None and args.hidden_size is None:
         parser.error("give --calibration FILE, or the model (--hidden-size, --num-layers, "
                      "--num-attention-heads, ...) for FLOP costs")
@@ -315,6 +318,21 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
                      "the model's FLOPs")
     if "zb-h2" in (args.schedules or ()) and args.vpp > 1:
         parser.error(f"--schedules zb-h2 with --vpp {args.vpp}: {ZB_H2_PROBLEM}")
+
+
+def _check_calibration(parser: ArgumentParser, args: argparse.Namespace,
+                       calibration: Calibration, stages: int) -> None:
+    """A calibration's fits are per virtual stage, each for the layers that stage held: one
+    for every stage of the pipeline planned (--pp x --vpp), or a single one that every stage
+    gets (the format's "same on every stage")."""
+    found = len(calibration.stages)
+    if found > 1 and found != stages:
+        vpp = f" x --vpp {args.vpp}" if args.vpp > 1 else ""
+        parser.error(f"--calibration {args.calibration} has costs for {found} virtual stages "
+                     f"(pipeline stages x model chunks), but --pp {args.pp}{vpp} plans {stages}: "
+                     "a stage's fit holds for the layers that stage held; plan the pipeline "
+                     "the file was made for, or make one for this pipeline (a measurement, or "
+                     "--save-calibration)")
 
 
 def _pattern_stages(args: argparse.Namespace) -> int:
@@ -599,15 +617,25 @@ def _layout_text(args: argparse.Namespace) -> str:
 
 def _costs_text(args: argparse.Namespace, calibration: Calibration, config,
                 stages: int) -> list[str]:
-    """What the costs are, in words: measured (which file) or the FLOP model's assumptions,
-    and the communication inside a stage that the FLOP costs add."""
+    """What the costs are, in words: from which file and how it was made (measured, or a
+    file the FLOP model wrote, as its source says), or the FLOP model's assumptions; and the
+    communication inside a stage that the FLOP costs add."""
     if args.calibration:
-        text = (f"costs: measured, from {args.calibration} ({calibration.source or 'no source'}"
-                f"): fitted forward and backward times of a segment on each stage")
+        source = calibration.source or "no source"
+        flops = calibration.source.startswith("FLOP cost model")
+        text = (f"costs: from {args.calibration}, made by the FLOP model ({source}): forward "
+                f"and backward times of a segment on each stage" if flops else
+                f"costs: measured, from {args.calibration} ({source}): fitted forward and "
+                f"backward times of a segment on each stage")
+        if len(calibration.stages) == 1 and stages > 1:
+            text += f" (the file's one stage on each of the {stages})"
         groups = [f"--{flag} {value}" for flag, value in (
             ("tp", args.tensor_model_parallel_size),
             ("context-parallel-size", args.context_parallel_size)) if value > 1]
-        if groups:
+        if groups and flops:
+            text += (f"; {' and '.join(groups)} set{'s' if len(groups) == 1 else ''} memory "
+                     "per rank and segment lengths only here (the file's times stay as made)")
+        elif groups:
             text += (f"; {' and '.join(groups)} are in the measured times (here they set "
                      "memory per rank and segment lengths only)")
     else:
@@ -648,10 +676,11 @@ def main(argv=None) -> int:
     calibration = None
     if args.calibration:
         try:
-            calibration = load_calibration(args.calibration, args.layout)
+            calibration = load_calibration(args.calibration, args.layout or "plain")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             parser.error(f"--calibration {args.calibration}: cannot read it as a calibration "
-                         f"(--layout {args.layout}): {type(exc).__name__}: {exc}")
+                         f"(--layout {args.layout or 'plain'}): {type(exc).__name__}: {exc}")
+        _check_calibration(parser, args, calibration, stages)
     if calibration is None:
         calibration = _flop_calibration(args, config, stages)
     if args.memory_budget_gib is not None and not (args.bytes_per_token

@@ -293,14 +293,21 @@ def save_calibration(calibration: Calibration, path: str | Path) -> None:
 
 
 def load_calibration(path: str | Path, layout: str = "plain") -> Calibration:
-    """Read a calibration file, or a benchmark's results.json (its ``layout`` fits)."""
+    """Read a calibration file, or a benchmark's results.json (its ``layout`` fits: "plain" or
+    "interleaved"; a calibration file has no layouts, only "plain")."""
     data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"not a calibration: the file holds a JSON {type(data).__name__}, not "
+                         "an object (format in megatron_seq1f1b.planner.costs)")
     if "calibration" in data and isinstance(data["calibration"], dict):
         bench = data["calibration"]
         fits = bench["fits"][layout]  # {"stage.chunk": {"F": ..., "B": ...}}
         order = sorted(fits, key=lambda key: tuple(reversed([int(x) for x in key.split(".")])))
         return Calibration.from_fits([fits[key] for key in order], bench["quadratic"],
                                      f"{path} ({layout} fits)")
+    if layout != "plain":
+        raise ValueError(f"layout {layout!r} picks the fits of a benchmark's results.json; this "
+                         "is a calibration file (its stages as saved)")
     return Calibration.from_dict(data)
 
 
