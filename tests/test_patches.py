@@ -1263,6 +1263,7 @@ def test_help_and_not_a_checkout(tmp_path):
     for tag in TAGS:
         assert tag in help_.stdout
     assert "core_v0.19.1 = core_v0.19.0" in help_.stdout
+    assert "3 (--check) partly applied" in help_.stdout
     missing = run_script(tmp_path / "nope")
     assert missing.returncode == 1 and "not a directory" in missing.stderr
     empty = run_script(tmp_path)
@@ -1377,26 +1378,241 @@ def test_conflict_changes_nothing(tmp_path, tool):
     assert snapshot(tree) == before
 
 
-@pytest.mark.skipif(not HAVE_PATCH, reason="no patch")
-def test_partly_applied_tree_is_reported(tmp_path):
-    if len(PATCHES) < 2:
-        pytest.skip("one patch only")
-    tree = tmp_path / "fake"
-    skeleton_checkout(tree)
-    subprocess.run(["patch", "-s", "-d", str(tree), "-p1", "-i", str(PATCHES[0])], check=True)
+def lines(text: str) -> list[str]:
+    return text.splitlines()
+
+
+def partly_applied(tree: Path, pristine: dict, undone, tool: str | None = None) -> None:
+    """Put the `pristine` files in `tree`, apply every patch, then put back the pristine
+    files of the patches `undone` (as `git checkout FILE` would): those patches are no
+    longer applied."""
+    for rel, data in pristine.items():
+        (tree / rel).write_bytes(data)
+    result = run_script(tree, tool=tool)
+    assert result.returncode == 0 and "patched:" in result.stdout, result.stderr
+    for patch in undone:
+        for rel in touched_files([patch]):
+            (tree / rel).write_bytes(pristine[rel])
+
+
+def check_partly_applied(tree: Path, patches, undone, tool: str | None = None) -> None:
+    """--check on a partly applied tree: exit 3, every patch's state, nothing changed."""
     before = snapshot(tree)
+    check = run_script(tree, "--check", tool=tool)
+    assert check.returncode == applier.PARTLY == 3, check.stdout + check.stderr
+    assert (f"check: partly applied: {len(patches) - len(undone)} of {len(patches)} "
+            "patch(es) applied, the others apply cleanly") in lines(check.stdout)
+    for patch in patches:
+        state = "not applied" if patch in undone else "applied"
+        assert f"  {patch.name} ({' '.join(touched_files([patch]))}): {state}" \
+            in lines(check.stdout)
+    assert "--revert to revert the applied ones" in check.stdout
+    assert snapshot(tree) == before, "--check changed the tree"
+
+
+def repair_and_revert(tree: Path, patches, undone, pristine: dict, patched: dict,
+                      tool: str | None = None) -> None:
+    """A partly applied tree (the patches `undone` not applied): --check says so; applying
+    applies exactly those and gives the cleanly patched tree; --revert on the partly
+    applied tree reverts exactly the others and gives the pristine tree."""
+    files = touched_files(patches)
+    partly_applied(tree, pristine, undone, tool)
+    check_partly_applied(tree, patches, undone, tool)
+    result = run_script(tree, tool=tool)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = lines(result.stdout)
+    for patch in patches:
+        if patch in undone:
+            assert f"applied {patch.name}" in out
+        else:
+            assert f"already applied: {patch.name} (left as is)" in out
+    assert f"patched: {' '.join(touched_files(undone))}" in out
+    assert {rel: (tree / rel).read_bytes() for rel in files} == patched
+    assert lines(run_script(tree, "--check", tool=tool).stdout)[-1] == "check: already applied"
+
+    partly_applied(tree, pristine, undone, tool)
+    revert = run_script(tree, "--revert", tool=tool)
+    assert revert.returncode == 0, revert.stdout + revert.stderr
+    out = lines(revert.stdout)
+    for patch in patches:
+        if patch in undone:
+            assert f"not applied: {patch.name} (left as is)" in out
+        else:
+            assert f"reverted {patch.name}" in out
+    reverted = [line for line in out if line.startswith("reverted ")]
+    assert reverted == [f"reverted {p.name}" for p in reversed(patches) if p not in undone]
+    assert {rel: (tree / rel).read_bytes() for rel in files} == pristine
+    again = run_script(tree, "--revert", tool=tool)
+    assert again.returncode == 0 and "not applied; nothing to revert" in again.stdout
+
+
+@pytest.mark.parametrize("tag", [VERSION, "core_v0.19.0"])
+@pytest.mark.parametrize("tool", TOOLS)
+def test_partly_applied_tree_is_repaired_or_reverted(tmp_path, tool, tag):
+    """Some patches applied, the others not (a file checked out again, or patched by hand):
+    applying applies the others, --revert reverts the applied ones, --check exits 3."""
+    patches = PATCHES_OF[tag]
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree, tag)
+    files = touched_files(patches)
+    pristine = {rel: (tree / rel).read_bytes() for rel in files}
+    clean = tmp_path / "clean"
+    skeleton_checkout(clean, tag)
+    assert run_script(clean, tool=tool).returncode == 0
+    patched = {rel: (clean / rel).read_bytes() for rel in files}
+    for undone in (patches[:1], patches[1:], patches[1:2]):  # first undone, only first applied
+        repair_and_revert(tree, patches, undone, pristine, patched, tool)
+
+
+def test_real_checkout_partly_applied(lm_checkout, tmp_path):
+    """The walkthrough: patch a real checkout, `git checkout pretrain_gpt.py` (0001 no
+    longer applied); --check says partly applied (exit 3), applying applies 0001 alone
+    (the result is the cleanly patched tree), --revert reverts 0002.. (the tag's sources)."""
+    lm = lm_checkout
+    if not lm.original:
+        pytest.skip(f"{lm.path}: no pristine sources of {lm.tag} to compare with")
+    patches = PATCHES_OF[lm.tag]
+    files = touched_files(patches)
+    tree = unpatched_copy(lm, tmp_path / "Megatron-LM", files)
+    clean = unpatched_copy(lm, tmp_path / "clean", files)
+    assert run_script(clean).returncode == 0
+    patched = {rel: (clean / rel).read_bytes() for rel in files}
+    assert touched_files(patches[:1]) == ["pretrain_gpt.py"]
+    repair_and_revert(tree, patches, patches[:1], lm.original, patched)
+
+
+def one_file_patches(root: Path) -> list[Path]:
+    """A patch folder (root/core_v0.16.1) of three patches: 0001 on one.py; 0002 and 0003
+    on two.py, 0003's context holding 0002's added line and 0003's added line falling in
+    0002's context: 0003 applies only after 0002, and 0002 reverts only after 0003."""
+    folder = root / VERSION
+    folder.mkdir(parents=True)
+    (folder / "0001-one.patch").write_text(
+        "--- a/one.py\n+++ b/one.py\n@@ -1,3 +1,4 @@\n a = 1\n+# [Seq1F1B] one\n b = 2\n"
+        " c = 3\n")
+    (folder / "0002-two.patch").write_text(
+        "--- a/two.py\n+++ b/two.py\n@@ -1,6 +1,7 @@\n l1\n l2\n l3\n+# [Seq1F1B] B\n l4\n"
+        " l5\n l6\n")
+    (folder / "0003-two-again.patch").write_text(
+        "--- a/two.py\n+++ b/two.py\n@@ -2,6 +2,7 @@\n l2\n l3\n # [Seq1F1B] B\n+# [Seq1F1B] C\n"
+        " l4\n l5\n l6\n")
+    return sorted(folder.glob("*.patch"))
+
+
+def run_in_process(root: Path, capsys, *args) -> tuple[int, str, str]:
+    """The applier with the patch folders under `root`: (status, stdout, stderr)."""
+    run = applier.Applier("seq1f1b-patch", root=root)
+    try:
+        status = run.run([str(a) for a in args])
+    except applier.Exit as stop:
+        status = stop.status
+    finally:
+        run.cleanup()
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_patches_on_one_file_are_judged_in_order(tmp_path, capsys, monkeypatch, tool):
+    """Two patches of one file, each depending on the other's lines (one way to apply, the
+    other to revert): their states are found in sequence, so a tree with only the first
+    file patched gets the rest, and one with only the second file patched reverts."""
+    monkeypatch.setenv("SEQ1F1B_PATCH_TOOL", tool)
+    root = tmp_path / "patches"
+    patches = one_file_patches(root)
+    tree = tmp_path / "fake"
+    write_package_info(tree, *REPORTED[VERSION])
+    pristine = {"one.py": b"a = 1\nb = 2\nc = 3\n",
+                "two.py": "".join(f"l{i}\n" for i in range(1, 8)).encode()}
+    patched = {"one.py": b"a = 1\n# [Seq1F1B] one\nb = 2\nc = 3\n",
+               "two.py": b"l1\nl2\nl3\n# [Seq1F1B] B\n# [Seq1F1B] C\nl4\nl5\nl6\nl7\n"}
+
+    def files() -> dict:
+        return {rel: (tree / rel).read_bytes() for rel in pristine}
+
+    def put(state: dict) -> None:
+        for rel, data in state.items():
+            (tree / rel).write_bytes(data)
+
+    for undone, mixed in ((patches[1:], {"one.py": patched["one.py"], "two.py": pristine["two.py"]}),
+                          (patches[:1], {"one.py": pristine["one.py"], "two.py": patched["two.py"]})):
+        put(mixed)
+        status, out, err = run_in_process(root, capsys, tree, "--check")
+        assert status == 3, out + err
+        for patch in patches:
+            state = "not applied" if patch in undone else "applied"
+            assert f"  {patch.name} ({touched_files([patch])[0]}): {state}" in lines(out)
+        assert files() == mixed
+        status, out, err = run_in_process(root, capsys, tree)
+        assert status == 0 and files() == patched, out + err
+        assert [line for line in lines(out) if line.startswith("applied ")] == \
+            [f"applied {p.name}" for p in undone]
+        put(mixed)
+        status, out, err = run_in_process(root, capsys, tree, "--revert")
+        assert status == 0 and files() == pristine, out + err
+        assert [line for line in lines(out) if line.startswith("reverted ")] == \
+            [f"reverted {p.name}" for p in reversed(patches) if p not in undone]
+    # All applied and none applied: the usual cycle.
+    put(pristine)
+    assert run_in_process(root, capsys, tree)[0] == 0 and files() == patched
+    assert "check: already applied" in run_in_process(root, capsys, tree, "--check")[1]
+    assert run_in_process(root, capsys, tree, "--revert")[0] == 0 and files() == pristine
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_patch_both_applying_and_reverting_is_refused(tmp_path, capsys, monkeypatch, tool):
+    """A file where a patch both applies (its context is there twice) and reverts: no
+    guess, nothing changed, in any mode."""
+    monkeypatch.setenv("SEQ1F1B_PATCH_TOOL", tool)
+    folder = tmp_path / "patches" / VERSION
+    folder.mkdir(parents=True)
+    (folder / "0001-one.patch").write_text(
+        "--- a/one.py\n+++ b/one.py\n@@ -2,2 +2,3 @@\n a = 1\n+# [Seq1F1B]\n b = 2\n")
+    tree = tmp_path / "fake"
+    write_package_info(tree, *REPORTED[VERSION])
+    (tree / "one.py").write_text("c = 3\na = 1\n# [Seq1F1B]\nb = 2\nd = 4\na = 1\nb = 2\n"
+                                 "e = 5\n")
+    before = snapshot(tree)
+    for args in ((), ("--check",), ("--revert",)):
+        status, out, err = run_in_process(tmp_path / "patches", capsys, tree, *args)
+        assert status == 1, out + err
+        assert "0001-one.patch would both apply and revert; refusing to guess" in err
+        assert "0001-one.patch (one.py): both applies and reverts" in err
+        assert snapshot(tree) == before
+
+
+@pytest.mark.parametrize("tag", [VERSION, "core_v0.19.0"])
+def test_missing_file_is_named_with_its_patch(tmp_path, tag):
+    """A checkout without a patched file: the headline names the first patch that touches
+    a missing file, and that file; nothing is changed in any mode."""
+    patches = PATCHES_OF[tag]
+    tree = tmp_path / "fake"
+    skeleton_checkout(tree, tag)
+    second = touched_files(patches[1:2])[0]
+    assert second == "megatron/training/arguments.py"
+    (tree / second).unlink()
+    before = snapshot(tree)
+    for args in ((), ("--check",), ("--revert",)):
+        result = run_script(tree, *args)
+        assert result.returncode == 1, result.stdout
+        assert (f"{applier.MODULE_PROG}: first failure, {patches[1].name}: missing file "
+                f"{second}") in lines(result.stderr)
+        assert f"{patches[0].name} (pretrain_gpt.py): not applied" in result.stderr
+        assert f"{patches[1].name} ({second}): conflicts" in result.stderr
+        assert snapshot(tree) == before
+    for rel in touched_files(patches):  # every patched file missing: 0001's is named
+        (tree / rel).unlink(missing_ok=True)
     result = run_script(tree)
     assert result.returncode == 1
-    assert f"{PATCHES[0].name} ({touched_files(PATCHES[:1])[0]}): applied" in result.stderr
-    assert snapshot(tree) == before
+    assert f"first failure, {patches[0].name}: missing file pretrain_gpt.py" in result.stderr
 
 
 @pytest.mark.skipif(not HAVE_PATCH, reason="no patch")
 @pytest.mark.parametrize("tag", HYBRID_TAGS)
 def test_checkout_patched_before_pretrain_hybrid(tmp_path, tag):
     """A checkout patched before pretrain_hybrid.py and the hybrid builder had their patches
-    (0001-0003 applied): the applier changes nothing and names the patches not applied;
-    applied by hand, the checkout is fully patched (and reverts as usual)."""
+    (0001-0003 applied): --check names the patches not applied (exit 3), and applying
+    applies those two only; the checkout is then fully patched (and reverts as usual)."""
     tree = tmp_path / "fake"
     skeleton_checkout(tree, tag)
     earlier = [p for p in PATCHES_OF[tag] if p.name < "0004"]
@@ -1404,16 +1620,12 @@ def test_checkout_patched_before_pretrain_hybrid(tmp_path, tag):
     assert [touched_files([p]) for p in later] == [["pretrain_hybrid.py"], [HYBRID_BUILDER[tag]]]
     for patch in earlier:
         subprocess.run(["patch", "-s", "-d", str(tree), "-p1", "-i", str(patch)], check=True)
-    before = snapshot(tree)
+    check_partly_applied(tree, PATCHES_OF[tag], later)
     result = run_script(tree)
-    assert result.returncode == 1 and "nothing was changed" in result.stderr
-    for patch in later:
-        assert f"{patch.name} ({touched_files([patch])[0]}): not applied" in result.stderr
-    for patch in earlier:
-        assert f"{patch.name} (" in result.stderr and "): applied" in result.stderr
-    assert snapshot(tree) == before
-    for patch in later:
-        subprocess.run(["patch", "-s", "-d", str(tree), "-p1", "-i", str(patch)], check=True)
+    assert result.returncode == 0, result.stderr
+    assert [line for line in lines(result.stdout) if line.startswith("applied ")] == \
+        [f"applied {p.name}" for p in later]
+    assert f"patched: {' '.join(touched_files(later))}" in result.stdout
     assert "check: already applied" in run_script(tree, "--check").stdout
     assert "restored:" in run_script(tree, "--revert").stdout
 

@@ -19,15 +19,21 @@ version is refused, naming the nearest supported tag, whose patches
 ``--force-version TAG`` tries anyway (they still apply only where their
 context matches exactly).
 
-Nothing is changed unless every patch applies: the patches are first run on a
-scratch copy of the files they touch (in order, so two patches may touch one
-file), and only the verified result is copied into the checkout. Context must
-match exactly (no fuzz), so a patch never lands twice. Uses GNU ``patch``, or
-``git apply`` where ``patch`` is missing (``SEQ1F1B_PATCH_TOOL=patch|git``
-forces one).
+Each patch is "applied", "not applied" or "conflicts" (neither applies nor
+reverts); a partly applied checkout (some applied, the others not, e.g. after
+``git checkout pretrain_gpt.py``) is completed by applying the patches not
+applied, or undone by ``--revert`` reverting the applied ones; the others are
+left as they are. The states are found in sequence on scratch copies of the
+files the patches touch (reverse order to revert, then in order to apply, so
+two patches may touch one file), and only the verified result is copied into
+the checkout: nothing is changed if any patch conflicts, touches a missing
+file, or would both apply and revert. Context must match exactly (no fuzz), so
+a patch never lands twice. Uses GNU ``patch``, or ``git apply`` where ``patch``
+is missing (``SEQ1F1B_PATCH_TOOL=patch|git`` forces one).
 
 Exit status: 0 done / already in the requested state (``--check``: applicable
-or already applied); 1 patches do not apply or version unsupported; 2 usage.
+or already applied); 1 a patch conflicts or version unsupported; 2 usage;
+3 (``--check`` only) partly applied: applying, or ``--revert``, completes it.
 
 Only the standard library is used: this runs without torch or Megatron.
 """
@@ -41,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, NoReturn, Optional, Sequence, Tuple
 
 PATCH_ROOT = Path(__file__).resolve().parent / "patches" / "megatron-lm"
 MODULE_PROG = "python -m megatron_seq1f1b.patch"
@@ -59,6 +65,22 @@ ALIASES: Tuple[Tuple[str, str], ...] = (
 )
 
 PACKAGE_INFO = "megatron/core/package_info.py"
+
+# A patch's state in a checkout (see Applier.survey).
+NOT_APPLIED, APPLIED, CONFLICTS = "not applied", "applied", "conflicts"
+AMBIGUOUS = "both applies and reverts"
+# --check's exit status for a partly applied checkout.
+PARTLY = 3
+
+
+class Survey(NamedTuple):
+    """What Applier.survey found: each patch's state (and, for a conflict, why), and the
+    scratch trees with the applied patches reverted and with every patch applied."""
+
+    states: List[str]
+    reasons: List[str]
+    reverted: str
+    patched: str
 
 
 class Exit(Exception):
@@ -198,14 +220,19 @@ class Applier:
         text = f"""usage: {self.prog} MEGATRON_LM_DIR [--check|--revert] [--force-version TAG]
 
   (no option)          apply the Seq1F1B patches (prints "already applied" if they are)
-  --check              report whether the patches would apply or are already applied
-  --revert             reverse the patches, restoring the original files
+  --check              report whether the patches would apply, are applied, or partly
+  --revert             reverse the applied patches, restoring the original files
   --force-version TAG  use the patches made for Megatron-LM tag TAG, whatever version
                        the checkout reports (a newer release, a fork); they still
                        apply only where their context matches exactly
   -h, --help           show this message
 
+A partly applied checkout (some patches applied, the others not): applying applies
+the others, --revert reverts the applied ones. Nothing is changed if a patch conflicts.
 The version is the git tag at HEAD, or megatron/core/package_info.py.
+exit status: 0 done, or already so (--check: the patches apply, or are applied);
+  1 a patch conflicts, or the version is not supported; 2 usage;
+  3 (--check) partly applied: applying, or --revert, completes it
 supported Megatron-LM tags: {supported_list(self.root)}"""
         print(text, file=sys.stdout if to_stdout else sys.stderr, flush=True)
 
@@ -343,20 +370,23 @@ supported Megatron-LM tags: {supported_list(self.root)}"""
     def all_files(self) -> List[str]:
         return sorted({f for p in self.patches for f in touched(p)})
 
-    def run_one(self, target: str, patch: Path, reverse: bool = False) -> Optional[str]:
-        """Apply one patch in `target`, exact context: None, or the tool's output on failure."""
+    def run_one(self, target: str, patch: Path, reverse: bool = False,
+                dry_run: bool = False) -> Optional[str]:
+        """Apply one patch in `target`, exact context: None, or the tool's output on failure.
+        With `dry_run` nothing is written (the tool only checks)."""
         flag = ["-R"] if reverse else []
         if self.tool == "patch":
             command = ["patch", "-d", target, "-p1", "-F0", "-f", "-s", "--no-backup-if-mismatch",
-                       "-r", "-", *flag, "-i", str(patch)]
+                       "-r", "-", *flag, *(["--dry-run"] if dry_run else []), "-i", str(patch)]
             result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, text=True)
         else:
             # Scratch copies only (never inside another repository): plain-directory mode.
             env = dict(os.environ, GIT_CEILING_DIRECTORIES=os.path.dirname(target))
-            result = subprocess.run(["git", "apply", "-p1", *flag, str(patch)], cwd=target,
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, text=True)
+            result = subprocess.run(["git", "apply", "-p1", *flag,
+                                     *(["--check"] if dry_run else []), str(patch)],
+                                    cwd=target, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
         return None if result.returncode == 0 else result.stdout.rstrip("\n")
 
     def cleanup(self) -> None:
@@ -364,47 +394,119 @@ supported Megatron-LM tags: {supported_list(self.root)}"""
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
 
-    def try_all(self, reverse: bool) -> Tuple[str, str]:
-        """Run all patches (forward in order, or -R in reverse order) on a fresh scratch
-        copy of the touched files: ("", "") or (failed patch, failure)."""
-        self.cleanup()
-        self.scratch = tempfile.mkdtemp(prefix="seq1f1b-patch.")
-        tree = os.path.join(self.scratch, "tree")
+    def scratch_copy(self, name: str) -> str:
+        """A scratch copy of the touched files that the checkout has, as scratch/`name`."""
+        if self.scratch is None:
+            self.scratch = tempfile.mkdtemp(prefix="seq1f1b-patch.")
+        tree = os.path.join(self.scratch, name)
         for rel in self.all_files():
             source = os.path.join(self.dir, rel)
-            if not os.path.isfile(source):
-                return "(checkout)", f"missing file {rel}"
-            os.makedirs(os.path.dirname(os.path.join(tree, rel)), exist_ok=True)
-            shutil.copy2(source, os.path.join(tree, rel))
-        for patch in (reversed(self.patches) if reverse else self.patches):
-            failure = self.run_one(tree, patch, reverse)
-            if failure is not None:
-                return str(patch), failure
-        return "", ""
+            if os.path.isfile(source):
+                os.makedirs(os.path.dirname(os.path.join(tree, rel)), exist_ok=True)
+                shutil.copy2(source, os.path.join(tree, rel))
+        os.makedirs(tree, exist_ok=True)
+        return tree
 
-    def state_of(self, patch: Path) -> str:
-        """"not applied", "applied" or "conflicts", for that patch alone."""
-        for reverse in (False, True):
-            probe = tempfile.mkdtemp(prefix="seq1f1b-probe.")
-            try:
-                for rel in touched(patch):
-                    source = os.path.join(self.dir, rel)
-                    if os.path.isfile(source):
-                        os.makedirs(os.path.dirname(os.path.join(probe, rel)), exist_ok=True)
-                        shutil.copy2(source, os.path.join(probe, rel))
-                if self.run_one(probe, patch, reverse) is None:
-                    return "applied" if reverse else "not applied"
-            finally:
-                shutil.rmtree(probe, ignore_errors=True)
-        return "conflicts"
+    def survey(self) -> Survey:
+        """Each patch's state, found in sequence on scratch copies (so that patches touching
+        one file are judged in the order they apply), and the two verified results.
 
-    def commit_scratch(self) -> None:
-        """Copy the verified scratch files into the checkout (contents only: modes stay)."""
-        assert self.scratch is not None
+        1. From the last patch to the first, on a copy that becomes the reverted tree:
+           a patch whose reverse applies there (and forward does not) is "applied" and is
+           reversed in the copy; one whose forward applies (and reverse does not) is
+           "not applied"; one where both work is ambiguous.
+        2. From the first patch to the last, on a copy that becomes the patched tree:
+           the patches not found applied are applied in order (each after a dry run);
+           one that does not apply conflicts, as does one touching a missing file.
+           (A patch that applied in neither direction in step 1, since it needs an
+           earlier one not applied yet, is tried in both here.)
+        """
+        self.cleanup()
+        n = len(self.patches)
+        states: List[str] = [""] * n
+        reasons: List[str] = [""] * n
+        for i, patch in enumerate(self.patches):
+            gone = [rel for rel in touched(patch)
+                    if not os.path.isfile(os.path.join(self.dir, rel))]
+            if gone:
+                states[i], reasons[i] = CONFLICTS, f"missing file {gone[0]}"
+        reverted = self.scratch_copy("reverted")
+        forward_ok = set()
+        for i in reversed(range(n)):
+            if states[i]:
+                continue
+            backward = self.run_one(reverted, self.patches[i], reverse=True, dry_run=True)
+            forward = self.run_one(reverted, self.patches[i], dry_run=True)
+            if forward is None:
+                forward_ok.add(i)
+            if backward is None and forward is None:
+                states[i] = AMBIGUOUS
+            elif backward is None:
+                states[i] = APPLIED
+                failure = self.run_one(reverted, self.patches[i], reverse=True)
+                if failure is not None:
+                    self.die(f"internal error: {self.patches[i].name} reverses in a dry run "
+                             f"only:\n{failure}")
+            # else: not applied (if it applies in step 2), or a conflict
+        patched = self.scratch_copy("patched")
+        for i, patch in enumerate(self.patches):
+            if states[i]:
+                continue
+            # A dry run first: a failing run may still write the hunks that did apply.
+            failure = self.run_one(patched, patch, dry_run=True)
+            if failure is None and i not in forward_ok and \
+                    self.run_one(patched, patch, reverse=True, dry_run=True) is None:
+                states[i] = AMBIGUOUS  # (not tried both ways in step 1)
+            elif failure is None:
+                states[i] = NOT_APPLIED
+                failure = self.run_one(patched, patch)
+                if failure is not None:
+                    self.die(f"internal error: {patch.name} applies in a dry run only:\n"
+                             f"{failure}")
+            else:
+                states[i], reasons[i] = CONFLICTS, failure or "(the patch tool said nothing)"
+        return Survey(states, reasons, reverted, patched)
+
+    def commit(self, tree: str) -> List[str]:
+        """Copy the verified scratch tree's files that differ into the checkout (contents
+        only: modes stay); the files written."""
+        written = []
         for rel in self.all_files():
-            data = Path(self.scratch, "tree", rel).read_bytes()
-            with open(os.path.join(self.dir, rel), "wb") as out:
-                out.write(data)
+            source, target = os.path.join(tree, rel), os.path.join(self.dir, rel)
+            if not os.path.isfile(source):
+                continue
+            data = Path(source).read_bytes()
+            if Path(target).read_bytes() != data:
+                with open(target, "wb") as out:
+                    out.write(data)
+                written.append(rel)
+        return written
+
+    def state_lines(self, states: List[str]) -> List[str]:
+        return [f"  {patch.name} ({' '.join(touched(patch))}): {state}"
+                for patch, state in zip(self.patches, states)]
+
+    def refuse(self, version: str, patch_dir: Path, survey: Survey) -> int:
+        """The report for a tree where some patch conflicts (or is ambiguous): exit 1."""
+        p = self.prog
+        _err(f"{p}: the {version} patches can neither be applied nor reverted in {self.dir}")
+        _err(f"{p}: (local changes, or not exactly {version}?)")
+        for line in self.state_lines(survey.states):
+            _err(f"{p}: {line}")
+        first = next(i for i, s in enumerate(survey.states) if s in (CONFLICTS, AMBIGUOUS))
+        if survey.states[first] == AMBIGUOUS:
+            _err(f"{p}: {self.patches[first].name} would both apply and revert; "
+                 "refusing to guess")
+        else:
+            reason = survey.reasons[first]
+            if reason.startswith("missing file ") and "\n" not in reason:
+                _err(f"{p}: first failure, {self.patches[first].name}: {reason}")
+            else:
+                _err(f"{p}: first failure, {self.patches[first].name}:")
+                _err("\n".join("    " + line for line in reason.split("\n")))
+        _err(f"{p}: nothing was changed; to undo one applied patch by hand: "
+             f"patch -d '{self.dir}' -p1 -R -i PATCH (the patches: {patch_dir})")
+        return 1
 
     def run(self, argv: Sequence[str]) -> int:
         mode, self.dir, forced = self.parse(argv)
@@ -416,52 +518,48 @@ supported Megatron-LM tags: {supported_list(self.root)}"""
         self.tool = self.pick_tool()
         files_list = " ".join(self.all_files())
 
-        # Both directions are tried: a tree where both work is ambiguous and refused.
-        # The scratch copy keeps the result of the last try (forward).
-        reverse_ok = self.try_all(reverse=True) == ("", "")
-        failed_patch, failure = self.try_all(reverse=False)
-        forward_ok = not failed_patch
-        if forward_ok and reverse_ok:
-            self.die(f"the {version} patches would both apply and revert in {self.dir}; "
-                     "refusing to guess")
-        state = ("unapplied" if forward_ok else "applied" if reverse_ok else "conflict")
-
+        survey = self.survey()
         _out(f"Megatron-LM {version} ({description}) at {self.dir}")
-        if state == "conflict":
-            p = self.prog
-            _err(f"{p}: the {version} patches neither apply nor are fully applied in {self.dir}")
-            _err(f"{p}: (local changes, a partly applied tree, or not exactly {version}?)")
-            for patch in self.patches:
-                _err(f"{p}:   {patch.name} ({' '.join(touched(patch))}): "
-                     f"{self.state_of(patch)}")
-            _err(f"{p}: first failure, {os.path.basename(failed_patch)}:")
-            if failure:
-                _err("\n".join("    " + line for line in failure.split("\n")))
-            _err(f"{p}: nothing was changed; to undo one applied patch by hand: "
-                 f"patch -d '{self.dir}' -p1 -R -i PATCH (the patches: {patch_dir})")
-            return 1
+        if CONFLICTS in survey.states or AMBIGUOUS in survey.states:
+            return self.refuse(version, patch_dir, survey)
+        applied = [p for p, s in zip(self.patches, survey.states) if s == APPLIED]
+        pending = [p for p, s in zip(self.patches, survey.states) if s == NOT_APPLIED]
         if mode == "check":
-            if state == "unapplied":
+            if not applied:
                 _out(f"check: {len(self.patches)} patch(es) apply cleanly, not applied yet "
                      f"({files_list})")
-            else:
+            elif not pending:
                 _out("check: already applied")
+            else:
+                _out(f"check: partly applied: {len(applied)} of {len(self.patches)} "
+                     "patch(es) applied, the others apply cleanly")
+                for line in self.state_lines(survey.states):
+                    _out(line)
+                again = f"{self.prog} '{self.dir}'" + (f" --force-version {forced}"
+                                                        if forced else "")
+                _out(f"check: run {again} to apply the rest, or {again} --revert to revert "
+                     "the applied ones")
+                return PARTLY
         elif mode == "apply":
-            if state == "unapplied":
-                self.commit_scratch()
+            if pending:
+                written = self.commit(survey.patched)
                 for patch in self.patches:
-                    _out(f"applied {patch.name}")
-                _out(f"patched: {files_list}")
+                    if patch in pending:
+                        _out(f"applied {patch.name}")
+                    else:
+                        _out(f"already applied: {patch.name} (left as is)")
+                _out(f"patched: {' '.join(written)}")
             else:
                 _out("already applied; nothing to do")
         else:  # revert
-            if state == "applied":
-                if self.try_all(reverse=True) != ("", ""):
-                    self.die("internal error: the reverse dry run no longer succeeds")
-                self.commit_scratch()
+            if applied:
+                written = self.commit(survey.reverted)
                 for patch in reversed(self.patches):
-                    _out(f"reverted {patch.name}")
-                _out(f"restored: {files_list}")
+                    if patch in applied:
+                        _out(f"reverted {patch.name}")
+                    else:
+                        _out(f"not applied: {patch.name} (left as is)")
+                _out(f"restored: {' '.join(written)}")
             else:
                 _out("not applied; nothing to revert")
         return 0
