@@ -1,7 +1,8 @@
 """What a new user of the planner, rehearsal and simulator command lines trips on.
 
 Output files that cannot be written are refused before any work; a calibration file that is
-no JSON object, or was made for another pipeline, is refused in one line.
+no JSON object, or was made for another pipeline, is refused in one line; memory messages
+speak in the budget's unit and name the command line's flags.
 """
 
 from __future__ import annotations
@@ -69,3 +70,21 @@ def test_calibration_for_another_pipeline_is_refused_and_its_source_said(tmp_pat
     assert "layout 'interleaved' picks the fits of a benchmark's results.json" in line
     line = _refused(lambda: planner.main(PLAN + MODEL + ["--layout", "interleaved"]), capsys)
     assert "--layout interleaved picks the fits of a --calibration results.json" in line
+
+
+def test_memory_messages_speak_in_gib_and_name_the_flags(capsys):
+    argv = PLAN + MODEL + ["--vocab-size", "32000", "--bf16"]
+    with pytest.raises(SystemExit) as exited:  # the flags are fine, no plan fits: status 1
+        planner.main(argv + ["--gpu-memory-gib", "1"])
+    line = exited.value.code
+    assert "no plan fits the memory budget of 1.00 GiB per GPU" in line
+    assert "the smallest reachable is 2.59 GiB on its busiest stage, by k=2" in line
+    assert line.endswith("allow more splits (--max-splits 16, --min-segment-length 128)")
+    assert "micro-batches" not in line and "max_splits" not in line
+    assert planner.main(argv + ["--gpu-memory-gib", "3", "--top", "0"]) == 0
+    reason = next(line for line in capsys.readouterr().out.splitlines() if " wins: " in line)
+    assert reason.startswith("k=2 uniform 1f1b wins: fastest within the memory budget (2.59 GiB "
+                             "on its busiest stage); 1 faster plan(s) exceed it, e.g. k=1 1f1b (")
+    assert "needs 3.41 GiB on its busiest stage)" in reason and "micro-batches" not in reason
+    line = _refused(lambda: planner.main(PLAN + MODEL + ["--partitions", "documents"]), capsys)
+    assert line.endswith("choose from uniform, balanced and measured") and "=" not in line

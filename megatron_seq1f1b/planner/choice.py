@@ -11,7 +11,7 @@ from megatron_seq1f1b.schedules.partition import METHODS
 from megatron_seq1f1b.schedules.schedule import SCHEDULES
 
 __all__ = ["Plan", "PlanChoice", "BudgetError", "TIE_TOLERANCE", "MEASURED_TIE_TOLERANCE",
-           "explain", "format_table", "tie_note"]
+           "explain", "format_table", "need_text", "tie_note"]
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,35 @@ class PlanChoice:
 
 
 class BudgetError(ValueError):
-    """No candidate plan fits the activation-memory budget."""
+    """No candidate plan fits the memory budget: ``smallest`` is the plan nearest to it;
+    ``limits``, the search's bounds that more splits would need raised (``{"max_splits": 16,
+    "min_segment_length": 128}``), which :meth:`text` names as its caller spells them."""
 
-    def __init__(self, message: str, smallest: Plan):
-        super().__init__(message)
-        self.smallest = smallest
+    def __init__(self, message: str, smallest: Plan, limits: dict | None = None):
+        self.message, self.smallest, self.limits = message, smallest, dict(limits or {})
+        super().__init__(self.text())
+
+    def text(self, names: dict | None = None) -> str:
+        """The message; ``names`` spells the limits (``{"max_splits": "--max-splits"}``:
+        ``--max-splits 16``; by default ``max_splits=16``)."""
+        if not self.limits:
+            return self.message
+        names = names or {}
+        limits = ", ".join(f"{names[name]} {value}" if name in names else f"{name}={value}"
+                           for name, value in self.limits.items())
+        return f"{self.message}; raise the budget, or allow more splits ({limits})"
+
+
+def need_text(plan: Plan, budgets: Sequence[str] = ()) -> str:
+    """The memory ``plan`` needs, in the units of the budgets given: ``"microbatches"`` and
+    ``"bytes"`` (activations: :meth:`Plan.memory_text`), ``"total"`` (its busiest stage's
+    weights, gradients, optimizer states and activations); none: :meth:`Plan.memory_text`."""
+    parts = []
+    if {"microbatches", "bytes"} & set(budgets) or not budgets:
+        parts.append(plan.memory_text())
+    if "total" in budgets and plan.peak_stage_bytes is not None:
+        parts.append(f"{bytes_text(plan.peak_stage_bytes)} on its busiest stage")
+    return " and ".join(parts) or plan.memory_text()
 
 
 def _q(x: float) -> float:
@@ -155,13 +179,15 @@ def tie_note(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float) -> 
             f"({_robust_reason(chosen, fastest)})")
 
 
-def explain(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float = 0.0) -> str:
-    """One line: why `chosen` won over the others."""
+def explain(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float = 0.0,
+            budgets: Sequence[str] = ()) -> str:
+    """One line: why `chosen` won over the others; memory in the units of ``budgets``
+    (:func:`need_text`)."""
     ranked = sorted(candidates, key=_rank_key)
     faster = [c for c in ranked if _rank_key(c) < _rank_key(chosen)]
     over = [c for c in faster if c.within_budget is False]
     budget = (f"; {len(over)} faster plan(s) exceed the memory budget, e.g. "
-              f"{over[0].describe()} (needs {over[0].memory_text()})" if over else "")
+              f"{over[0].describe()} (needs {need_text(over[0], budgets)})" if over else "")
     fastest = next(c for c in ranked if c.within_budget is not False)
     if fastest != chosen:
         return (f"{chosen.describe()} wins: predicted {chosen.time / fastest.time - 1:.1%} "
@@ -184,9 +210,9 @@ def explain(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float = 0.0
         return f"{chosen.describe()} wins: fastest; {versus}"
     best = faster[0]
     return (f"{chosen.describe()} wins: fastest within the memory budget "
-            f"({chosen.memory_text()}); {len(faster)} faster plan(s) exceed it, e.g. "
+            f"({need_text(chosen, budgets)}); {len(faster)} faster plan(s) exceed it, e.g. "
             f"{best.describe()} ({chosen.time / best.time - 1:.1%} faster, needs "
-            f"{best.memory_text()}); {versus}")
+            f"{need_text(best, budgets)}); {versus}")
 
 
 def _robust_reason(chosen: Plan, fastest: Plan) -> str:

@@ -187,7 +187,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--splits", type=positive_int, nargs="+", metavar="K",
                         help="only these segment counts (default: 1 to --max-splits)")
     parser.add_argument("--partitions", nargs="+", choices=METHODS,
-                        help="only these partitions (default: all that apply)")
+                        help="only these partitions (default: all that apply; documents needs "
+                             "packed documents, which only the trainer's auto plan has)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES,
                         help="only these schedules (default: all the layout allows)")
     parser.add_argument("--message-latency", type=non_negative_float, default=None,
@@ -313,6 +314,11 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
     if args.calibration is None and args.hidden_size is None:
         parser.error("give --calibration FILE, or the model (--hidden-size, --num-layers, "
                      "--num-attention-heads, ...) for FLOP costs")
+    if "documents" in (args.partitions or ()):
+        parser.error("--partitions documents cuts a micro-batch's packed documents, which this "
+                     "command line does not take (the trainer's --seq1f1b-splits auto plans "
+                     "on its measured micro-batch's documents); choose from uniform, balanced "
+                     "and measured")
     if "balanced" in (args.partitions or ()) and args.hidden_size is None:
         parser.error("--partitions balanced needs the model (--hidden-size ...): it balances "
                      "the model's FLOPs")
@@ -706,7 +712,9 @@ def main(argv=None) -> int:
             memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None,
             context_parallel_size=args.context_parallel_size)
     except BudgetError as exc:  # the flags are fine; no plan fits them
-        raise SystemExit(f"{parser.prog}: error: {exc}") from None
+        text = exc.text({"max_splits": "--max-splits",
+                         "min_segment_length": "--min-segment-length"})
+        raise SystemExit(f"{parser.prog}: error: {text}") from None
     except ValueError as exc:
         parser.error(str(exc))
     plan = choice.plan

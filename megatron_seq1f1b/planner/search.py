@@ -22,7 +22,7 @@ from typing import Sequence
 
 from megatron_seq1f1b.base.checks import segment_multiple
 from megatron_seq1f1b.planner.choice import (
-    Plan, PlanChoice, BudgetError, _memory_key, _pick, _rank_key, explain,
+    Plan, PlanChoice, BudgetError, _memory_key, _pick, _rank_key, explain, need_text,
 )
 from megatron_seq1f1b.planner.costs import Calibration, action_cost, placement_costs
 from megatron_seq1f1b.planner.memory_model import MemoryModel, activation_peak, bytes_text
@@ -154,8 +154,10 @@ def choose_plan(
                                                          min_segment_length, max_splits)
     costs_of = {"balanced": flops, "measured": calibration,
                 "documents": flops or calibration.cost_model()}
-    budgeted = (memory_budget is not None or memory_budget_bytes is not None
-                or memory_budget_total_bytes is not None)
+    budgets = [name for name, value in (("microbatches", memory_budget),
+                                        ("bytes", memory_budget_bytes),
+                                        ("total", memory_budget_total_bytes)) if value is not None]
+    budgeted = bool(budgets)
 
     candidates: list[Plan] = []
     for k in ks:
@@ -189,19 +191,31 @@ def choose_plan(
     ranked = tuple(sorted(candidates, key=_rank_key))
     feasible = [c for c in ranked if c.within_budget is not False]
     if not feasible:
-        smallest = min(ranked, key=_memory_key)
-        budget = " and ".join(
-            ([f"{memory_budget:.2f} micro-batches"] if memory_budget is not None else [])
-            + ([bytes_text(memory_budget_bytes)] if memory_budget_bytes is not None else [])
-            + ([f"{bytes_text(memory_budget_total_bytes)} in all"]
-               if memory_budget_total_bytes is not None else []))
-        raise BudgetError(
-            f"no plan fits the activation-memory budget of {budget} per stage: the smallest "
-            f"reachable is {smallest.memory_text()}, by {smallest.describe()} (lengths "
-            f"{list(smallest.lengths)}); raise the budget, or allow more splits "
-            f"(max_splits={max_splits}, min_segment_length={min_segment_length})", smallest)
+        raise _budget_error(ranked, budgets, memory_budget, memory_budget_bytes,
+                            memory_budget_total_bytes, max_splits, min_segment_length)
     chosen = _pick(feasible, tie_tolerance)
-    return PlanChoice(chosen, ranked, explain(ranked, chosen, tie_tolerance), calibration.source)
+    return PlanChoice(chosen, ranked, explain(ranked, chosen, tie_tolerance, budgets),
+                      calibration.source)
+
+
+def _budget_error(ranked, budgets, microbatches, activation_bytes, total_bytes, max_splits,
+                  min_segment_length) -> BudgetError:
+    """Nothing fits: the budgets and the nearest plan, in the budgets' own units (the least
+    activations, or with only a total budget the least total on the busiest stage)."""
+    activations = (([f"{microbatches:.2f} micro-batches"] if microbatches is not None else [])
+                   + ([bytes_text(activation_bytes)] if activation_bytes is not None else []))
+    words = ([f"activation-memory budget of {' and '.join(activations)} per stage"]
+             if activations else [])
+    if total_bytes is not None:
+        words.append(f"memory budget of {bytes_text(total_bytes)} per GPU (the busiest stage's "
+                     "weights, gradients, optimizer states and activations)")
+    smallest = min(ranked, key=_memory_key if activations else
+                   lambda plan: (plan.peak_stage_bytes,) + _memory_key(plan))
+    return BudgetError(
+        f"no plan fits the {' and the '.join(words)}: the smallest reachable is "
+        f"{need_text(smallest, budgets)}, by {smallest.describe()} (lengths "
+        f"{list(smallest.lengths)})", smallest,
+        {"max_splits": max_splits, "min_segment_length": min_segment_length})
 
 
 def _options(partitions, schedules, have_flops: bool, chunks: int,
