@@ -2,7 +2,9 @@
 
 Output files that cannot be written are refused before any work; a calibration file that is
 no JSON object, or was made for another pipeline, is refused in one line; memory messages
-speak in the budget's unit and name the command line's flags.
+speak in the budget's unit and name the command line's flags; the simulator refuses the
+flags uniform costs do not read, prints the picture paths it wrote and says where
+Megatron-Core's own interleaved schedule would refuse the micro-batch count.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import pytest
 
 from megatron_seq1f1b import planner
 from megatron_seq1f1b.planner import rehearse
+from megatron_seq1f1b.schedules import simulate
 
 PLAN = ["--seq-length", "8192", "--pp", "4", "--microbatches", "4", "--splits", "1", "2",
         "--schedules", "1f1b", "--partitions", "uniform"]
@@ -88,3 +91,29 @@ def test_memory_messages_speak_in_gib_and_name_the_flags(capsys):
     assert "needs 3.41 GiB on its busiest stage)" in reason and "micro-batches" not in reason
     line = _refused(lambda: planner.main(PLAN + MODEL + ["--partitions", "documents"]), capsys)
     assert line.endswith("choose from uniform, balanced and measured") and "=" not in line
+
+
+def test_simulator_prints_the_pictures_it_wrote(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert simulate.main(["--splits", "1", "2", "--png", str(tmp_path / "noext")]) == 0
+    out = capsys.readouterr().out
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["noext.png", "noext_k1.png", "noext_k2.png"]
+    assert all(str(tmp_path / name) in out for name in written), out
+
+
+def test_simulator_refuses_what_uniform_costs_ignore_and_notes_megatron_interleaving(
+        tmp_path, capsys):
+    line = _refused(lambda: simulate.main(["--seq-length", "7", "--splits", "16"]), capsys)
+    assert "--seq-length: read only with --cost attention" in line
+    line = _refused(lambda: simulate.main(["--png", str(tmp_path)]), capsys)
+    assert f"argument --png: {tmp_path} is a directory" in line
+    assert simulate.main(["--pp", "4", "--chunks", "2", "--microbatches", "3", "--splits",
+                          "1"]) == 0
+    assert ("note: Megatron-Core's own interleaved schedule refuses m=3 on p=4 (its groups of "
+            "PP=4 contiguous micro-batches per virtual stage must range in [PP=4, M=3])"
+            in capsys.readouterr().out)
+    assert simulate.megatron_interleaving_problem(4, 6) and \
+        not simulate.megatron_interleaving_problem(4, 8)
+    help_text = " ".join(simulate.build_parser().format_help().split())
+    assert "(default 4)" in help_text and "default 32768" in help_text

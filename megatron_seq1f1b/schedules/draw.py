@@ -177,8 +177,11 @@ def draw_timelines(
     show_waits: bool = False,
     x_max: float | None = None,
 ) -> Path:
-    """Draw `timelines` stacked on one time axis into a PNG file (see :func:`timeline_figure`)."""
+    """Draw `timelines` stacked on one time axis into a PNG file (see :func:`timeline_figure`);
+    the path written: '.png' added where `path` has no suffix (as matplotlib does)."""
     path = Path(path)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig = timeline_figure(timelines, titles, time_label=time_label, show_waits=show_waits,
                           x_max=x_max)

@@ -10,6 +10,12 @@ Command line::
 
     python -m megatron_seq1f1b.simulate --pp 4 --microbatches 4 --splits 1 4 \
         --png docs/schedule.png --trace schedule.json
+
+``--seq-length``, ``--partition`` and the model's sizes are read with ``--cost attention``
+only (refused with uniform costs). With ``--chunks`` > 1 any number of micro-batches is
+simulated, as Seq1F1B's interleaved schedule runs them; where Megatron-Core's own
+interleaved schedule would refuse it (fewer micro-batches than stages, or not a multiple
+of them) the output says so.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from megatron_seq1f1b.base.flags import ArgumentParser, positive_int
+from megatron_seq1f1b.base.flags import ArgumentParser, output_file, positive_int
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import CostModel, split_sequence
 from megatron_seq1f1b.schedules.plan import plan_steps
@@ -144,34 +150,70 @@ def zero_bubble_formula(num_stages: int, num_microbatches: int, num_splits: int,
 # ------------------------------------------------------------------ command line
 
 
+#: The flags only ``--cost attention`` reads (the segments' tokens and the model's FLOPs),
+#: with their defaults; with uniform costs, giving one is refused rather than ignored.
+ATTENTION_DEFAULTS = {"partition": "balanced", "seq_length": 32768, "hidden_size": 4096,
+                      "num_layers": 32, "num_attention_heads": 32, "vocab_size": 50257}
+
+
 def build_parser() -> ArgumentParser:
     """The simulator's flags; every number is checked as it is read."""
     parser = ArgumentParser(
         prog="python -m megatron_seq1f1b.simulate",
         description="Compare 1F1B and Seq1F1B schedules: bubble and peak activations.",
     )
-    parser.add_argument("--pp", type=positive_int, default=4, help="pipeline stages")
-    parser.add_argument("--microbatches", type=positive_int, default=4)
+    parser.add_argument("--pp", type=positive_int, default=4,
+                        help="pipeline stages (default 4)")
+    parser.add_argument("--microbatches", type=positive_int, default=4,
+                        help="micro-batches per iteration (default 4)")
     parser.add_argument("--splits", type=positive_int, nargs="+", default=[1, 4],
-                        help="segments per micro-batch; 1 is Megatron's 1F1B")
+                        help="segments per micro-batch; 1 is Megatron's 1F1B (default 1 4)")
     parser.add_argument("--chunks", type=positive_int, default=1,
-                        help="model chunks per rank (vpp)")
+                        help="model chunks per rank (vpp; default 1)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["1f1b"],
                         help="1f1b (Seq1F1B) and/or the zero-bubble variants zb-h1, zb-h2 "
-                             "(weight gradients W split off: F = B = W = 1)")
+                             "(weight gradients W split off: F = B = W = 1; default 1f1b)")
     parser.add_argument("--cost", choices=["uniform", "attention"], default="uniform",
-                        help="uniform unit costs, or FLOPs of causal segments")
-    parser.add_argument("--partition", choices=["uniform", "balanced"], default="balanced")
-    parser.add_argument("--seq-length", type=positive_int, default=32768)
-    parser.add_argument("--hidden-size", type=positive_int, default=4096)
-    parser.add_argument("--num-layers", type=positive_int, default=32)
-    parser.add_argument("--num-attention-heads", type=positive_int, default=32)
-    parser.add_argument("--vocab-size", type=positive_int, default=50257)
-    parser.add_argument("--png", help="draw the timeline(s) here, all on one time axis: with "
-                                      "several, one picture each (suffix _k<splits>"
-                                      "[_<schedule>]) and all of them stacked in this file")
-    parser.add_argument("--trace", help="write a Chrome trace (Perfetto) here, same suffix rule")
+                        help="uniform unit costs (default), or FLOPs of causal segments; "
+                             "--partition, --seq-length and the model's sizes are read only "
+                             "with attention, and refused with uniform costs")
+    d = ATTENTION_DEFAULTS
+    parser.add_argument("--partition", choices=["uniform", "balanced"],
+                        help=f"how segments are cut (--cost attention; default {d['partition']})")
+    parser.add_argument("--seq-length", type=positive_int, metavar="TOKENS",
+                        help=f"tokens per sample (--cost attention; default {d['seq_length']})")
+    parser.add_argument("--hidden-size", type=positive_int, metavar="H",
+                        help=f"hidden size (--cost attention; default {d['hidden_size']})")
+    parser.add_argument("--num-layers", type=positive_int, metavar="LAYERS",
+                        help=f"transformer layers (--cost attention; default {d['num_layers']})")
+    parser.add_argument("--num-attention-heads", type=positive_int, metavar="HEADS",
+                        help=f"attention heads (--cost attention; default {d['num_attention_heads']})")
+    parser.add_argument("--vocab-size", type=positive_int, metavar="V",
+                        help=f"vocabulary size (--cost attention; default {d['vocab_size']})")
+    parser.add_argument("--png", type=output_file(make_folders=True), metavar="FILE",
+                        help="draw the timeline(s) here, all on one time axis: with several, "
+                             "one picture each (suffix _k<splits>[_<schedule>]) and all of them "
+                             "stacked in this file ('.png' added where FILE has no suffix; "
+                             "default: none)")
+    parser.add_argument("--trace", type=output_file(make_folders=True), metavar="FILE",
+                        help="write a Chrome trace (Perfetto) here, same suffix rule (default: "
+                             "none)")
     return parser
+
+
+def megatron_interleaving_problem(num_stages: int, num_microbatches: int) -> str:
+    """Why Megatron-Core's own interleaved schedule would refuse ``num_microbatches`` on
+    ``num_stages`` ("" where it runs them): its check in
+    ``forward_backward_pipelining_with_interleaving`` with its default group size
+    (``microbatch_group_size_per_vp_stage`` = the pipeline size)."""
+    p, m = num_stages, num_microbatches
+    if p > m:
+        return (f"its groups of PP={p} contiguous micro-batches per virtual stage must range "
+                f"in [PP={p}, M={m}]")
+    if m % p:  # its "0 < M % N < PP" with N = PP
+        return (f"the remainder of M={m} divided by its group size {p} is {m % p}, neither 0 "
+                f"nor >= PP={p}")
+    return ""
 
 
 def _parse_args(argv=None):
@@ -183,6 +225,14 @@ def _parse_args(argv=None):
                      "chunks over pipeline stages), got --pp 1")
     if args.chunks > 1 and "zb-h2" in args.schedules:
         parser.error(f"--schedules zb-h2 with --chunks {args.chunks}: {ZB_H2_PROBLEM}")
+    given = [f"--{name.replace('_', '-')}" for name in ATTENTION_DEFAULTS
+             if getattr(args, name) is not None]
+    if args.cost == "uniform" and given:
+        parser.error(f"{', '.join(given)}: read only with --cost attention (uniform costs "
+                     "have no tokens or model); add --cost attention or drop them")
+    for name, value in ATTENTION_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.cost == "attention":
         for k in args.splits:
             if k > args.seq_length:
@@ -226,6 +276,10 @@ def main(argv=None) -> int:
     p, m, v = args.pp, args.microbatches, args.chunks
     many_splits, many_schedules = len(args.splits) > 1, len(args.schedules) > 1
     print(f"pipeline stages p={p}, micro-batches m={m}, model chunks v={v}, cost={args.cost}")
+    problem = megatron_interleaving_problem(p, m) if v > 1 else ""
+    if problem:
+        print(f"note: Megatron-Core's own interleaved schedule refuses m={m} on p={p} "
+              f"({problem}); Seq1F1B's interleaved schedule runs it, as simulated here")
     header = (f"{'schedule':<26}{'bubble':>8}{'formula':>9}{'peak units':>12}"
               f"{'peak (micro-batches)':>21}")
     print(header)
@@ -262,11 +316,11 @@ def main(argv=None) -> int:
     for k, kind, title, timeline in drawn:
         if args.png:
             out = _output_path(args.png, k, kind, many_splits, many_schedules)
-            draw.draw_png(timeline, out, title=title, time_label=time_label, x_max=x_max)
+            out = draw.draw_png(timeline, out, title=title, time_label=time_label, x_max=x_max)
             print(f"  timeline picture: {out}")
         if args.trace:
             out = _output_path(args.trace, k, kind, many_splits, many_schedules)
-            draw.write_chrome_trace(timeline, out, time_unit_us=1000.0)
+            out = draw.write_chrome_trace(timeline, out, time_unit_us=1000.0)
             print(f"  Chrome trace: {out}")
     if args.png and len(drawn) > 1:
         out = draw.draw_timelines([t for *_, t in drawn], args.png, [t for *_, t, _ in drawn],
