@@ -4,14 +4,15 @@ Output files that cannot be written are refused before any work; a calibration f
 no JSON object, or was made for another pipeline, is refused in one line; memory messages
 speak in the budget's unit and name the command line's flags; the simulator refuses the
 flags uniform costs do not read, prints the picture paths it wrote and says where
-Megatron-Core's own interleaved schedule would refuse the micro-batch count.
+Megatron-Core's own interleaved schedule would refuse the micro-batch count; a sequence of
+no tokens is refused by the library.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_seq1f1b import planner
+from megatron_seq1f1b import planner, split_sequence
 from megatron_seq1f1b.planner import rehearse
 from megatron_seq1f1b.schedules import simulate
 
@@ -117,3 +118,8 @@ def test_simulator_refuses_what_uniform_costs_ignore_and_notes_megatron_interlea
         not simulate.megatron_interleaving_problem(4, 8)
     help_text = " ".join(simulate.build_parser().format_help().split())
     assert "(default 4)" in help_text and "default 32768" in help_text
+
+
+def test_split_sequence_refuses_no_tokens():
+    with pytest.raises(ValueError, match="seq_length must be at least 1 token, got 0"):
+        split_sequence(0, 2, "uniform")

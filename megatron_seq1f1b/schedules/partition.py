@@ -329,6 +329,8 @@ def split_sequence(
     """
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive integer, got {num_splits!r}")
+    if not seq_length >= 1:
+        raise ValueError(f"seq_length must be at least 1 token, got {seq_length!r}")
     if multiple_of < 1:
         raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
     if method not in METHODS:
