@@ -19,7 +19,8 @@ patches are ``megatron_seq1f1b/megatron_lm/patches/megatron-lm/<tag>/``.
   (skipped otherwise, with the reason: run pytest with -rs).
 * Always: the applier on synthetic checkouts of every supported tag (version
   refusal with the nearest tag, the 0.19.1 alias, --force-version, usage
-  errors, apply/re-apply/revert, nothing changed when one patch conflicts),
+  errors, apply/re-apply/revert, a partly applied tree completed or reverted,
+  nothing changed when one patch conflicts or a file is missing),
   scripts/apply_patches.sh as a wrapper of it, the patches' form, and the
   shim's argument handling, validation, model preparation and batch slicing.
   tests/test_wheel.py installs a wheel into a fresh environment and patches
