@@ -143,6 +143,8 @@ REHEARSE = ENTRY_POINTS["rehearse"][1]
      "--calibration"),
     (lambda: planner.main(PLANNER + ["--tp", "3"]),
      "--num-attention-heads 8 must be a multiple of --tensor-model-parallel-size 3"),
+    (lambda: planner.main(PLANNER + ["--num-attention-heads", "3"]),
+     "--hidden-size 512 must divide by --num-attention-heads 3"),
     (lambda: planner.main(PLANNER + ["--tp", "2", "--sequence-parallel", "--multiple-of", "3"]),
      "multiple of 6 (the least common multiple of --multiple-of 3 and the layout's 2: sequence "
      "parallelism"),
@@ -163,7 +165,8 @@ REHEARSE = ENTRY_POINTS["rehearse"][1]
      "--pipeline-model-parallel-size 3"),
 ], ids=["planner-splits-sequence", "planner-splits-min-length", "planner-vpp", "planner-layers",
         "planner-gib-needs-bytes", "planner-multiple", "planner-calibration-file",
-        "planner-no-costs", "planner-tp-heads", "planner-sequence-parallel", "simulate-chunks",
+        "planner-no-costs", "planner-tp-heads", "planner-hidden-heads",
+        "planner-sequence-parallel", "simulate-chunks",
         "simulate-splits-sequence", "rehearse-stage", "rehearse-splits", "rehearse-layers",
         "benchmark-splits", "benchmark-sweep", "gpu", "gpu-long", "gpu-check", "predictions",
         "trainer"])

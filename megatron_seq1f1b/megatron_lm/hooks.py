@@ -422,15 +422,14 @@ FLAGS_PROG = "python -m megatron_seq1f1b.megatron_lm"
 
 def flags_parser() -> argparse.ArgumentParser:
     """A parser holding only the flags a patched ``pretrain_gpt.py`` adds (for their help)."""
-    parser = argparse.ArgumentParser(
-        prog=FLAGS_PROG, allow_abbrev=False,
-        description="The flags that the Seq1F1B patches add to Megatron-LM's pretrain_gpt.py "
-                    "(the same function adds them there). A patched 'pretrain_gpt.py --help' "
-                    "lists them with Megatron's own; an unpatched one stops in core_v0.18.2 "
-                    "and core_v0.19.0 on an upstream help string (a bare '%' in "
-                    "--moe-paged-stash-buffer-size-factor-cuda's help). This lists ours "
-                    "without a checkout. Given flags are parsed as pretrain_gpt.py would "
-                    "parse them.")
+    parser = argparse.ArgumentParser(  # the description's lines as written (a flag unbroken)
+        prog=FLAGS_PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The flags that the Seq1F1B patches add to Megatron-LM's pretrain_gpt.py\n"
+                    "(the same function adds them there), listed without a checkout. A patched\n"
+                    "'pretrain_gpt.py --help' lists them with Megatron's own; an unpatched one\n"
+                    "stops in core_v0.18.2 and core_v0.19.0 on a bare '%' in the help of\n"
+                    "--moe-paged-stash-buffer-size-factor-cuda (upstream). Given flags are\n"
+                    "parsed as pretrain_gpt.py would parse them.")
     return add_arguments(parser)
 
 

@@ -296,6 +296,9 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
                                                        "moe_shared_expert_intermediate_size")):
             parser.error("--moe-ffn-hidden-size / --moe-shared-expert-intermediate-size need "
                          "--num-experts")
+        if args.hidden_size % args.num_attention_heads:
+            parser.error(f"--hidden-size {args.hidden_size} must divide by "
+                         f"--num-attention-heads {args.num_attention_heads} (as in Megatron-LM)")
         if args.num_query_groups and args.num_attention_heads % args.num_query_groups:
             parser.error(f"--num-query-groups {args.num_query_groups} must divide "
                          f"--num-attention-heads {args.num_attention_heads}")
