@@ -3,7 +3,7 @@
 #
 #   scripts/apply_patches.sh MEGATRON_LM_DIR            apply (idempotent)
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --check    report only, change nothing
-#   scripts/apply_patches.sh MEGATRON_LM_DIR --revert   restore the original files
+#   scripts/apply_patches.sh MEGATRON_LM_DIR --revert   revert the applied patches
 #   ... --force-version TAG       use TAG's patches, whatever version the checkout reports
 #
 # A thin wrapper: the applier is megatron_seq1f1b/megatron_lm/patch.py (standard library
@@ -12,7 +12,7 @@
 # (pip), the same program is `python -m megatron_seq1f1b.patch` and the
 # `seq1f1b-patch` command. Options, messages and exit statuses: see that module
 # (0 done or already in the requested state; 1 patches do not apply or version
-# unsupported; 2 usage).
+# unsupported; 2 usage; 3 --check found the checkout partly patched).
 #
 # Python: $SEQ1F1B_PYTHON, else this clone's .venv, else python3 / python
 # (3.8 or newer; nothing beyond the standard library is imported).

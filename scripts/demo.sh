@@ -17,13 +17,14 @@ if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
 fi
 quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
-# The extra arguments without the --seq1f1b-* flags and their values, for Megatron's runs.
+# The extra arguments without --seq1f1b and the --seq1f1b-* flags (with their values),
+# for Megatron's runs.
 plain=()
 skip=0
 for arg in "$@"; do
     if [ "$skip" = 1 ]; then skip=0; continue; fi
     case "$arg" in
-        --seq1f1b-*=*) ;;
+        --seq1f1b|--seq1f1b-*=*) ;;
         --seq1f1b-*) skip=1 ;;
         *) plain+=("$arg") ;;
     esac

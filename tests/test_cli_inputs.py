@@ -355,15 +355,17 @@ def test_a_split_part_without_documents_is_refused_instead_of_a_hang(tmp_path, c
     data = ["--data-path", str(prefix), "--tokenizer-type", "ByteTokenizer"]
     line = _refused(lambda: arguments.parse(data), capsys)
     assert line == (f"pretrain_gpt.py: error: --data-path {prefix}: --split 98,2,0 gives the "
-                    "validation part none of its 3 document(s) (Megatron's dataset builder "
-                    "would loop forever on it); give that part weight 0 (e.g. --split 100,0,0) "
-                    "or more documents")
+                    "validation part none of its 3 sequences (documents) (Megatron's dataset "
+                    "builder would loop forever on it); give that part weight 0 (e.g. --split "
+                    "100,0,0) or more documents")
     assert arguments.parse([*data, "--split", "100,0,0"]).split == "100,0,0"
     assert arguments.parse([*data, "--split", "2,1"]).split == "2,1"  # 2 and 1 documents
+    # Megatron's own reading (spaces, leading dots); an empty test part is never asked for
+    assert arguments.parse([*data, "--split", "5, 5, .1"]).split == "5, 5, .1"
     assert _refused(lambda: arguments.parse([*data, "--split", "0,1,0"]), capsys).endswith(
         "--split 0,1,0: the training part must be > 0")
-    assert _refused(lambda: arguments.parse([*data, "--split", "1:2"]), capsys).endswith(
-        "--split '1:2': give up to three non-negative weights, e.g. 98,2,0")
+    assert _refused(lambda: arguments.parse([*data, "--split", "1,2,3,4"]), capsys).endswith(
+        "--split '1,2,3,4': give up to three non-negative weights, e.g. 98,2,0")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -388,3 +390,11 @@ def test_trainer_refuses_what_megatron_or_seq1f1b_would_fail_on_later(flags, mes
     assert _refused(lambda: arguments.parse([*base, *flags]), capsys) == \
         f"pretrain_gpt.py: error: {message}"
     assert arguments.parse([*base, "--seq1f1b", "--seq1f1b-splits", "8"]).seq1f1b_splits == 8
+
+
+def test_demo_help_answers_without_setting_up():
+    done = subprocess.run(["bash", str(SCRIPTS / "demo.sh"), "--help"], capture_output=True,
+                          text=True, timeout=30, cwd=ROOT)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "scripts/demo.sh --quick" in done.stdout and "only to Seq1F1B's" in done.stdout
+    assert "set -euo" not in done.stdout and not done.stdout.startswith("#")

@@ -87,6 +87,29 @@ def segment_multiple_problems(requested) -> list[str]:
     return []
 
 
+def attention_shape_problems(hidden_size: int, num_attention_heads: int,
+                             num_query_groups: int | None = None, tensor_parallel_size: int = 1,
+                             ffn_hidden_size: int | None = None) -> list[str]:
+    """Model sizes Megatron-LM's ``validate_args`` refuses (or its layers assert on, later and
+    with a traceback): heads that divide the hidden size, query groups that divide the heads,
+    and a tensor-parallel size that divides heads, groups and the MLP. Messages name the
+    command-line flags (the planner, the rehearsal and the trainer share them)."""
+    problems = []
+    if hidden_size % num_attention_heads:
+        problems.append(f"--hidden-size {hidden_size} must divide by --num-attention-heads "
+                        f"{num_attention_heads} (as in Megatron-LM)")
+    if num_query_groups and num_attention_heads % num_query_groups:
+        problems.append(f"--num-query-groups {num_query_groups} must divide "
+                        f"--num-attention-heads {num_attention_heads}")
+    for flag, value in (("--num-attention-heads", num_attention_heads),
+                        ("--num-query-groups", num_query_groups),
+                        ("--ffn-hidden-size", ffn_hidden_size)):
+        if value and value % tensor_parallel_size:
+            problems.append(f"{flag} {value} must be a multiple of --tensor-model-parallel-size "
+                            f"{tensor_parallel_size}: every TP rank computes as many of them")
+    return problems
+
+
 def model_config_problems(config) -> list[str]:
     """TransformerConfig options that segment-wise attention does not support (yet)."""
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731

@@ -109,7 +109,9 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
             documents=found, context_parallel_size=config.context_parallel_size or 1,
         )
     except BudgetError as exc:  # the same on every rank: all stop, none waits
-        raise ConfigError([f"--seq1f1b-splits auto: {exc}"]) from None
+        raise ConfigError([f"--seq1f1b-splits auto: "
+                           f"{exc.text({'min_segment_length': '--seq1f1b-min-segment-length'})}"]
+                          ) from None
 
 
 def _measured_documents(source, data_iterator, seq_length: int, micro_batch_size: int):

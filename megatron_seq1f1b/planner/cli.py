@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from megatron_seq1f1b.base.checks import segment_multiple
+from megatron_seq1f1b.base.checks import attention_shape_problems, segment_multiple
 from megatron_seq1f1b.base.flags import (
     ArgumentParser, OldSpelling, fraction, integer, non_negative_float, non_negative_int,
     output_file, positive_float, positive_int,
@@ -296,19 +296,10 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
                                                        "moe_shared_expert_intermediate_size")):
             parser.error("--moe-ffn-hidden-size / --moe-shared-expert-intermediate-size need "
                          "--num-experts")
-        if args.hidden_size % args.num_attention_heads:
-            parser.error(f"--hidden-size {args.hidden_size} must divide by "
-                         f"--num-attention-heads {args.num_attention_heads} (as in Megatron-LM)")
-        if args.num_query_groups and args.num_attention_heads % args.num_query_groups:
-            parser.error(f"--num-query-groups {args.num_query_groups} must divide "
-                         f"--num-attention-heads {args.num_attention_heads}")
-        tp = args.tensor_model_parallel_size
-        for flag in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
-            value = getattr(args, flag)
-            if value and value % tp:
-                parser.error(f"--{flag.replace('_', '-')} {value} must be a multiple of "
-                             f"--tensor-model-parallel-size {tp}: every TP rank computes as "
-                             "many of them")
+        for problem in attention_shape_problems(
+                args.hidden_size, args.num_attention_heads, args.num_query_groups,
+                args.tensor_model_parallel_size, args.ffn_hidden_size):
+            parser.error(problem)
     if args.gpu_memory_gib is not None and (args.hidden_size is None or not args.vocab_size):
         parser.error("--gpu-memory-gib needs the model (--hidden-size ...) and --vocab-size")
     if args.layout is not None and args.calibration is None:
@@ -631,7 +622,7 @@ def _costs_text(args: argparse.Namespace, calibration: Calibration, config,
     communication inside a stage that the FLOP costs add."""
     if args.calibration:
         source = calibration.source or "no source"
-        flops = calibration.source.startswith("FLOP cost model")
+        flops = (calibration.source or "").startswith("FLOP cost model")
         text = (f"costs: from {args.calibration}, made by the FLOP model ({source}): forward "
                 f"and backward times of a segment on each stage" if flops else
                 f"costs: measured, from {args.calibration} ({source}): fitted forward and "

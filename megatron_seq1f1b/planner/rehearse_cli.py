@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from megatron_seq1f1b.base.checks import attention_shape_problems
 from megatron_seq1f1b.base.flags import (
     ArgumentParser, non_negative_int, output_file, positive_int,
 )
@@ -179,12 +180,9 @@ def _check_rest(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Na
     if args.mtp_num_layers and args.context_parallel_size > 1:
         parser.error("--mtp-num-layers with --context-parallel-size > 1: Seq1F1B refuses MTP "
                      "with context parallelism")
-    if args.hidden_size % args.num_attention_heads:
-        parser.error(f"--hidden-size {args.hidden_size} must divide by --num-attention-heads "
-                     f"{args.num_attention_heads}")
-    if args.num_query_groups and args.num_attention_heads % args.num_query_groups:
-        parser.error(f"--num-query-groups {args.num_query_groups} must divide "
-                     f"--num-attention-heads {args.num_attention_heads}")
+    for problem in attention_shape_problems(args.hidden_size, args.num_attention_heads,
+                                            args.num_query_groups):
+        parser.error(problem)
     try:
         split_sequence(args.seq_length, args.seq1f1b_splits,
                        multiple_of=args.seq1f1b_segment_multiple or 2 * args.context_parallel_size

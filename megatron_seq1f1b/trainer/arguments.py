@@ -18,7 +18,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from megatron_seq1f1b.base.checks import segment_multiple
+from megatron_seq1f1b.base.checks import attention_shape_problems, segment_multiple
 from megatron_seq1f1b.base.flags import (
     ArgumentParser, fraction, non_negative_float, non_negative_int, positive_float,
     positive_int,
@@ -452,26 +452,12 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
 
 
 def model_shape_problems(args: argparse.Namespace) -> list[str]:
-    """Shapes Megatron-LM's ``validate_args`` (or the layers, later, with a traceback) refuses:
-    attention heads that split the hidden size and the tensor-parallel ranks, query groups that
-    split the heads, a router that picks no more experts than there are."""
-    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
-    groups = args.num_query_groups
-    problems = []
-    if args.hidden_size % heads:
-        problems.append(f"--hidden-size {args.hidden_size} must divide by "
-                        f"--num-attention-heads {heads} (as in Megatron-LM)")
-    if heads % tp:
-        problems.append(f"--num-attention-heads {heads} must divide by "
-                        f"--tensor-model-parallel-size {tp}")
-    if groups is not None and heads % groups:
-        problems.append(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
-    elif groups is not None and groups % tp:
-        problems.append(f"--num-query-groups {groups} must divide by "
-                        f"--tensor-model-parallel-size {tp}")
-    if args.ffn_hidden_size % tp:
-        problems.append(f"--ffn-hidden-size {args.ffn_hidden_size} must divide by "
-                        f"--tensor-model-parallel-size {tp}")
+    """Shapes Megatron-LM's ``validate_args`` (or the layers, later, with a traceback) refuses
+    (:func:`~megatron_seq1f1b.base.checks.attention_shape_problems`), a router that picks
+    more experts than there are, and a look-ahead window under Seq1F1B."""
+    problems = attention_shape_problems(
+        args.hidden_size, args.num_attention_heads, args.num_query_groups,
+        args.tensor_model_parallel_size, args.ffn_hidden_size)
     if args.num_experts and args.moe_router_topk > args.num_experts:
         problems.append(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts "
                         f"{args.num_experts}")

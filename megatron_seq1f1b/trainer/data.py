@@ -107,24 +107,34 @@ def data_path_problems(args) -> list[str]:
     return problems
 
 
-SPLIT_NAMES = ("training", "validation", "test")
+SPLIT_NAMES = ("training", "validation")  # the parts the trainer asks samples of
 
 
 def split_weights_problem(split: str) -> str | None:
     """Why ``--split`` is not Megatron's ``train,valid,test`` weights with a training part
-    (None: it is)."""
+    (None: it is). Read as Megatron reads it (``parse_and_normalize_split``: the numbers in
+    the text, e.g. ``969, 30, 1`` or ``.5,.5``)."""
     import re
 
-    if not re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?){0,2}", split):
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    numbers = re.findall(r"[.0-9]+", split)
+    try:
+        weights = parse_and_normalize_split(split) if 0 < len(numbers) <= 3 else None
+    except (AssertionError, ValueError, ZeroDivisionError):
+        weights = None
+    if weights is None:
         return f"--split {split!r}: give up to three non-negative weights, e.g. 98,2,0"
-    if not float(split.split(",")[0]) > 0:
+    if not weights[0] > 0:
         return f"--split {split}: the training part must be > 0"
     return None
 
 
 def _split_problem(prefix: str, split: str) -> str | None:
-    """A part of ``--split`` with weight > 0 that gets no document of `prefix`: Megatron's
-    dataset builder loops forever over its empty epochs (None: every such part gets one)."""
+    """A part of ``--split`` that the trainer asks samples of (training, validation), with
+    weight > 0 and no sequence of `prefix`: Megatron's dataset builder loops forever over its
+    empty epochs (None: every such part gets one). The test part is asked for none, and an
+    empty one is harmless."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix, parse_and_normalize_split,
     )
@@ -135,13 +145,13 @@ def _split_problem(prefix: str, split: str) -> str | None:
         head = index.read(26)
     if len(head) < 26:
         return None  # not an index: the vocabulary check says so
-    documents = int.from_bytes(head[18:26], "little")  # the index's sequence count
+    sequences = int.from_bytes(head[18:26], "little")  # what Megatron's GPT splits
     bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     for name, part in zip(SPLIT_NAMES, bounds):
-        if part is not None and round(part[1] * documents) - round(part[0] * documents) < 1:
-            return (f"--split {split} gives the {name} part none of its {documents} "
-                    f"document(s) (Megatron's dataset builder would loop forever on it); "
-                    f"give that part weight 0 (e.g. --split 100,0,0) or more documents")
+        if part is not None and round(part[1] * sequences) - round(part[0] * sequences) < 1:
+            return (f"--split {split} gives the {name} part none of its {sequences} "
+                    f"sequences (documents) (Megatron's dataset builder would loop forever "
+                    f"on it); give that part weight 0 (e.g. --split 100,0,0) or more documents")
     return None
 
 
