@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron_seq1f1b.bench import gpu_check as gc
+from megatron_seq1f1b.bench import gpu_verdicts as gv
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -122,7 +123,7 @@ def test_without_cuda_the_check_fails_in_one_line(tmp_path, monkeypatch, capsys)
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("gpu_check: FAIL: ")
     assert "CUDA" in err and "NVIDIA GPU" in err
-    report = json.loads((tmp_path / gc.SUMMARY_FILE).read_text())
+    report = json.loads((tmp_path / gv.SUMMARY_FILE).read_text())
     assert report["passed"] is False and report["checks"][0]["status"] == "fail"
 
 
@@ -138,23 +139,23 @@ def test_bad_check_options_are_refused(capsys):
 
 def test_summary_json_and_table(tmp_path):
     checks = [
-        gc.Check("seq1f1b = full: local fp32", "pass", "loss rel 1e-08", {"loss_rel_err": 1e-8}, 2.5),
-        gc.Check("seq1f1b = full: te fp32", "skip", "transformer_engine is not installed"),
-        gc.Check("trainer: seq1f1b bf16, 20 iters", "fail", "exit status 1: OOM", {}, 61.0),
+        gv.Check("seq1f1b = full: local fp32", "pass", "loss rel 1e-08", {"loss_rel_err": 1e-8}, 2.5),
+        gv.Check("seq1f1b = full: te fp32", "skip", "transformer_engine is not installed"),
+        gv.Check("trainer: seq1f1b bf16, 20 iters", "fail", "exit status 1: OOM", {}, 61.0),
     ]
     env = {"device": "NVIDIA H200", "torch": "2.9.0", "megatron_core": "0.19.2"}
-    path = gc.write_summary(tmp_path / "out", env, {"splits": 4}, checks, 70.2)
+    path = gv.write_summary(tmp_path / "out", env, {"splits": 4}, checks, 70.2)
     report = json.loads(path.read_text())
     assert path.name == "gpu_check.json"
     assert report["passed"] is False and report["counts"] == {"pass": 1, "fail": 1, "skip": 1}
     assert report["environment"]["device"] == "NVIDIA H200" and report["settings"]["splits"] == 4
     assert [c["status"] for c in report["checks"]] == ["pass", "skip", "fail"]
     assert report["checks"][0]["numbers"]["loss_rel_err"] == 1e-8
-    table = gc.format_table(checks).splitlines()
+    table = gv.format_table(checks).splitlines()
     assert len(table) == 2 + len(checks) and set(table[1]) == {"-"}
     assert table[2].split()[:6] == ["seq1f1b", "=", "full:", "local", "fp32", "PASS"]
     assert "FAIL" in table[4] and table[4].endswith("exit status 1: OOM")
-    report = json.loads(gc.write_summary(tmp_path / "out", env, {}, checks[:2], 1.0).read_text())
+    report = json.loads(gv.write_summary(tmp_path / "out", env, {}, checks[:2], 1.0).read_text())
     assert report["passed"] is True
 
 
@@ -168,31 +169,31 @@ def grads(seed: int = 0) -> dict:
 
 def test_relative_error_and_cosine():
     x = torch.tensor([1.0, -4.0, 0.0])
-    assert gc.max_relative_error(x, x) == 0.0
-    assert gc.max_relative_error(x + torch.tensor([0.0, 0.0, 4e-5]), x) == pytest.approx(1e-5)
+    assert gv.max_relative_error(x, x) == 0.0
+    assert gv.max_relative_error(x + torch.tensor([0.0, 0.0, 4e-5]), x) == pytest.approx(1e-5)
     with pytest.raises(ValueError, match="shapes differ"):
-        gc.max_relative_error(x, x[:2])
-    assert gc.cosine_similarity(x, 3 * x) == pytest.approx(1.0)
-    assert gc.cosine_similarity(x, -x) == pytest.approx(-1.0)
-    assert gc.cosine_similarity(torch.zeros(3), torch.zeros(3)) == 1.0
-    assert gc.cosine_similarity(x, torch.zeros(3)) == 0.0
+        gv.max_relative_error(x, x[:2])
+    assert gv.cosine_similarity(x, 3 * x) == pytest.approx(1.0)
+    assert gv.cosine_similarity(x, -x) == pytest.approx(-1.0)
+    assert gv.cosine_similarity(torch.zeros(3), torch.zeros(3)) == 1.0
+    assert gv.cosine_similarity(x, torch.zeros(3)) == 0.0
     ref = grads()
-    assert gc.overall_cosine(ref, {n: 2 * g for n, g in ref.items()}) == pytest.approx(1.0)
-    assert gc.overall_cosine(ref, grads(seed=1)) < 0.5
+    assert gv.overall_cosine(ref, {n: 2 * g for n, g in ref.items()}) == pytest.approx(1.0)
+    assert gv.overall_cosine(ref, grads(seed=1)) < 0.5
 
 
 def test_fp32_judge_passes_rounding_and_catches_one_wrong_gradient():
     ref = grads()
     close = {n: g * (1 + 1e-7) for n, g in ref.items()}
-    verdict = gc.judge_exact(2.0, 2.0 * (1 + 1e-7), ref, close)
+    verdict = gv.judge_exact(2.0, 2.0 * (1 + 1e-7), ref, close)
     assert verdict.status == "pass" and verdict.numbers["params_compared"] == 2
     wrong = dict(close, **{"b.bias": ref["b.bias"] * (1 + 1e-4)})
-    verdict = gc.judge_exact(2.0, 2.0, ref, wrong)
+    verdict = gv.judge_exact(2.0, 2.0, ref, wrong)
     assert verdict.status == "fail" and verdict.numbers["params_over"] == ["b.bias"]
     assert "1 of 2 gradients over rel 1e-05" in verdict.summary and "b.bias" in verdict.summary
-    assert gc.judge_exact(2.0, 2.0001, ref, close).status == "fail"  # loss rel 5e-5
-    assert gc.judge_exact(2.0, float("nan"), ref, close).status == "fail"
-    missing = gc.judge_exact(2.0, 2.0, ref, dict(close, **{"a.weight": None}))
+    assert gv.judge_exact(2.0, 2.0001, ref, close).status == "fail"  # loss rel 5e-5
+    assert gv.judge_exact(2.0, float("nan"), ref, close).status == "fail"
+    missing = gv.judge_exact(2.0, 2.0, ref, dict(close, **{"a.weight": None}))
     assert missing.status == "fail" and "a.weight: no Seq1F1B gradient" in missing.summary
 
 
@@ -201,14 +202,14 @@ def test_bf16_judge_uses_the_overall_cosine():
     gen = torch.Generator().manual_seed(5)
     noisy = {n: g + 0.01 * g.abs().mean() * torch.randn(g.shape, generator=gen)
              for n, g in ref.items()}
-    verdict = gc.judge_cosine(3.0, 3.01, ref, noisy)  # loss rel 3.3e-3, noise ~1%
+    verdict = gv.judge_cosine(3.0, 3.01, ref, noisy)  # loss rel 3.3e-3, noise ~1%
     assert verdict.status == "pass" and verdict.numbers["cosine_overall"] > 0.999
     assert "overall" in verdict.numbers["criterion"]
     other = dict(noisy, **{"a.weight": grads(seed=3)["a.weight"]})
-    verdict = gc.judge_cosine(3.0, 3.0, ref, other)
+    verdict = gv.judge_cosine(3.0, 3.0, ref, other)
     assert verdict.status == "fail" and "overall gradient cosine" in verdict.summary
     assert verdict.numbers["cosine_min_param_name"] == "a.weight"
-    assert gc.judge_cosine(3.0, 3.05, ref, noisy).status == "fail"  # loss rel 1.7e-2
+    assert gv.judge_cosine(3.0, 3.05, ref, noisy).status == "fail"  # loss rel 1.7e-2
 
 
 def test_transformer_engine_fp32_is_judged_as_tf32():
@@ -216,17 +217,17 @@ def test_transformer_engine_fp32_is_judged_as_tf32():
     ref = grads()
     gen = torch.Generator().manual_seed(9)
     tf32 = {n: g * (1 + 1e-4 * torch.randn(g.shape, generator=gen)) for n, g in ref.items()}
-    assert gc.judge_for("local", "fp32")(2.0, 2.0001, ref, tf32).status == "fail"
-    verdict = gc.judge_for("te", "fp32")(2.0, 2.0001, ref, tf32)
+    assert gv.judge_for("local", "fp32")(2.0, 2.0001, ref, tf32).status == "fail"
+    verdict = gv.judge_for("te", "fp32")(2.0, 2.0001, ref, tf32)
     assert verdict.status == "pass" and "0.9999" in verdict.numbers["criterion"]
-    assert gc.judge_for("te", "fp32")(2.0, 2.01, ref, tf32).status == "fail"  # loss rel 5e-3
-    assert gc.judge_for("local", "bf16")(2.0, 2.01, ref, tf32).status == "pass"
+    assert gv.judge_for("te", "fp32")(2.0, 2.01, ref, tf32).status == "fail"  # loss rel 5e-3
+    assert gv.judge_for("local", "bf16")(2.0, 2.01, ref, tf32).status == "pass"
 
 
 def test_memory_and_trainer_judges():
-    assert gc.judge_memory(100 * 2**20, 80 * 2**20).status == "pass"
-    assert gc.judge_memory(100 * 2**20, 151 * 2**20).status == "fail"
-    assert gc.judge_memory(0, 5).status == "fail"
+    assert gv.judge_memory(100 * 2**20, 80 * 2**20).status == "pass"
+    assert gv.judge_memory(100 * 2**20, 151 * 2**20).status == "fail"
+    assert gv.judge_memory(0, 5).status == "fail"
 
     def log(losses, tokens_per_s=1000.0):
         return {"summary": {"losses": losses, "tokens_per_s": tokens_per_s,
@@ -234,14 +235,14 @@ def test_memory_and_trainer_judges():
 
     falling = [7.0 - 0.1 * i for i in range(20)]
     megatron = log(falling, 800.0)
-    verdict = gc.judge_trainer(log(falling), 20, megatron)
+    verdict = gv.judge_trainer(log(falling), 20, megatron)
     assert verdict.status == "pass" and verdict.numbers["tokens_per_s_ratio"] == 1.25
-    assert gc.judge_trainer(log(falling[:5]), 20).status == "fail"
-    assert gc.judge_trainer(log([7.0] * 20), 20).status == "fail"
-    assert gc.judge_trainer(log(falling[:-1] + [float("nan")]), 20).status == "fail"
+    assert gv.judge_trainer(log(falling[:5]), 20).status == "fail"
+    assert gv.judge_trainer(log([7.0] * 20), 20).status == "fail"
+    assert gv.judge_trainer(log(falling[:-1] + [float("nan")]), 20).status == "fail"
     shifted = [x + 0.5 for x in falling]
-    assert gc.judge_trainer(log(shifted), 20, megatron).status == "fail"  # other first loss
-    assert gc.judge_trainer(None, 20).status == "fail"
+    assert gv.judge_trainer(log(shifted), 20, megatron).status == "fail"  # other first loss
+    assert gv.judge_trainer(None, 20).status == "fail"
 
 
 def test_a_failed_trainer_is_reported_by_its_own_error(tmp_path):
@@ -287,7 +288,7 @@ def test_the_comparison_catches_injected_errors_on_cpu(tmp_path):
          "--_device", "cpu", "--_faults", "none,grad,shift-mask"],
         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    checks = {c["name"]: c for c in json.loads((tmp_path / gc.SUMMARY_FILE).read_text())["checks"]}
+    checks = {c["name"]: c for c in json.loads((tmp_path / gv.SUMMARY_FILE).read_text())["checks"]}
     status = {name: c["status"] for name, c in checks.items()}
     assert status["process group (gloo, world size 1)"] == "pass"
     assert status["seq1f1b = full: local fp32"] == "pass", checks["seq1f1b = full: local fp32"]
