@@ -119,6 +119,17 @@ def _flag(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def window_problems(args: Any) -> list[str]:
+    """``--window-size (w, r)`` under ``--seq1f1b``: a window may look back, not ahead (the
+    patched Megatron-LM scripts and this project's trainer share the rule)."""
+    window = _flag(args, "window_size")
+    if window is None or (len(window) == 2 and window[0] >= 0 and window[1] == 0):
+        return []
+    return [f"--window-size {tuple(window)}: under --seq1f1b a window looks back w >= 0 tokens "
+            "and not ahead (a later segment's keys do not exist when an earlier one runs); use "
+            "--window-size '(w, 0)'"]
+
+
 def auto_flag_problems(args: Any) -> list[str]:
     """The flags that steer ``--seq1f1b-splits auto``: only with it, and positive."""
     problems = []
@@ -245,12 +256,7 @@ def args_problems(args: Any) -> list[str]:
             f"--experimental-attention-variant {_flag(args, 'experimental_attention_variant')!r}"
             " has no segment key/value cache; remove it"
         )
-    window = _flag(args, "window_size")
-    if window is not None and (len(window) != 2 or window[0] < 0 or window[1] != 0):
-        problems.append(
-            f"--window-size {window}: Seq1F1B's sliding window looks back w >= 0 keys and not "
-            "ahead; use --window-size (w, 0)"
-        )
+    problems += window_problems(args)
     position = _flag(args, "position_embedding_type", "learned_absolute")
     if position not in SUPPORTED_POSITIONS:
         problems.append(

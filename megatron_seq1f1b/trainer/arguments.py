@@ -24,7 +24,7 @@ from megatron_seq1f1b.base.flags import (
     positive_int,
 )
 from megatron_seq1f1b.megatron_lm.arguments import (
-    AUTO, add_arguments, auto_flag_problems, moe_flag_problems,
+    AUTO, add_arguments, auto_flag_problems, moe_flag_problems, window_problems,
 )
 from megatron_seq1f1b.planner.cli import add_recurrent_arguments, recurrent_fields
 from megatron_seq1f1b.planner.footprint import ModelShape
@@ -461,11 +461,8 @@ def model_shape_problems(args: argparse.Namespace) -> list[str]:
     if args.num_experts and args.moe_router_topk > args.num_experts:
         problems.append(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts "
                         f"{args.num_experts}")
-    window = args.window_size
-    if args.seq1f1b and window is not None and (window[0] < 0 or window[1] != 0):
-        problems.append(f"--window-size {window}: under --seq1f1b a window looks back w >= 0 "
-                        "tokens and not ahead (a later segment's keys do not exist when an "
-                        "earlier one runs); use --window-size '(w, 0)'")
+    if args.seq1f1b:
+        problems += window_problems(args)
     return problems
 
 
