@@ -166,3 +166,129 @@ def test_transport_choice(monkeypatch):
     monkeypatch.setenv(p2p.TRANSPORT_ENV, "bogus")
     with pytest.raises(ValueError, match="SEQ1F1B_P2P"):
         p2p.transport("nccl")
+
+
+def _next_step() -> Step:
+    """Rank 1's step after ``_step``: receives an activation from stage 0 and a gradient."""
+    act_in = Message(ACTIVATION, 3, 0, 0, 0, 1)
+    grad_in = Message(GRADIENT, 0, 2, 0, 2, 1)
+    return Step(sends=(), recvs=(act_in, grad_in), actions=(F(3, 0),))
+
+
+def test_gloo_posts_the_next_steps_receives_before_the_compute(monkeypatch):
+    """gloo (``early_receives``): after its own receives, a step posts the next step's (in
+    that step's order), which then posts no receive of its own, waits for those and hands
+    over their buffers; its sends are posted as before."""
+    from megatron_seq1f1b.runtime.p2p import EarlyReceives
+
+    log, batches = [], []
+    monkeypatch.setattr(dist, "P2POp", _Op)
+
+    def batch(ops):
+        batches.append([(op.op.__name__, op.peer) for op in ops])
+        return [_Pending(log, f"{op.op.__name__} {len(batches)}.{i}") for i, op in enumerate(ops)]
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
+    peers = _peers()
+    peers.early_receives = True
+    early = EarlyReceives()
+    step, ahead = _step(), _next_step()
+    buffers = []
+
+    def make(msg):
+        buffers.append(torch.zeros(1))
+        return buffers[-1]
+
+    exchange(step, 7, peers, {step.sends[0]: torch.ones(1)}, make, early=early, next_step=ahead)
+    assert batches == [[("isend", 12), ("irecv", 12)], [("irecv", 10), ("irecv", 12)]]
+    assert log == ["wait irecv 1.1"]  # the early receives are not waited for yet
+    send = Message(ACTIVATION, 3, 0, 1, 1, 2)
+    received = exchange(Step((send,), ahead.recvs, ahead.actions), 8, peers,
+                        {send: torch.ones(1)}, make, early=early, next_step=None)
+    assert batches[2:] == [[("isend", 12)]]  # its receives were posted ahead
+    assert log[1:] == ["wait irecv 2.0", "wait irecv 2.1"]
+    assert [received[m] for m in ahead.recvs] == buffers[1:3]
+    assert early.take(9) == ({}, [])
+
+
+def test_receives_are_not_posted_ahead_without_early_receives(monkeypatch):
+    """NCCL (links, or one batch on the pipeline group): each step posts its own receives."""
+    from megatron_seq1f1b.runtime.p2p import EarlyReceives
+
+    batches = []
+    monkeypatch.setattr(dist, "P2POp", _Op)
+    monkeypatch.setattr(dist, "batch_isend_irecv",
+                        lambda ops: batches.append(len(ops)) or [_Done() for _ in ops])
+    early = EarlyReceives()
+    step = _step()
+    exchange(step, 7, _peers(), {step.sends[0]: torch.ones(1)}, lambda m: torch.zeros(1),
+             early=early, next_step=_next_step())
+    assert batches == [2] and early.take(8) == ({}, [])
+
+
+def test_a_receive_posted_ahead_that_fails_names_its_own_step(monkeypatch):
+    from megatron_seq1f1b.runtime.p2p import EarlyReceives
+
+    monkeypatch.setattr(dist, "P2POp", _Op)
+    calls = []
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: calls.append(ops) or (
+        [_Done() for _ in ops] if len(calls) == 1 else [_Failed() for _ in ops]))
+    peers = _peers()
+    peers.early_receives = True
+    early = EarlyReceives()
+    step, ahead = _step(), _next_step()
+    exchange(step, 7, peers, {step.sends[0]: torch.ones(1)}, lambda m: torch.zeros(1),
+             early=early, next_step=ahead)
+    with pytest.raises(PipelineCommError, match=r"rank 11 .*at step 8 .*receive act 3\.0 0->1"):
+        exchange(ahead, 8, peers, {}, lambda m: torch.zeros(1), early=early)
+
+
+def test_only_gloo_pipelines_post_receives_ahead(monkeypatch):
+    from megatron_seq1f1b.runtime import p2p
+
+    class Group:
+        def __init__(self, backend, size=2):
+            self.backend, self._size = backend, size
+
+        def size(self):
+            return self._size
+
+        def rank(self):
+            return 0
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: group.backend)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, r: r)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(p2p, "link_groups", lambda *args: {(0, 1): "g01", (1, 0): "g10"})
+    monkeypatch.delenv(p2p.TRANSPORT_ENV, raising=False)
+
+    def build(group):
+        return p2p.Peers.build(type("Communicator", (), {"pp_group": group})(), object())
+
+    assert build(Group("gloo")).early_receives
+    assert not build(Group("gloo", size=1)).early_receives
+    assert not build(Group("nccl")).early_receives  # links
+    monkeypatch.setenv(p2p.TRANSPORT_ENV, "batch")
+    assert not build(Group("nccl")).early_receives  # one batch per step: would block sends
+
+
+def test_p2p_latency_benchmark_measures_both_ways():
+    """``python -m megatron_seq1f1b.bench.p2p_latency`` (docs/design.md's numbers) runs on two
+    gloo ranks and reports a wait for each way of posting."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from test_benchmark import ROOT, _port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           f"--master-port={_port()}", "-m", "megatron_seq1f1b.bench.p2p_latency",
+           "--trials", "3", "--compute-ms", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    found = re.findall(r"receive posted (late|early) *: wait median ([\d.]+) ms, longest "
+                       r"([\d.]+) ms", done.stdout)
+    assert [way for way, _, _ in found] == ["late", "early"], done.stdout
+    assert all(float(median) <= float(longest) for _, median, longest in found), found

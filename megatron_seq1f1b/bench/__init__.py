@@ -18,6 +18,7 @@ Data flows one way, runner -> measurements -> reports:
 * :mod:`.predict`      simulated iterations from the fits (pure, after the calibration)
 * :mod:`.summary`, :mod:`.markdown`, :mod:`.pictures`  rows, tables, charts and timelines
 * :mod:`.units`        byte units of logs and reports
+* :mod:`.p2p_latency`  a gloo receive's wait posted late or ahead (two ranks; its own CLI)
 
 One GPU (``scripts/gpu_*.sh``, one process each): :mod:`.gpu_check` (Seq1F1B equal to the
 full sequence on CUDA), :mod:`.gpu` (Megatron's schedule vs Seq1F1B per size, host and GPU

@@ -49,7 +49,7 @@ from megatron_seq1f1b.runtime.executor_setup import (  # noqa: F401 - public nam
     zero_bubble_costs,
 )
 from megatron_seq1f1b.runtime.model_hooks import chunks_of
-from megatron_seq1f1b.runtime.p2p import InFlight, Peers, PipelineCommError, exchange
+from megatron_seq1f1b.runtime.p2p import EarlyReceives, InFlight, Peers, PipelineCommError, exchange
 from megatron_seq1f1b.schedules import plan as plan_mod
 from megatron_seq1f1b.schedules.partition import split_documents
 from megatron_seq1f1b.schedules.schedule import Action
@@ -247,10 +247,13 @@ class _Pipeline:
         in_flight = InFlight(
             lambda output: deallocate_output_tensor(output, deallocate))
         sent_outputs = []
-        for index, (step, units) in enumerate(zip(self.steps, self.setup.units)):
+        early = EarlyReceives() if self.peers.early_receives else None
+        steps = self.steps
+        for index, (step, units) in enumerate(zip(steps, self.setup.units)):
             start = recorder.now() if record is not None else 0.0
-            self.inbox.update(exchange(step, index, self.peers, self.outgoing, self.make_buffer,
-                                       in_flight, sent_outputs))
+            self.inbox.update(exchange(
+                step, index, self.peers, self.outgoing, self.make_buffer, in_flight,
+                sent_outputs, early, steps[index + 1] if index + 1 < len(steps) else None))
             if record is not None and (step.sends or step.recvs):
                 recorder.wait(start, index)
             sent_outputs = []

@@ -28,6 +28,16 @@ its neighbour has not yet taken what it sent. Two transports give that:
   and the step then waits for everything (as Megatron's own schedules do),
   which the planner models with ``send_slack=0``.
 
+On gloo a step also posts the next step's receives before its compute
+(:class:`EarlyReceives`): gloo moves a message only once both ends have posted it, by a
+thread of each process, so a receive posted late waits for the sender's thread to get
+its busy core back (0.4 ms typical, several ms at worst, per message on two busy CPU
+ranks); posted a step ahead, the transfer happens during the receiver's compute. On a
+link one side only receives, in the order both ends agree on, so posting receives
+earlier, still in that order, matches the same messages. NCCL's transports do not post
+ahead: its receives are stream work the host does not wait for, and on one pipeline group
+(the batch transport) an early receive would sit in front of the next step's sends.
+
 A sent output is freed only once its send has completed. Nothing here formats
 text unless something failed.
 """
@@ -68,6 +78,7 @@ class Peers:
     sync_after_batch: bool
     links: dict[tuple[int, int], object] | None = None
     stand_in: bool = False  # a rehearsal: receives are made up, sends dropped (no group)
+    early_receives: bool = False  # post the next step's receives ahead (gloo: EarlyReceives)
 
     @classmethod
     def build(cls, p2p_communicator, config, wraparound: bool = False) -> "Peers":
@@ -85,6 +96,7 @@ class Peers:
             group=group,
             sync_after_batch=bool(getattr(config, "batch_p2p_sync", False)),
             links=links,
+            early_receives=size > 1 and links is None and not _coalesces(group),
         )
 
     @classmethod
@@ -301,10 +313,40 @@ def link_order(msg: Message) -> tuple[int, int, int]:
     return (min(msg.src, msg.dst), max(msg.src, msg.dst), msg.src)
 
 
+class EarlyReceives:
+    """The next step's receives, posted before this step's compute (gloo; module docstring).
+
+    Holds each posted message's buffer and work until its step takes them; a step's
+    receives are posted only after the previous step's, so every link keeps its order.
+    """
+
+    def __init__(self):
+        self._index = -1
+        self._buffers: dict[Message, torch.Tensor] = {}
+        self._works: list = []
+
+    def post(self, step: Step, index: int, peers: Peers,
+             make_buffer: Callable[[Message], torch.Tensor]) -> None:
+        """Post step ``index``'s receives now."""
+        buffers = {msg: make_buffer(msg) for msg in step.recvs}
+        _, works = _post(step, peers, [], buffers)
+        self._index, self._buffers, self._works = index, buffers, works
+
+    def take(self, index: int) -> tuple[dict[Message, torch.Tensor], list]:
+        """Step ``index``'s posted receives: (buffers by message, works); empty if none."""
+        if index != self._index:
+            return {}, []
+        taken = self._buffers, self._works
+        self._index, self._buffers, self._works = -1, {}, []
+        return taken
+
+
 def _post(step: Step, peers: Peers, sent: list[torch.Tensor],
           received: dict[Message, torch.Tensor]) -> tuple[list, list]:
     """Post the step's operations; (send works, receive works). With one work for the
     whole batch (NCCL batch transport) it counts as a receive work: the step waits for it."""
+    if not sent and not received:
+        return [], []
     ranks = peers.stage_to_global
     if peers.links is not None:
         links = peers.links
@@ -326,7 +368,7 @@ def _post(step: Step, peers: Peers, sent: list[torch.Tensor],
             for msg, buffer in received.items()]
     works = dist.batch_isend_irecv(ops)
     if len(works) == len(ops):
-        return works[:len(step.sends)], works[len(step.sends):]
+        return works[:len(sent)], works[len(sent):]
     return [], works
 
 
@@ -338,16 +380,24 @@ def exchange(
     make_buffer: Callable[[Message], torch.Tensor],
     in_flight: InFlight | None = None,
     release_after_send: Sequence[torch.Tensor] = (),
+    early: EarlyReceives | None = None,
+    next_step: Step | None = None,
 ) -> dict[Message, torch.Tensor]:
     """Run the step's communication; return the received tensors by message.
 
     Finishes the previous step's sends (``in_flight``) first. The step's own
     sends are left in ``in_flight`` where the transport allows it; then
-    ``release_after_send`` is released once they complete.
+    ``release_after_send`` is released once they complete. With ``early`` (where
+    ``peers.early_receives``) the receives it posted for this step are taken from it,
+    and ``next_step``'s are posted into it before returning.
     """
     in_flight = in_flight or InFlight()
     in_flight.finish(peers)
-    if peers.stand_in or (not step.sends and not step.recvs):
+    if not peers.stand_in and not step.sends and not step.recvs:
+        in_flight.release(release_after_send)
+        _post_ahead(early, peers, next_step, index + 1, make_buffer)
+        return {}
+    if peers.stand_in:
         for msg in step.sends:
             outgoing.pop(msg)
         in_flight.release(release_after_send)
@@ -357,16 +407,19 @@ def exchange(
                 buffer.normal_()
         return received
     sent = [outgoing.pop(msg) for msg in step.sends]
-    received = {msg: make_buffer(msg) for msg in step.recvs}
+    posted, early_works = early.take(index) if early is not None else ({}, [])
+    fresh = {msg: make_buffer(msg) for msg in step.recvs if msg not in posted}
+    received = {msg: posted[msg] if msg in posted else fresh[msg] for msg in step.recvs}
     try:
-        send_works, recv_works = _post(step, peers, sent, received)
-        for work in recv_works:
+        send_works, recv_works = _post(step, peers, sent, fresh)
+        for work in early_works + recv_works:
             work.wait()
     except Exception as exc:  # noqa: BLE001 - re-raised with where and what
         raise PipelineCommError(
             f"Seq1F1B: rank {peers.global_rank} (pipeline stage {peers.pp_rank}) failed at "
             f"{_describe(step, index, peers)}: {exc}"
         ) from exc
+    _post_ahead(early, peers, next_step, index + 1, make_buffer)
     if send_works:
         in_flight.hold(send_works, sent, release_after_send, step, index)
     else:
@@ -374,3 +427,16 @@ def exchange(
     if peers.sync_after_batch and peers.links is None and torch.cuda.is_available():
         torch.cuda.synchronize()  # Megatron's batch_p2p_sync, for batched NCCL p2p only
     return received
+
+
+def _post_ahead(early: EarlyReceives | None, peers: Peers, step: Step | None, index: int,
+                make_buffer: Callable[[Message], torch.Tensor]) -> None:
+    """Post step ``index``'s receives into ``early`` where the transport takes them ahead."""
+    if early is None or not peers.early_receives or step is None or not step.recvs:
+        return
+    try:
+        early.post(step, index, peers, make_buffer)
+    except Exception as exc:  # noqa: BLE001 - re-raised with where and what
+        raise PipelineCommError(
+            f"Seq1F1B: rank {peers.global_rank} (pipeline stage {peers.pp_rank}) failed to "
+            f"post the receives of {_describe(step, index, peers)} ahead: {exc}") from exc
