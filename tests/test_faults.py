@@ -61,7 +61,7 @@ def _killed_peer_worker(rank: int, port: int, results) -> None:
 
     import megatron_seq1f1b as s1
     import megatron_seq1f1b.runtime.cpu
-    from gpt import DataSpec, forward_step, init_parallel
+    from gpt import DataSpec, forward_step
     from pipeline_cases import _layout
 
     torch.set_num_threads(1)
