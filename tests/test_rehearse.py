@@ -255,3 +255,21 @@ def test_predicted_activations_follow_the_attention_path_and_the_documents(ranks
     assert 0.9 <= share <= 1.1, (share, out["rehearsal"]["lengths"])
     if documents:
         assert out["rehearsal"]["lengths"] != [48] * 4  # cut by the documents
+
+
+def test_cli_ties_embeddings_unless_told_as_megatron_lm_and_the_planner(ranks):
+    """The same model flags mean the same model for the rehearsal, the planner and the
+    trainer: embedding and output weights shared unless
+    ``--untie-embeddings-and-output-weights`` (one pipeline stage, where sharing saves a
+    copy); the planner's weights follow either way."""
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--vocab-size", "64", "--pipeline-model-parallel-size", "1",
+            "--rehearse-stage", "0", "--num-microbatches", "2", "--seq1f1b-splits", "1",
+            "--iters", "1", "--warmup", "0"]
+    (tied,) = ranks.run(1, cases.cli, case="rehearse-tied", argv=argv)
+    (untied,) = ranks.run(1, cases.cli, case="rehearse-untied",
+                          argv=argv + ["--untie-embeddings-and-output-weights"])
+    for out in (tied, untied):
+        assert out["rehearsal"]["parameter_bytes"] == out["predicted"]["weights"]
+    extra = untied["rehearsal"]["parameter_bytes"] - tied["rehearsal"]["parameter_bytes"]
+    assert extra == 4 * 64 * 32  # the output layer's own [vocab, hidden] fp32 weight

@@ -43,9 +43,11 @@ GIB = 2.0 ** 30
 
 # configuration (a) as the rehearsal CLI's flags
 MODEL_A = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
-           "--ffn-hidden-size", "8192", "--vocab-size", "50257", "--seq-length", "32768"]
+           "--ffn-hidden-size", "8192", "--vocab-size", "50257", "--seq-length", "32768",
+           "--untie-embeddings-and-output-weights"]
 TINY_A = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
-          "--ffn-hidden-size", "256", "--vocab-size", "128", "--seq-length", "256"]
+          "--ffn-hidden-size", "256", "--vocab-size", "128", "--seq-length", "256",
+          "--untie-embeddings-and-output-weights"]
 
 
 @dataclass
@@ -69,7 +71,7 @@ def model_flags(config: str, tiny: bool) -> list[str]:
              "--num-attention-heads", str(shape.num_attention_heads), "--ffn-hidden-size",
              str(shape.ffn), "--vocab-size", str(shape.vocab_size), "--seq-length",
              str(max(CONFIGS[config].seq_lengths))]
-    return flags + (["--tie-embeddings"] if shape.tied_embeddings else [])
+    return flags + ([] if shape.tied_embeddings else ["--untie-embeddings-and-output-weights"])
 
 
 def check_rows(tiny: bool) -> list[tuple[str, list[str]]]:

@@ -80,8 +80,13 @@ def build_parser() -> ArgumentParser:
     model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
                        default="rope")
-    model.add_argument("--tie-embeddings", action="store_true",
-                       help="share embedding and output weights (default: untied)")
+    ties = model.add_mutually_exclusive_group()
+    ties.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                      help="separate embedding and output weights (default: shared, as in "
+                      "Megatron-LM, the trainer and the planner)")
+    ties.add_argument("--tie-embeddings", action="store_true",
+                      help="share embedding and output weights (the default; kept for older "
+                      "commands)")
     add_recurrent_arguments(model)
     model.add_argument("--bf16", action="store_true")
     model.add_argument("--attention-backend", choices=["local", "flash"], default="local")
@@ -353,7 +358,7 @@ def prepare(args) -> tuple[list, Any, Any]:
         config, args.pipeline_model_parallel_size, args.rehearse_stage,
         vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
         num_model_chunks=_chunks_count(args), layer_spec=spec,
-        tied_embeddings=args.tie_embeddings,
+        tied_embeddings=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         hybrid_layer_pattern=args.hybrid_layer_pattern,
         hybrid_stack_spec=_hybrid_stack_spec(args))
@@ -419,7 +424,7 @@ def predicted(args, rehearsal: Rehearsal, costs=None) -> dict:
         num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
         ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
         gated_linear_unit=args.swiglu, normalization=args.normalization,
-        add_bias_linear=not args.disable_bias_linear, tied_embeddings=args.tie_embeddings,
+        add_bias_linear=not args.disable_bias_linear, tied_embeddings=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         max_sequence_length=args.seq_length, hybrid_layer_pattern=args.hybrid_layer_pattern,
         mtp_num_layers=args.mtp_num_layers or 0, num_moe_experts=args.num_experts,
