@@ -21,6 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_seq1f1b.base.flags import non_negative_float, positive_int
+
 WAYS = ("late", "early")
 
 
@@ -54,12 +56,13 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     """Run the trials under torchrun (two ranks); {way: (median, longest)} waits in ms
     (rank 1's; zeros on rank 0)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=20, help="sends per way (default 20)")
-    parser.add_argument("--compute-ms", type=float, default=20.0,
+    parser.add_argument("--trials", type=positive_int, default=20,
+                        help="sends per way (default 20)")
+    parser.add_argument("--compute-ms", type=non_negative_float, default=20.0,
                         help="the sender's compute before and after its send (default 20)")
-    parser.add_argument("--tokens", type=int, default=256,
+    parser.add_argument("--tokens", type=positive_int, default=256,
                         help="the message: [tokens, 1, hidden] fp32 (default 256)")
-    parser.add_argument("--hidden", type=int, default=256, help="(default 256)")
+    parser.add_argument("--hidden", type=positive_int, default=256, help="(default 256)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
