@@ -83,10 +83,11 @@ def test_package_import_graph_is_acyclic():
 def test_schedule_builders_depend_one_way():
     room = "megatron_seq1f1b.schedules"
     assert GRAPH[f"{room}.actions"] == set()
-    assert GRAPH[f"{room}.interleaved"] == {f"{room}.actions"}
+    assert GRAPH[f"{room}.order"] == {f"{room}.actions"}
+    assert GRAPH[f"{room}.interleaved"] == {f"{room}.actions", f"{room}.order"}
     assert GRAPH[f"{room}.zero_bubble"] == {f"{room}.actions"}
-    assert GRAPH[f"{room}.schedule"] == {f"{room}.actions", f"{room}.interleaved",
-                                         f"{room}.zero_bubble"}
+    assert GRAPH[f"{room}.schedule"] == {f"{room}.actions", f"{room}.order",
+                                         f"{room}.interleaved", f"{room}.zero_bubble"}
 
 
 # The schedules room is pure: every module in it imports alone, without Megatron-Core.

@@ -26,6 +26,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
+from megatron_seq1f1b.schedules.order import counts_of
 from megatron_seq1f1b.schedules.schedule import Action, DeadlockError, schedule_shape, splits_backward
 
 ACTIVATION = "act"
@@ -113,12 +114,14 @@ def output_message(action: Action, rank: int, topo: Topology) -> Message | None:
 Slot = tuple[Action, ...]
 
 
-def slots_of(actions: Sequence[Action], warmup: int | None = None) -> list[Slot]:
+def slots_of(actions: Sequence[Action], warmup: int | None = None,
+             unpaired: frozenset = frozenset()) -> list[Slot]:
     """Cut a rank's actions into slots.
 
     With ``warmup=None`` every action is its own slot. Otherwise the first
     ``warmup`` forwards are single slots and each later forward is paired
-    with the backward right after it (steady state); the rest are single.
+    with the backward right after it (steady state), unless that backward is in
+    ``unpaired``; the rest are single.
     """
     if warmup is None:
         return [(a,) for a in actions]
@@ -126,7 +129,7 @@ def slots_of(actions: Sequence[Action], warmup: int | None = None) -> list[Slot]
     while i < len(actions):
         action = actions[i]
         if (action.is_forward and forwards >= warmup and i + 1 < len(actions)
-                and actions[i + 1].is_backward):
+                and actions[i + 1].is_backward and actions[i + 1] not in unpaired):
             slots.append((action, actions[i + 1]))
             i += 2
         else:
@@ -253,17 +256,22 @@ def plan_steps(
     F = B = W = 1 when W is split off. The plan is deadlock-free for any
     positive costs only as far as the validator's replay says: validate it.
     """
-    num_stages, m, k, chunks = schedule_shape(schedule)
+    num_stages, _, _, chunks = schedule_shape(schedule)
     topo = Topology(num_stages, num_model_chunks or max(chunks, 1))
     split = splits_backward(schedule)
+    unpaired = None
     if warmups is None and topo.num_model_chunks > 1 and not split:
-        from megatron_seq1f1b.schedules.interleaved import warmup_forwards
+        from megatron_seq1f1b.schedules import interleaved
 
         has_backward = any(a.is_backward for rank in schedule for a in rank)
         if has_backward:
-            warmups = [warmup_forwards(num_stages, m, k, topo.num_model_chunks, r)
-                       for r in range(num_stages)]
-    slots = [slots_of(actions, None if warmups is None else warmups[rank])
+            counts = counts_of(schedule)
+            warmups = interleaved.warmups(num_stages, len(counts), counts, topo.num_model_chunks)
+            unpaired = interleaved.unpaired_backwards(num_stages, len(counts), counts,
+                                                      topo.num_model_chunks)
+    if unpaired is None:
+        unpaired = [frozenset()] * num_stages
+    slots = [slots_of(actions, None if warmups is None else warmups[rank], unpaired[rank])
              for rank, actions in enumerate(schedule)]
     if cost is None:
         slot_cost = _split_unit_cost if split else _unit_cost

@@ -12,7 +12,10 @@ values of earlier ones and so produce gradient for them. Rank ``r`` of ``p``
 warms up with ``min(p - r - 1 + k - 1, m*k)`` forwards: the last stage needs
 ``k - 1`` because its first backward (segment ``k-1`` of micro-batch 0) can
 only start after that micro-batch's last forward. ``k == 1`` is exactly
-Megatron-Core's 1F1B.
+Megatron-Core's 1F1B. Micro-batches may have different segment counts
+(variable-length micro-batches): a rank then runs extra forwards before the
+first backward of a micro-batch with more segments than the one before
+(:mod:`megatron_seq1f1b.schedules.order`).
 
 Interleaved Seq1F1B (``num_model_chunks == v > 1``) lives in
 :mod:`megatron_seq1f1b.schedules.interleaved`; :func:`build_schedule` dispatches to it.
@@ -36,18 +39,26 @@ from megatron_seq1f1b.schedules.actions import (
     W,
     format_actions,
     format_schedule,
-    one_forward_one_backward,
+    one_forward_one_backward,  # noqa: F401 - re-exported
     parse_schedule,
     schedule_shape,
     splits_backward,
 )
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM, interleaved_orders
-from megatron_seq1f1b.schedules.interleaved import warmup_forwards as interleaved_warmup
+from megatron_seq1f1b.schedules.interleaved import forwards_before_backwards as interleaved_before
+from megatron_seq1f1b.schedules.order import (
+    SegmentCounts,
+    forward_needs,
+    forwards_before,
+    interleave,
+    peak_in_flight,
+    segment_counts,
+    warmup_of,
+)
 from megatron_seq1f1b.schedules.zero_bubble import (
     VARIANTS,
-    SegmentCosts,
+    CostTable,
     build_zero_bubble,
-    plan_variant,
     segment_cost_fn,
 )
 
@@ -60,26 +71,34 @@ __all__ = [
 ]
 
 
-def forward_units(num_microbatches: int, num_splits: int) -> list[tuple[int, int]]:
+def forward_units(num_microbatches: int, num_splits: SegmentCounts) -> list[tuple[int, int]]:
     """(micro-batch, segment) in forward order."""
-    return [(mb, s) for mb in range(num_microbatches) for s in range(num_splits)]
+    counts = segment_counts(num_microbatches, num_splits)
+    return [(mb, s) for mb in range(num_microbatches) for s in range(counts[mb])]
 
 
-def backward_units(num_microbatches: int, num_splits: int) -> list[tuple[int, int]]:
+def backward_units(num_microbatches: int, num_splits: SegmentCounts) -> list[tuple[int, int]]:
     """(micro-batch, segment) in backward order: micro-batches FIFO, segments LIFO."""
-    return [(mb, s) for mb in range(num_microbatches) for s in reversed(range(num_splits))]
+    counts = segment_counts(num_microbatches, num_splits)
+    return [(mb, s) for mb in range(num_microbatches) for s in reversed(range(counts[mb]))]
 
 
-def warmup_forwards(num_stages: int, rank: int, num_microbatches: int, num_splits: int) -> int:
+def warmup_forwards(num_stages: int, rank: int, num_microbatches: int,
+                    num_splits: SegmentCounts) -> int:
     """Forwards before the first backward on `rank` (non-interleaved)."""
-    return min(num_stages - rank - 1 + num_splits - 1, num_microbatches * num_splits)
+    forwards, backwards = _orders(num_microbatches, num_splits)
+    return warmup_of(forward_needs(forwards, backwards), num_stages - rank - 1, len(forwards))
 
 
-def _check_sizes(num_stages: int, num_microbatches: int, num_splits: int, num_model_chunks: int):
+def _orders(m: int, num_splits: SegmentCounts) -> tuple[list[Action], list[Action]]:
+    return ([F(mb, s) for mb, s in forward_units(m, num_splits)],
+            [B(mb, s) for mb, s in backward_units(m, num_splits)])
+
+
+def _check_sizes(num_stages: int, num_microbatches: int, num_model_chunks: int):
     for name, value in (
         ("num_stages", num_stages),
         ("num_microbatches", num_microbatches),
-        ("num_splits", num_splits),
         ("num_model_chunks", num_model_chunks),
     ):
         if not isinstance(value, int) or value < 1:
@@ -92,37 +111,45 @@ SCHEDULES = ("1f1b",) + VARIANTS  # "1f1b": Seq1F1B itself; the others split B a
 def build_schedule(
     num_stages: int,
     num_microbatches: int,
-    num_splits: int,
+    num_splits: SegmentCounts,
     num_model_chunks: int = 1,
     *,
     forward_only: bool = False,
     schedule: str = "1f1b",
-    costs: SegmentCosts | None = None,
+    costs: CostTable | None = None,
 ) -> Schedule:
     """Per-rank action lists of Seq1F1B (interleaved when ``num_model_chunks > 1``).
 
-    ``schedule``: ``"1f1b"`` (Seq1F1B), or a zero-bubble variant (``"zb-h1"``,
-    ``"zb-h2"``: see :mod:`megatron_seq1f1b.schedules.zero_bubble`) that keeps Seq1F1B's
-    orders and adds ``W`` actions, placed for per-segment ``costs`` (F, B, W;
-    default all equal). Forward-only schedules are the same for all.
+    ``num_splits``: segments per micro-batch, one count for all or one per micro-batch
+    (variable-length micro-batches; :mod:`megatron_seq1f1b.schedules.order` says how a rank
+    orders them). ``schedule``: ``"1f1b"`` (Seq1F1B), or a zero-bubble variant
+    (``"zb-h1"``, ``"zb-h2"``: see :mod:`megatron_seq1f1b.schedules.zero_bubble`) that keeps
+    Seq1F1B's orders and adds ``W`` actions, placed for ``costs`` (F, B, W per segment, or
+    per micro-batch and segment; default all equal). Forward-only schedules are the same
+    for all.
     """
-    _check_sizes(num_stages, num_microbatches, num_splits, num_model_chunks)
+    _check_sizes(num_stages, num_microbatches, num_model_chunks)
+    counts = segment_counts(num_microbatches, num_splits)
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     if schedule == "zb-h2" and num_model_chunks > 1 and not forward_only:
         raise ValueError(ZB_H2_PROBLEM)
-    p, m, k, v = num_stages, num_microbatches, num_splits, num_model_chunks
+    p, m, v = num_stages, num_microbatches, num_model_chunks
+    extra = 1 if schedule == "zb-h2" else 0  # ZB-H2: p-r-1 more forwards ahead on rank r
     if v > 1:
-        forwards, backwards = interleaved_orders(p, m, k, v)
-        warmups = [interleaved_warmup(p, m, k, v, rank) for rank in range(p)]
+        forwards, backwards = interleaved_orders(p, m, counts, v)
+        before = interleaved_before(p, m, counts, v, lead_extra=extra)
     else:
-        forwards = [F(mb, s) for mb, s in forward_units(m, k)]
-        backwards = [B(mb, s) for mb, s in backward_units(m, k)]
-        warmups = [warmup_forwards(p, rank, m, k) for rank in range(p)]
+        forwards, backwards = _orders(m, counts)
+        needs = forward_needs(forwards, backwards)
+        before = [forwards_before(needs, (p - rank - 1) * (1 + extra), len(forwards))
+                  for rank in range(p)]
     if forward_only:
         return [list(forwards) for _ in range(p)]
+    orders = [interleave(forwards, backwards, rank_before) for rank_before in before]
     if schedule == "1f1b":
-        return [one_forward_one_backward(forwards, backwards, w) for w in warmups]
-    zb_warmups, caps = plan_variant(schedule, warmups, len(forwards))
+        return orders
+    # Every rank may hold as many units as the first stage (zero_bubble's docstring).
+    cap = peak_in_flight(before[0])
     cost = segment_cost_fn(costs) if costs is not None else None
-    return build_zero_bubble(forwards, backwards, zb_warmups, caps, v, cost)
+    return build_zero_bubble(orders, [cap] * p, v, cost)

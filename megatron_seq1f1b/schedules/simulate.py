@@ -66,7 +66,7 @@ def uniform_cost(forward: float = 1.0, backward: float = 2.0, weight: float = 1.
 
 
 def segment_cost(
-    lengths: Sequence[int],
+    lengths: Sequence[int] | Sequence[Sequence[int]],
     model: CostModel,
     backward_ratio: float = 2.0,
     num_model_chunks: int = 1,
@@ -74,23 +74,32 @@ def segment_cost(
 ) -> CostFn:
     """Cost proportional to a segment's FLOPs (linear part + causal attention).
 
-    Normalized so that the mean forward of a segment costs 1. With
-    ``split_backward`` (zero-bubble schedules) B and W get the input- and
-    weight-gradient FLOPs (:meth:`CostModel.backward_parts`), scaled so that
-    B + W = ``backward_ratio`` x forward.
+    ``lengths``: the segments of every micro-batch, or one row per micro-batch where
+    they differ (variable-length micro-batches, documents). Normalized so that the
+    mean forward of a segment costs 1. With ``split_backward`` (zero-bubble schedules)
+    B and W get the input- and weight-gradient FLOPs (:meth:`CostModel.backward_parts`),
+    scaled so that B + W = ``backward_ratio`` x forward.
     """
-    flops = model.split_costs(list(lengths))
-    mean = sum(flops) / len(flops) * num_model_chunks
-    table = {}
-    end = 0
-    for segment, (length, forward) in enumerate(zip(lengths, flops)):
-        end += length
-        input_grads, weight_grads = model.backward_parts(length, end)
-        scale = backward_ratio * forward / (input_grads + weight_grads)
-        backward = (input_grads * scale, weight_grads * scale) if split_backward \
-            else (backward_ratio * forward, 0.0)
-        table[segment] = {"F": forward / mean, "B": backward[0] / mean, "W": backward[1] / mean}
-    return lambda a, rank: table[a.segment][a.kind]
+    rows = [list(row) for row in lengths] if lengths and not isinstance(lengths[0], int) \
+        else [list(lengths)]
+    flops = [model.split_costs(row) for row in rows]
+    units = [f for row in flops for f in row]
+    mean = sum(units) / len(units) * num_model_chunks
+    tables = []
+    for row, row_flops in zip(rows, flops):
+        table, end = [], 0
+        for length, forward in zip(row, row_flops):
+            end += length
+            input_grads, weight_grads = model.backward_parts(length, end)
+            scale = backward_ratio * forward / (input_grads + weight_grads)
+            backward = (input_grads * scale, weight_grads * scale) if split_backward \
+                else (backward_ratio * forward, 0.0)
+            table.append({"F": forward / mean, "B": backward[0] / mean, "W": backward[1] / mean})
+        tables.append(table)
+    if len(tables) == 1:
+        (table,) = tables
+        return lambda a, rank: table[a.segment][a.kind]
+    return lambda a, rank: tables[a.microbatch][a.segment][a.kind]
 
 
 def peak_inflight(actions: Sequence[Action]) -> int:

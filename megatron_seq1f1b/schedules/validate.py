@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Sequence
 
+from megatron_seq1f1b.schedules.order import SegmentCounts, counts_of, segment_counts
 from megatron_seq1f1b.schedules.plan import Message, Step, plan_steps
 from megatron_seq1f1b.schedules.replay import ScheduleError, replay
 from megatron_seq1f1b.schedules.schedule import Action, schedule_shape, splits_backward
@@ -32,14 +33,17 @@ __all__ = ["ScheduleError", "validate", "check_units", "check_link_order"]
 def check_units(
     schedule: Sequence[Sequence[Action]],
     num_microbatches: int,
-    num_splits: int,
+    num_splits: SegmentCounts,
     num_model_chunks: int,
     forward_only: bool = False,
 ) -> None:
+    """Every unit once per rank, in the orders the module docstring gives (``num_splits``:
+    one count, or one per micro-batch)."""
+    counts = segment_counts(num_microbatches, num_splits)
     expected = {
         (mb, s, c)
         for mb in range(num_microbatches)
-        for s in range(num_splits)
+        for s in range(counts[mb])
         for c in range(num_model_chunks)
     }
     split = splits_backward(schedule)
@@ -55,7 +59,8 @@ def check_units(
             unit = action.unit
             if unit not in expected:
                 raise ScheduleError(f"{where}: unit outside m={num_microbatches}, "
-                                    f"k={num_splits}, v={num_model_chunks}")
+                                    f"k={counts[action.microbatch] if action.microbatch < num_microbatches else '?'}, "
+                                    f"v={num_model_chunks}")
             key = (action.microbatch, action.chunk)
             if action.is_forward:
                 if unit in forwarded:
@@ -74,7 +79,7 @@ def check_units(
                     raise ScheduleError(f"{where}: backward before its forward")
                 if unit in backwarded:
                     raise ScheduleError(f"{where}: backwarded twice")
-                want = last_backward_seg.get(key, num_splits) - 1
+                want = last_backward_seg.get(key, counts[action.microbatch]) - 1
                 if action.segment != want:
                     raise ScheduleError(
                         f"{where}: segments must be backwarded in reverse order; expected "
@@ -137,14 +142,17 @@ def check_link_order(
 def validate(
     schedule: Sequence[Sequence[Action]],
     num_microbatches: int | None = None,
-    num_splits: int | None = None,
+    num_splits: SegmentCounts | None = None,
     num_model_chunks: int | None = None,
     *,
     forward_only: bool = False,
 ) -> list[list[Step]]:
-    """Raise :class:`ScheduleError` on the first broken rule; return the step plan."""
-    _, m, k, v = schedule_shape(schedule)
-    m, k, v = num_microbatches or m, num_splits or k, num_model_chunks or v
+    """Raise :class:`ScheduleError` on the first broken rule; return the step plan.
+
+    Sizes default to what the actions show (segments per micro-batch included)."""
+    _, m, _, v = schedule_shape(schedule)
+    m, v = num_microbatches or m, num_model_chunks or v
+    k = num_splits if num_splits is not None else (counts_of(schedule) + (1,) * m)[:m]
     check_units(schedule, m, k, v, forward_only)
     steps = plan_steps(schedule, v)
     check_link_order(steps)

@@ -42,7 +42,7 @@ one executor. Pure Python; no torch.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 from megatron_seq1f1b.schedules.actions import (
     FORWARD,
@@ -50,7 +50,6 @@ from megatron_seq1f1b.schedules.actions import (
     Action,
     DeadlockError,
     Schedule,
-    one_forward_one_backward,
 )
 
 VARIANTS = ("zb-h1", "zb-h2")
@@ -83,28 +82,24 @@ def segment_cost_problems(costs: SegmentCosts, num_splits: int) -> list[str]:
     return problems
 
 
-def segment_cost_fn(costs: SegmentCosts) -> CostFn:
-    """cost(action, rank) from per-segment (F, B, W) costs, the same on every rank."""
+#: Costs that place W: (F, B, W) per segment (every micro-batch alike), or per micro-batch
+#: a row of them (micro-batches cut differently: variable lengths, documents).
+CostTable = Union[SegmentCosts, Sequence[SegmentCosts]]
+
+
+def per_microbatch(costs: CostTable) -> bool:
+    """Whether ``costs`` holds a row of segment triples per micro-batch."""
+    first = costs[0] if len(costs) else None
+    return first is not None and len(first) > 0 and isinstance(first[0], (tuple, list))
+
+
+def segment_cost_fn(costs: CostTable) -> CostFn:
+    """cost(action, rank) from (F, B, W) costs per segment (or per micro-batch and
+    segment), the same on every rank."""
     index = {FORWARD: 0, "B": 1, WEIGHT: 2}
+    if per_microbatch(costs):
+        return lambda action, rank: costs[action.microbatch][action.segment][index[action.kind]]
     return lambda action, rank: costs[action.segment][index[action.kind]]
-
-
-def plan_variant(variant: str, seq1f1b_warmups: Sequence[int],
-                 total_units: int) -> tuple[list[int], list[int]]:
-    """(warm-up forwards, most units in flight) per rank for a variant.
-
-    Every rank may hold as many units as the first stage: the first stage
-    sets the pipeline's memory high-water mark in Seq1F1B, and later stages
-    spend their spare memory on pending ``W``.
-    """
-    p = len(seq1f1b_warmups)
-    if variant == "zb-h1":
-        warmups = list(seq1f1b_warmups)
-    elif variant == "zb-h2":  # ZB-H2: p-r-1 more warm-up forwards on rank r
-        warmups = [min(w + p - r - 1, total_units) for r, w in enumerate(seq1f1b_warmups)]
-    else:
-        raise ValueError(f"unknown zero-bubble variant {variant!r}; choose one of {VARIANTS}")
-    return warmups, [min(warmups[0] + 1, total_units)] * p
 
 
 class _Rank:
@@ -135,26 +130,26 @@ class _Rank:
 
 
 def build_zero_bubble(
-    forwards: Sequence[Action],
-    backwards: Sequence[Action],
-    warmups: Sequence[int],
+    orders: Sequence[Sequence[Action]],
     caps: Sequence[int],
     num_model_chunks: int = 1,
     cost: CostFn | None = None,
 ) -> Schedule:
     """Per-rank actions: 1F1B orders with ``W`` inserted (see the module docstring).
 
-    ``forwards`` / ``backwards``: the order of units (the same on every rank);
-    ``warmups[r]``: forwards before the first backward on rank ``r``;
-    ``caps[r]``: most units in flight there. Raises :class:`DeadlockError`
+    ``orders[r]``: rank ``r``'s forwards and backwards in Seq1F1B's order (the variant's
+    warm-up); ``caps[r]``: most units in flight there. Raises :class:`DeadlockError`
     if a rank can never proceed.
     """
     cost = cost or unit_cost
-    p = len(warmups)
+    p = len(orders)
     last_stage = p * num_model_chunks - 1
-    last_segment = max(a.segment for a in forwards)
-    ranks = [_Rank(one_forward_one_backward(forwards, backwards, w), cap)
-             for w, cap in zip(warmups, caps)]
+    last_segment: dict[int, int] = {}  # per micro-batch
+    for action in orders[0]:
+        if action.kind == FORWARD:
+            last_segment[action.microbatch] = max(action.segment,
+                                                  last_segment.get(action.microbatch, 0))
+    ranks = [_Rank(order, cap) for order, cap in zip(orders, caps)]
     done: dict[tuple[Action, int], float] = {}  # (action, rank) -> end time
 
     def producer(action: Action, rank: int) -> tuple[Action, int] | None:
@@ -166,7 +161,8 @@ def build_zero_bubble(
             src = stage - 1
             return action._replace(chunk=src // p), src % p
         if stage == last_stage:  # the loss needs the micro-batch's last segment forwarded
-            return Action(FORWARD, action.microbatch, last_segment, action.chunk), rank
+            return (Action(FORWARD, action.microbatch, last_segment[action.microbatch],
+                           action.chunk), rank)
         dst = stage + 1
         return action._replace(chunk=dst // p), dst % p
 
@@ -212,4 +208,4 @@ def build_zero_bubble(
     return [state.actions for state in ranks]
 
 
-__all__ = ["VARIANTS", "build_zero_bubble", "plan_variant", "unit_cost"]
+__all__ = ["VARIANTS", "build_zero_bubble", "unit_cost", "segment_cost_fn", "CostTable"]
