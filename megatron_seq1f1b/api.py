@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 from megatron_seq1f1b.base.checks import raise_if, segment_multiple_problems
 from megatron_seq1f1b.schedules.partition import METHODS
 from megatron_seq1f1b.schedules.schedule import SCHEDULES
+from megatron_seq1f1b.schedules.variable import segment_tokens_problems
 from megatron_seq1f1b.schedules.zero_bubble import segment_cost_problems
 from megatron_seq1f1b.segments.document_plan import source_problems
 
@@ -33,6 +34,7 @@ def get_forward_backward_func(
     segment_costs: Sequence[Sequence[float]] | None = None,
     segment_multiple: int | None = None,
     documents=None,
+    segment_tokens: int | None = None,
 ) -> Callable:
     """A function with Megatron-Core's forward-backward signature that runs Seq1F1B.
 
@@ -54,6 +56,14 @@ def get_forward_backward_func(
     attention then keeps documents apart (a segment reads earlier segments' keys
     only for the document crossing into it), and ``partition="documents"`` cuts
     every micro-batch by its own documents into segments of equal cost.
+
+    ``segment_tokens``: a token budget per segment: a micro-batch of ``S`` tokens gets
+    ``ceil(S / segment_tokens)`` segments (a short one stays whole), at most ``num_splits``
+    (pass a large ``num_splits`` for no cap), cut by ``partition``. It matters most with
+    micro-batches of different lengths (Megatron's ``config.variable_seq_lengths=True``,
+    which this function accepts with any ``num_splits``: every stage learns each
+    micro-batch's length once per iteration, :mod:`megatron_seq1f1b.segments.length_plan`),
+    where it makes every unit cost about the same (:mod:`megatron_seq1f1b.schedules.variable`).
 
     Drop-in: with one segment (``num_splits=1``, the 1F1B schedule, no recorder, no documents)
     a model that :func:`~megatron_seq1f1b.enable` did not prepare (a reward model, a vision
@@ -77,6 +87,11 @@ def get_forward_backward_func(
     if segment_costs is not None and isinstance(num_splits, int):
         problems += segment_cost_problems(segment_costs, num_splits)
     problems += segment_multiple_problems(segment_multiple)
+    problems += segment_tokens_problems(segment_tokens)
+    if segment_tokens is not None and num_splits == 1:
+        problems.append("segment_tokens with num_splits=1: num_splits is the most segments a "
+                        "micro-batch gets, so nothing would be cut; pass the cap you want "
+                        "(e.g. 64)")
     problems += source_problems(documents)
     if partition == "documents" and split_lengths is None and documents is None:
         problems.append("partition 'documents' cuts each micro-batch by its documents: pass "
@@ -111,7 +126,8 @@ def get_forward_backward_func(
             first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
             p2p_communicator=p2p_communicator, pg_collection=pg_collection,
             force_all_reduce=force_all_reduce)
-        if num_splits == 1 and schedule == "1f1b" and recorder is None and documents is None:
+        if num_splits == 1 and schedule == "1f1b" and recorder is None and documents is None \
+                and segment_tokens is None:
             from megatron_seq1f1b.runtime.model_hooks import is_prepared
 
             if seq_length is None or not is_prepared(model):
@@ -122,11 +138,13 @@ def get_forward_backward_func(
         return forward_backward(
             **call, num_splits=num_splits, partition=partition, split_lengths=lengths,
             recorder=recorder, schedule=schedule, segment_costs=costs,
-            segment_multiple=segment_multiple, documents=documents)
+            segment_multiple=segment_multiple, documents=documents,
+            segment_tokens=segment_tokens)
 
     forward_backward_func.num_splits = num_splits
     forward_backward_func.partition = partition
     forward_backward_func.schedule = schedule
+    forward_backward_func.segment_tokens = segment_tokens
     forward_backward_func.__qualname__ = (
         f"seq1f1b_forward_backward[k={num_splits},{partition},{schedule}]")
     return forward_backward_func

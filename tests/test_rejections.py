@@ -93,6 +93,8 @@ API: dict[str, LocalTrigger] = {
     "api-schedule": lambda: s1.get_forward_backward_func(2, schedule="zb-h3"),
     "api-split-lengths-count": lambda: s1.get_forward_backward_func(2, split_lengths=[1, 2, 3]),
     "api-segment-multiple": lambda: s1.get_forward_backward_func(2, segment_multiple=0),
+    "api-segment-tokens": lambda: s1.get_forward_backward_func(2, segment_tokens=0),
+    "api-segment-tokens-one-split": lambda: s1.get_forward_backward_func(1, segment_tokens=8),
 }
 
 # Megatron-LM's arguments as its validate_args leaves them: GPT, TP 2 with sequence parallelism.
@@ -133,7 +135,6 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-partition-documents-without-documents": _lm(seq1f1b_partition="documents"),
     "lm-reset-attention-mask-transformer-engine": _lm(reset_attention_mask=True,
                                                       transformer_impl="transformer_engine"),
-    "lm-variable-seq-lengths": _lm(variable_seq_lengths=True),
     "lm-decoder-seq-length": _lm(decoder_seq_length=2048),
     "lm-legacy-models": _lm(use_legacy_models=True),
     "lm-moe-capacity-factor": _lm(num_experts=8, moe_expert_capacity_factor=1.0),
@@ -313,6 +314,23 @@ def _call(num_splits: int = 1, *, config: dict | None = None, schedule: str = "1
     return trigger
 
 
+def _variable_call(**kwargs: Any) -> RankTrigger:
+    """A forward-backward call of variable-length micro-batches with ``kwargs`` for
+    get_forward_backward_func."""
+    def trigger(at: Layout) -> None:
+        with _changed(at.config, variable_seq_lengths=True):
+            at.run(_unchecked_getter(2, **kwargs))
+    return trigger
+
+
+def _unchecked_getter(num_splits: int, **kwargs: Any):
+    """Seq1F1B's function with arguments the getter's own checks would refuse first (the
+    executor's checks are the ones under test)."""
+    from megatron_seq1f1b.runtime.executor import forward_backward
+
+    return partial(forward_backward, num_splits=num_splits, **kwargs)
+
+
 def _per_token_moe_before_0_19(at: Layout) -> None:
     """Per-token router losses under CP, on a megatron-core that scales them by one CP rank's
     tokens (before 0.19; the detector says so here whatever is installed)."""
@@ -479,7 +497,12 @@ ON_RANKS: dict[str, dict[str, RankTrigger]] = {
         "enable-core-attention": _unknown_core_attention,
         "executor-not-enabled": _not_enabled,
         "executor-num-microbatches": _call(num_microbatches=0),
-        "executor-variable-seq-lengths": _call(config=dict(variable_seq_lengths=True)),
+        "executor-variable-split-lengths": _call(2, config=dict(variable_seq_lengths=True),
+                                                 split_lengths=[16, 16]),
+        "executor-variable-segment-costs": _variable_call(segment_costs=[(1, 1, 1)] * 2,
+                                                          schedule="zb-h1"),
+        "executor-variable-measured": _variable_call(partition="measured",
+                                                     split_lengths=None),
         "executor-overlap-p2p-without-chunks": _call(config=dict(overlap_p2p_comm=True,
                                                                  batch_p2p_comm=False)),
         "executor-adjust-tensor-shapes": _call(adjust_tensor_shapes_fn=lambda r, s: (r, s)),

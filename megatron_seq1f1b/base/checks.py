@@ -60,9 +60,16 @@ def rounding_multiple(config, seq_length: int, num_splits: int = 1,
     default falls back to the layout's own multiple where ``seq_length`` does not divide
     into ``num_splits`` segments of whole 64-token blocks (or on CPU, where it buys nothing).
     """
+    return rounding_multiple_of(segment_multiple(config), seq_length, num_splits, requested,
+                                on_cuda)
+
+
+def rounding_multiple_of(own: int, seq_length: int, num_splits: int = 1,
+                         requested: int | None = None, on_cuda: bool | None = None) -> int:
+    """:func:`rounding_multiple` from the layout's own multiple (no config: the executor
+    rounds every variable-length micro-batch with it)."""
     import math
 
-    own = segment_multiple(config)
     if requested is not None:
         return math.lcm(int(requested), own)
     if on_cuda is None:

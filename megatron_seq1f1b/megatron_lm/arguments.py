@@ -208,11 +208,6 @@ def args_problems(args: Any) -> list[str]:
             "count per step (Megatron-LM's RL loop, not pretrain_gpt.py's packed batches); use "
             "--no-rl-use-sequence-packing"
         )
-    if _flag(args, "variable_seq_lengths", False):
-        problems.append(
-            "variable_seq_lengths is set: Seq1F1B needs every micro-batch to have "
-            "--seq-length tokens (segment shapes are fixed in advance)"
-        )
     seq_length = _flag(args, "seq_length")
     decoder_seq_length = _flag(args, "decoder_seq_length")
     if decoder_seq_length is not None and decoder_seq_length != seq_length:

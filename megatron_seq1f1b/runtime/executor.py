@@ -44,9 +44,9 @@ from megatron_seq1f1b.segments import moe, mtp
 from megatron_seq1f1b.base.checks import ConfigError
 from megatron_seq1f1b.runtime import wgrad
 from megatron_seq1f1b.runtime.executor_setup import (  # noqa: F401 - public names kept here too
-    Setup, Unit, agree_across_stages, clear_setups, device, document_cut, document_problems,
-    pipeline_steps, process_groups, rank_steps, rehearsal_groups, resolve_lengths, setup_for,
-    zero_bubble_costs,
+    Setup, StepPlan, Unit, agree_across_stages, clear_setups, device, document_cut, document_problems,
+    length_group, pipeline_steps, process_groups, rank_steps, rehearsal_groups, resolve_lengths,
+    setup_for, zero_bubble_costs,
 )
 from megatron_seq1f1b.runtime.model_hooks import chunks_of
 from megatron_seq1f1b.runtime.p2p import EarlyReceives, InFlight, Peers, PipelineCommError, exchange
@@ -55,7 +55,9 @@ from megatron_seq1f1b.schedules.partition import split_documents
 from megatron_seq1f1b.schedules.schedule import Action
 from megatron_seq1f1b.segments.cp_group import ContextParallelCommError
 from megatron_seq1f1b.segments.document_plan import gather_documents
+from megatron_seq1f1b.segments.length_plan import gather_lengths
 from megatron_seq1f1b.segments.loss import SegmentLosses
+from megatron_seq1f1b.segments.reports import MicrobatchReports
 from megatron_seq1f1b.segments.run import SegmentData, SegmentRun
 
 
@@ -69,27 +71,27 @@ _KINDS = {"F": "forward", "B": "backward", "W": "weight gradients"}
 class _Pipeline:
     """State of one forward-backward call on this rank (the configuration's part: ``setup``)."""
 
-    def __init__(self, setup: Setup, *, config, pg_collection, peers: Peers, forward_step_func,
-                 chunks, data, collect_non_loss_data, first_val_step, recorder, documents=None,
-                 microbatch_lengths=None):
-        self.setup = setup
+    def __init__(self, setup: Setup, plan: StepPlan, *, config, pg_collection, peers: Peers,
+                 forward_step_func, chunks, data, collect_non_loss_data, first_val_step,
+                 recorder, documents=None, microbatch_lengths=None):
+        self.setup, self.plan = setup, plan
         self.forward_step_func = forward_step_func
         self.chunks = chunks
         self.device = device()
         self.data = data
         self.config = config
         self.m = setup.num_microbatches
-        self.k = len(setup.lengths)
+        self.counts = plan.counts  # segments per micro-batch
         self.forward_only = setup.forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
         self.peers = peers
         self.pg_collection = pg_collection
-        self.steps = setup.steps
+        self.steps = plan.steps
         self.recorder = recorder
         cp_group = pg_collection.cp
         cp = cp_group.size() if cp_group is not None else 1
-        self.run = SegmentRun(setup.lengths, forward_only=setup.forward_only,
+        self.run = SegmentRun(setup.lengths or None, forward_only=setup.forward_only,
                               documents=documents, microbatch_lengths=microbatch_lengths,
                               cp_group=cp_group if cp > 1 else None,
                               cp_meter=getattr(recorder, "cp_bytes", None))
@@ -100,7 +102,8 @@ class _Pipeline:
             [(n // setup.divisor, setup.micro_batch_size, setup.hidden_size) for n in row]
             for row in microbatch_lengths]
         self.forward_data_store: list = []
-        self.losses = SegmentLosses(self.m, self.k, cp, config.calculate_per_token_loss,
+        self.reports = MicrobatchReports(self.microbatch_lengths, setup.micro_batch_size, cp)
+        self.losses = SegmentLosses(self.m, self.counts, cp, config.calculate_per_token_loss,
                                     self.device, cp_group if cp > 1 else None)
         self.stash: dict[tuple[int, int, int], tuple] = {}  # unit -> (input, output)
         self.outgoing: dict = {}  # message -> tensor to send in the next step
@@ -109,10 +112,10 @@ class _Pipeline:
         self.forwards_done = 0
         self.weight_grads = (wgrad.WeightGradStore(chunks, te_layers=setup.delayed_te_layers())
                              if setup.splits_backward else None)
-        self.final_grad_actions = setup.final_grad_actions
-        self.last_grad_action = setup.last_grad_action
+        self.final_grad_actions = plan.final_grad_actions
+        self.last_grad_action = plan.last_grad_action
         self.checkpoint_window = (
-            setup.first_backward + 1
+            plan.first_backward + 1
             if config.num_microbatches_with_partial_activation_checkpoints is not None
             and not self.forward_only else None)
         self.grad_sync_funcs = self._grad_sync_funcs()
@@ -177,7 +180,8 @@ class _Pipeline:
         with self.run.forward(action.microbatch, action.segment, action.chunk), self.autocast():
             output, loss_func = self.forward_step_func(*args)
         self.forwards_done += 1
-        if action.segment == self.k - 1 and self.data[action.chunk] is not None:
+        if action.segment == self.counts[action.microbatch] - 1 \
+                and self.data[action.chunk] is not None:
             self.data[action.chunk].release(action.microbatch)
         if unit.last_stage:
             output = self._loss(action, output, loss_func)
@@ -186,16 +190,27 @@ class _Pipeline:
         return output
 
     def _loss(self, action: Action, output, loss_func):
-        """Last stage: keep the loss for backward, store the report (Megatron's cases)."""
+        """Last stage: keep the loss for backward, store the report per micro-batch."""
         if loss_func is None:
-            self.forward_data_store.append(output)
+            self._store(action, output, free_form=True)
             return output
         if self.collect_non_loss_data:
-            self.forward_data_store.append(loss_func(output, non_loss_data=True))
+            self._store(action, loss_func(output, non_loss_data=True), free_form=True)
             return output
-        loss, report = self.losses.record(action, loss_func(output))
-        self.forward_data_store.append(report)
+        result = loss_func(output)
+        if self.forward_only:  # nothing to backpropagate: the loss is not kept
+            loss, report = result[0], result[-1]
+        else:
+            loss, report = self.losses.record(action, result)
+        self._store(action, report, mean_form=len(result) == 2)
         return loss
+
+    def _store(self, action: Action, value, mean_form: bool = False,
+               free_form: bool = False) -> None:
+        entry = self.reports.add(action.microbatch, action.segment, action.chunk, value,
+                                 mean_form=mean_form, free_form=free_form)
+        if entry is not None:
+            self.forward_data_store.append(entry)
 
     def backward(self, unit: Unit, input_tensor, output_tensor, output_grad):
         """Megatron's backward step (input gradients only when the schedule splits off W)."""
@@ -249,7 +264,7 @@ class _Pipeline:
         sent_outputs = []
         early = EarlyReceives() if self.peers.early_receives else None
         steps = self.steps
-        for index, (step, units) in enumerate(zip(steps, self.setup.units)):
+        for index, (step, units) in enumerate(zip(steps, self.plan.units)):
             start = recorder.now() if record is not None else 0.0
             self.inbox.update(exchange(
                 step, index, self.peers, self.outgoing, self.make_buffer, in_flight,
@@ -341,6 +356,7 @@ def forward_backward(
     segment_multiple: int | None = None,
     rehearse: tuple | None = None,
     documents=None,
+    segment_tokens: int | None = None,
 ) -> list:
     """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options).
 
@@ -352,6 +368,11 @@ def forward_backward(
     ``documents``: where each micro-batch's packed documents are
     (:data:`~megatron_seq1f1b.segments.document_plan.DocumentSource`); read on the first
     stage and sent to every rank before the iteration (:mod:`megatron_seq1f1b.segments.document_plan`).
+    ``segment_tokens``: a token budget per segment (:mod:`megatron_seq1f1b.schedules.variable`;
+    ``num_splits`` is then the most segments a micro-batch gets). With
+    ``config.variable_seq_lengths`` every micro-batch has its own length: ``seq_length``
+    is ignored (as Megatron ignores it), the stages agree on the lengths once per
+    iteration (:mod:`megatron_seq1f1b.segments.length_plan`) and cut each micro-batch by its own.
     """
     from megatron.core.pipeline_parallel.schedules import (
         clear_embedding_activation_buffer,
@@ -363,35 +384,44 @@ def forward_backward(
     chunks = chunks_of(model)
     iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
     config = get_model_config(chunks[0])
+    variable = bool(getattr(config, "variable_seq_lengths", False))
     if rehearse is None:
         p2p_communicator, pg_collection = process_groups(config, p2p_communicator,
                                                           pg_collection)
         peers = Peers.build(p2p_communicator, config, wraparound=len(chunks) > 1)
     else:
         pg_collection, peers = rehearsal_groups(config, *rehearse)
+    sequence = decoder_seq_length if decoder_seq_length is not None else seq_length
     setup = setup_for(
         chunks, config, iterators, pg_collection, peers,
-        num_microbatches=num_microbatches,
-        seq_length=decoder_seq_length if decoder_seq_length is not None else seq_length,
+        num_microbatches=num_microbatches, seq_length=None if variable else sequence,
         micro_batch_size=micro_batch_size, forward_only=forward_only, num_splits=num_splits,
         partition=partition, split_lengths=None if split_lengths is None else tuple(split_lengths),
         schedule=schedule, segment_costs=segment_costs,
         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, segment_multiple=segment_multiple,
-        documents=documents)
+        documents=documents, segment_tokens=segment_tokens, variable=variable)
     here = device()
     data = [SegmentData(it, here) if it is not None else None for it in iterators]
-    found, microbatch_lengths = None, None
+    found, microbatch_lengths, plan = None, None, setup.plan
+    seq_lengths = None
+    if variable:
+        seq_lengths = gather_lengths(
+            data, num_microbatches, None if rehearse is not None else length_group(pg_collection),
+            peers.pp_rank, here)
     if setup.documents is not None:
         found = gather_documents(
             setup.documents, data[0], num_microbatches,
-            decoder_seq_length if decoder_seq_length is not None else seq_length,
+            seq_lengths if seq_lengths is not None else sequence,
             micro_batch_size, pg_collection, peers.pp_rank, rehearsal=rehearse is not None)
-        if setup.document_costs is not None:
-            microbatch_lengths = [
-                split_documents(docs, len(setup.lengths), setup.document_costs,
-                                multiple_of=setup.document_multiple) for docs in found]
+    if variable:
+        microbatch_lengths = setup.cut(seq_lengths, found)
+        plan = setup.plan_for(microbatch_lengths)
+    elif setup.document_costs is not None:
+        microbatch_lengths = [
+            split_documents(docs, len(setup.lengths), setup.document_costs,
+                            multiple_of=setup.document_multiple) for docs in found]
     pipeline = _Pipeline(
-        setup, config=config, pg_collection=pg_collection, peers=peers,
+        setup, plan, config=config, pg_collection=pg_collection, peers=peers,
         forward_step_func=forward_step_func, chunks=chunks, data=data,
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
         recorder=recorder, documents=found, microbatch_lengths=microbatch_lengths,

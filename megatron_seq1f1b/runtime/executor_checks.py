@@ -17,7 +17,8 @@ from megatron_seq1f1b.segments import mtp
 
 def executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
                       seq_length, pp_size, adjust_tensor_shapes_fn, model_enabled) -> list[str]:
-    """Everything wrong with a forward-backward call, found before any communication."""
+    """Everything wrong with a forward-backward call, found before any communication
+    (``lengths`` None: variable-length micro-batches, whose cuts are checked per iteration)."""
     problems = []
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         problems.append(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
@@ -26,11 +27,6 @@ def executor_problems(chunks, iterators, config, num_microbatches, num_splits, l
                         "data_iterator as a list with one iterator per chunk")
     if len(chunks) > 1 and pp_size < 2:
         problems.append("model chunks (virtual pipeline) need pipeline_model_parallel_size >= 2")
-    if getattr(config, "variable_seq_lengths", False):
-        problems.append(
-            "variable_seq_lengths=True: Seq1F1B knows every segment's shape in advance and "
-            "exchanges no shapes; set it to False"
-        )
     if getattr(config, "overlap_p2p_comm", False) and len(chunks) == 1:
         problems.append("overlap_p2p_comm needs model chunks (as in Megatron); set it to False")
     if getattr(config, "overlap_p2p_comm", False) and getattr(config, "batch_p2p_comm", False):
@@ -55,5 +51,6 @@ def executor_problems(chunks, iterators, config, num_microbatches, num_splits, l
                 "the model is not prepared for segments: call megatron_seq1f1b.enable(model) "
                 "after building it"
             )
-    problems += segment_length_problems(lengths, seq_length, config)
+    if lengths is not None:  # None: variable-length micro-batches, cut every iteration
+        problems += segment_length_problems(lengths, seq_length, config)
     return sorted(set(problems), key=problems.index)

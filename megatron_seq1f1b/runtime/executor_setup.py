@@ -25,12 +25,12 @@ import hashlib
 import itertools
 import math
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from megatron_seq1f1b.base.checks import (
-    raise_if, rounding_multiple, segment_multiple_problems,
+    raise_if, rounding_multiple, rounding_multiple_of, segment_multiple_problems,
 )
 from megatron_seq1f1b.base.checks import segment_multiple as segment_multiple_of
 from megatron_seq1f1b.runtime import te_wgrad, wgrad
@@ -40,9 +40,12 @@ from megatron_seq1f1b.runtime.model_hooks import (
 )
 from megatron_seq1f1b.runtime.p2p import Peers
 from megatron_seq1f1b.schedules import plan as plan_mod
-from megatron_seq1f1b.schedules.partition import METHODS, CostModel, split_sequence
+from megatron_seq1f1b.schedules.partition import METHODS, CostModel, split_documents, split_sequence
+from megatron_seq1f1b.schedules.variable import (
+    cut_microbatch, length_problems, segment_count, segment_tokens_problems,
+)
 from megatron_seq1f1b.schedules.replay import replay
-from megatron_seq1f1b.schedules.schedule import SCHEDULES, Action, build_schedule, splits_backward
+from megatron_seq1f1b.schedules.schedule import SCHEDULES, Action, build_schedule
 from megatron_seq1f1b.schedules.validate import check_link_order
 from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn, segment_cost_problems
 from megatron_seq1f1b.segments.cp_group import StandInGroup, is_stand_in
@@ -160,9 +163,25 @@ def process_groups(config, p2p_communicator, pg_collection):
         pg_collection.dp = parallel_state.get_data_parallel_group(
             with_context_parallel=False, partial_data_parallel=False
         )
+        # the stages of variable-length micro-batches agree on their lengths over it
+        pg_collection.mp = parallel_state.get_model_parallel_group(check_initialized=False)
     if p2p_communicator is None:
         p2p_communicator = P2PCommunicator(pp_group=pg_collection.pp, config=config)
     return p2p_communicator, pg_collection
+
+
+def length_group(pg_collection):
+    """The ranks that agree on variable micro-batch lengths: this replica's tensor- and
+    pipeline-parallel ranks (:mod:`megatron_seq1f1b.segments.length_plan`)."""
+    group = getattr(pg_collection, "mp", None)
+    if group is not None:
+        return group
+    tp = pg_collection.tp
+    if tp is None or tp.size() == 1:
+        return pg_collection.pp
+    raise_if(["variable_seq_lengths with tensor parallelism and a pg_collection without 'mp' "
+              "(the tensor- and pipeline-parallel group): set pg_collection.mp, over which the "
+              "stages agree on every micro-batch's length"])
 
 
 class Facts(NamedTuple):
@@ -227,9 +246,10 @@ def agree_across_stages(pp_group, facts: Facts) -> bool:
 def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
                 micro_batch_size, forward_only, num_splits, partition, split_lengths, schedule,
                 segment_costs, adjust_tensor_shapes_fn, segment_multiple=None,
-                documents=None) -> Facts:
+                documents=None, segment_tokens=None, variable=False) -> Facts:
     """Check the call's arguments and fingerprint what the setup is computed from (no
-    communication: it runs before the stages agree)."""
+    communication: it runs before the stages agree). ``variable``: micro-batches of
+    different lengths (``config.variable_seq_lengths``; ``seq_length`` is then None)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     del adjust_tensor_shapes_fn  # checked with the setup
@@ -243,6 +263,9 @@ def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
         raise_if(segment_cost_problems(segment_costs, num_splits))
         segment_costs = tuple(tuple(float(x) for x in row) for row in segment_costs)
     raise_if(segment_multiple_problems(segment_multiple))
+    raise_if(segment_tokens_problems(segment_tokens))
+    if variable:
+        raise_if(variable_problems(split_lengths, segment_costs, partition))
     raise_if(document_problems(documents, partition, split_lengths, micro_batch_size))
     if documents == "cu_seqlens" and (getattr(config, "context_parallel_size", 1) or 1) > 1:
         raise_if(["packed (THD) documents with context parallelism are not supported (each "
@@ -259,26 +282,48 @@ def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
     except RuntimeError:
         vocab_size = None
     costs = CostModel.from_config(config, vocab_size, pattern=layer_pattern(chunks))
-    multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
+    multiple = (rounding_multiple(config, seq_length, num_splits, segment_multiple) if not variable
+                else _document_multiple(config, segment_multiple))  # each micro-batch rounds alone
     document_multiple = _document_multiple(config, segment_multiple)
     cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     split_lengths = None if split_lengths is None else tuple(int(n) for n in split_lengths)
     rest = repr((partition, split_lengths, schedule, segment_costs, _named(documents), multiple,
                  document_multiple, dataclasses.astuple(costs), micro_batch_size,
-                 config.hidden_size, cp * tp)).encode()
+                 config.hidden_size, cp * tp, segment_tokens, bool(variable))).encode()
     shared = (_number(num_microbatches), num_splits, len(chunks), int(bool(forward_only)),
               _number(seq_length), int.from_bytes(hashlib.sha256(rest).digest()[:7], "big"))
     cut_reads = num_splits > 1 and split_lengths is None and partition in ("balanced", "documents")
+    described = (f"m={num_microbatches}, num_splits={num_splits}, partition={partition!r}, "
+                 f"split_lengths={None if split_lengths is None else list(split_lengths)}, "
+                 f"segment_multiple={segment_multiple}, schedule={schedule}")
+    if segment_tokens is not None or variable:
+        described += f", segment_tokens={segment_tokens}, variable_seq_lengths={bool(variable)}"
     return Facts(
         shared=shared, attention=attention_kind(chunks),
         reads_attention=cut_reads or (schedule != "1f1b" and not forward_only
                                       and segment_costs is None),
         costs=costs, multiple=multiple, document_multiple=document_multiple,
-        described=(f"m={num_microbatches}, num_splits={num_splits}, partition={partition!r}, "
-                   f"split_lengths={None if split_lengths is None else list(split_lengths)}, "
-                   f"segment_multiple={segment_multiple}, schedule={schedule}"),
+        described=described,
     )
+
+
+def variable_problems(split_lengths, segment_costs, partition: str) -> list[str]:
+    """What variable-length micro-batches cannot take: one cut or one cost row for all."""
+    problems = []
+    if split_lengths is not None:
+        problems.append("split_lengths fixes one cut for every micro-batch; with "
+                        "variable_seq_lengths each micro-batch is cut by its own length: use "
+                        "num_splits or segment_tokens with a partition")
+    if segment_costs is not None:
+        problems.append("segment_costs are one (F, B, W) row for every micro-batch; with "
+                        "variable_seq_lengths the zero-bubble schedule places W by each "
+                        "micro-batch's FLOPs: leave segment_costs out")
+    if partition == "measured":
+        problems.append("partition 'measured' cuts with calibrated costs the executor does not "
+                        "have; with variable_seq_lengths use 'balanced', 'uniform' or "
+                        "'documents'")
+    return problems
 
 
 def _named(documents):
@@ -311,22 +356,58 @@ class Unit(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """This rank's steps for one set of segment counts (:func:`step_plan`)."""
+
+    counts: tuple[int, ...]  # segments per micro-batch
+    steps: tuple[plan_mod.Step, ...]
+    units: tuple[tuple[Unit, ...], ...]  # per step
+    final_grad_actions: frozenset
+    last_grad_action: dict
+    first_backward: int  # index of this rank's first backward action (or the action count)
+
+
+@functools.lru_cache(maxsize=64)
+def step_plan(pp_size: int, pp_rank: int, num_microbatches: int, counts: tuple[int, ...],
+              num_chunks: int, forward_only: bool, schedule: str = "1f1b",
+              costs: tuple | None = None) -> StepPlan:
+    """This rank's steps, units and grad-sync actions for ``counts`` segments per micro-batch
+    (a pure function of its arguments; cached, so variable-length iterations with the same
+    counts reuse it)."""
+    steps = rank_steps(pp_size, num_microbatches, counts if len(set(counts)) > 1 else counts[0],
+                       num_chunks, forward_only, pp_rank, schedule, costs)
+    topology = plan_mod.Topology(pp_size, num_chunks)
+    last_virtual = topology.last_virtual_stage
+    units = tuple(
+        tuple(Unit(a, plan_mod.input_message(a, pp_rank, topology),
+                   plan_mod.output_message(a, pp_rank, topology),
+                   topology.virtual_stage(pp_rank, a.chunk) == last_virtual)
+              for a in step.actions)
+        for step in steps)
+    actions = [a for step in steps for a in step.actions]
+    final, last = _final_grad_actions(actions)
+    return StepPlan(
+        counts=counts, steps=tuple(steps), units=units, final_grad_actions=frozenset(final),
+        last_grad_action=last,
+        first_backward=next((i for i, a in enumerate(actions) if a.is_backward), len(actions)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Setup:
     """What one configuration computes once (see the module docstring).
 
     It holds no model, config or process group (it must not keep them alive once the user
     drops them); the process groups are looked up per call, which costs microseconds.
+    With fixed-length micro-batches ``plan`` holds the steps; with variable lengths
+    (``variable``) each iteration cuts its micro-batches (:meth:`cut`) and takes the
+    plan of their segment counts (:meth:`plan_for`).
     """
 
-    lengths: tuple[int, ...]
+    lengths: tuple[int, ...]  # the segments of every micro-batch (fixed lengths), else ()
     num_microbatches: int
     forward_only: bool
-    steps: tuple[plan_mod.Step, ...]
-    units: tuple[tuple[Unit, ...], ...]  # per step
+    plan: StepPlan | None  # fixed lengths; None with variable lengths
     shapes: tuple[tuple[int, int, int], ...]  # per segment: [tokens on this rank, b, h]
-    final_grad_actions: frozenset
-    last_grad_action: dict
-    first_backward: int  # index of this rank's first backward action (or the action count)
     splits_backward: bool
     te_layers: tuple  # per chunk, weak references to TE layers with delayed weight gradients
     # Packed documents (plan data read every iteration), and with the ``documents`` partition
@@ -337,9 +418,55 @@ class Setup:
     divisor: int = 1  # a segment's tokens over this rank's share of them (CP x SP)
     micro_batch_size: int = 1
     hidden_size: int = 0
+    # Variable-length micro-batches (``config.variable_seq_lengths``): how each is cut.
+    variable: bool = False
+    num_splits: int = 1  # segments per micro-batch; with segment_tokens the most
+    segment_tokens: int | None = None
+    partition: str = "uniform"
+    cut_costs: CostModel | None = None  # the balanced partition's and zero-bubble's FLOPs
+    own_multiple: int = 1  # the layout's (segment_multiple); cuts round to it or more
+    requested_multiple: int | None = None
+    on_cuda: bool = False
+    pp_size: int = 1
+    pp_rank: int = 0
+    num_chunks: int = 1
+    schedule: str = "1f1b"
 
     def delayed_te_layers(self) -> list:
         return [[(name, ref()) for name, ref in chunk] for chunk in self.te_layers]
+
+    def cut(self, seq_lengths: Sequence[int], documents=None) -> tuple[tuple[int, ...], ...]:
+        """Variable lengths: every micro-batch's segment lengths (uniform, balanced, or by
+        its ``documents``), the same function of the same lengths on every rank."""
+        raise_if(length_problems(seq_lengths, self.own_multiple))
+        rows = []
+        for index, length in enumerate(seq_lengths):
+            by_documents = self.document_costs is not None
+            own = self.document_multiple if by_documents else self.own_multiple
+            count = segment_count(length, self.num_splits, self.segment_tokens, own)
+            try:
+                if by_documents:
+                    rows.append(tuple(split_documents(documents[index], count,
+                                                      self.document_costs, multiple_of=own)))
+                    continue
+                multiple = rounding_multiple_of(own, length, count, self.requested_multiple,
+                                                self.on_cuda)
+                rows.append(cut_microbatch(length, count, self.partition, self.cut_costs,
+                                           multiple))
+            except ValueError as exc:
+                raise_if([f"variable-length micro-batches: micro-batch {index} ({length} "
+                          f"tokens) cannot be cut: {exc}"])
+        return tuple(rows)
+
+    def plan_for(self, rows: Sequence[Sequence[int]]) -> StepPlan:
+        """Variable lengths: the steps for these segment lengths (cached by their counts, and
+        by the lengths where a zero-bubble schedule places W by their FLOPs)."""
+        counts = tuple(len(row) for row in rows)
+        costs = None
+        if self.splits_backward:
+            costs = tuple(flop_costs(row, self.cut_costs) for row in rows)
+        return step_plan(self.pp_size, self.pp_rank, self.num_microbatches, counts,
+                         self.num_chunks, self.forward_only, self.schedule, costs)
 
 
 _SETUPS: "collections.OrderedDict[tuple, Setup]" = collections.OrderedDict()
@@ -369,6 +496,7 @@ def clear_setups() -> None:
     """
     _SETUPS.clear()
     _FACTS.clear()
+    step_plan.cache_clear()
 
 
 def _cached(cache: collections.OrderedDict, key):
@@ -426,27 +554,32 @@ def setup_for(chunks, config, iterators, pg_collection, peers: Peers, **argument
 def build_setup(chunks, config, iterators, pg_collection, peers, facts: Facts, dense: bool, *,
                 num_microbatches, seq_length, micro_batch_size, forward_only, num_splits,
                 partition, split_lengths, schedule, segment_costs, adjust_tensor_shapes_fn,
-                segment_multiple=None, documents=None) -> Setup:
+                segment_multiple=None, documents=None, segment_tokens=None,
+                variable=False) -> Setup:
     """Check the configuration (all problems at once) and derive this rank's steps from the
     agreed facts (``dense``: the stages' attention computes masked scores too)."""
     pp_size, pp_rank = peers.pp_size, peers.pp_rank
     by_documents = partition == "documents" and split_lengths is None
     flops = dataclasses.replace(facts.costs, dense_attention=dense)
-    try:
-        # The documents partition cuts each micro-batch by its own documents; its nominal
-        # lengths (uniform) stand for it where one set is needed (checks, zero-bubble costs).
-        lengths = cut_lengths(num_splits, "uniform" if by_documents else partition,
-                              split_lengths, seq_length, flops, facts.multiple)
-    except ValueError as exc:
-        raise_if([f"num_splits={num_splits} with seq_length={seq_length}: {exc}"])
-    if len(lengths) != num_splits:
-        raise_if([f"split_lengths has {len(lengths)} entries but num_splits is {num_splits}"])
-    if segment_multiple is not None and any(n % facts.multiple for n in lengths):
-        raise_if([f"split_lengths {list(lengths)} are not all multiples of segment_multiple="
-                  f"{segment_multiple} (with the layout's own multiple: {facts.multiple})"])
-    raise_if(executor_problems(chunks, iterators, config, num_microbatches, num_splits, lengths,
-                               seq_length, pp_size, adjust_tensor_shapes_fn,
-                               num_splits == 1 or is_enabled(chunks)))
+    lengths: list[int] = []
+    if not variable:
+        if segment_tokens is not None:  # every micro-batch has seq_length tokens
+            num_splits = segment_count(seq_length, num_splits, segment_tokens, facts.multiple)
+        try:
+            # The documents partition cuts each micro-batch by its own documents; its nominal
+            # lengths (uniform) stand for it where one set is needed (checks, zero-bubble costs).
+            lengths = cut_lengths(num_splits, "uniform" if by_documents else partition,
+                                  split_lengths, seq_length, flops, facts.multiple)
+        except ValueError as exc:
+            raise_if([f"num_splits={num_splits} with seq_length={seq_length}: {exc}"])
+        if len(lengths) != num_splits:
+            raise_if([f"split_lengths has {len(lengths)} entries but num_splits is {num_splits}"])
+        if segment_multiple is not None and any(n % facts.multiple for n in lengths):
+            raise_if([f"split_lengths {list(lengths)} are not all multiples of segment_multiple="
+                      f"{segment_multiple} (with the layout's own multiple: {facts.multiple})"])
+    raise_if(executor_problems(chunks, iterators, config, num_microbatches, num_splits,
+                               None if variable else lengths, seq_length, pp_size,
+                               adjust_tensor_shapes_fn, num_splits == 1 or is_enabled(chunks)))
     if len(chunks) > 1:
         from megatron_seq1f1b.schedules.interleaved import interleaved_problems
 
@@ -458,26 +591,18 @@ def build_setup(chunks, config, iterators, pg_collection, peers, facts: Facts, d
     elif not forward_only:
         raise_if(wgrad.without_w_problems(chunks))
 
-    costs = None
-    if schedule != "1f1b" and not forward_only:
-        # the planner's measured costs place W as it predicted; else this model's FLOPs
-        costs = (tuple(tuple(float(x) for x in row) for row in segment_costs)
-                 if segment_costs is not None else flop_costs(lengths, flops))
-    steps = rank_steps(pp_size, num_microbatches, num_splits, len(chunks), forward_only, pp_rank,
-                       schedule, costs)
-    topology = plan_mod.Topology(pp_size, len(chunks))
-    last_virtual = topology.last_virtual_stage
-    units = tuple(
-        tuple(Unit(a, plan_mod.input_message(a, pp_rank, topology),
-                    plan_mod.output_message(a, pp_rank, topology),
-                    topology.virtual_stage(pp_rank, a.chunk) == last_virtual)
-              for a in step.actions)
-        for step in steps)
-    actions = [a for step in steps for a in step.actions]
-    final, last = _final_grad_actions(actions)
+    plan = None
+    if not variable:
+        costs = None
+        if schedule != "1f1b" and not forward_only:
+            # the planner's measured costs place W as it predicted; else this model's FLOPs
+            costs = (tuple(tuple(float(x) for x in row) for row in segment_costs)
+                     if segment_costs is not None else flop_costs(lengths, flops))
+        plan = step_plan(pp_size, pp_rank, num_microbatches, (num_splits,) * num_microbatches,
+                         len(chunks), forward_only, schedule, costs)
     cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    split = splits_backward([actions])
+    split = schedule != "1f1b" and not forward_only
     te_layers = tuple(tuple((name, weakref.ref(layer)) for name, layer in chunk)
                       for chunk in te_wgrad.delayed_layers(chunks)) if split else ()
     return Setup(
@@ -485,11 +610,13 @@ def build_setup(chunks, config, iterators, pg_collection, peers, facts: Facts, d
         document_multiple=facts.document_multiple, divisor=cp * tp,
         micro_batch_size=micro_batch_size, hidden_size=config.hidden_size,
         lengths=tuple(lengths), num_microbatches=num_microbatches, forward_only=forward_only,
-        steps=tuple(steps), units=units,
+        plan=plan,
         shapes=tuple((n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths),
-        final_grad_actions=frozenset(final), last_grad_action=last,
-        first_backward=next((i for i, a in enumerate(actions) if a.is_backward), len(actions)),
         splits_backward=split, te_layers=te_layers,
+        variable=variable, num_splits=num_splits, segment_tokens=segment_tokens,
+        partition=partition, cut_costs=flops, own_multiple=facts.multiple,
+        requested_multiple=segment_multiple, on_cuda=torch.cuda.is_available(),
+        pp_size=pp_size, pp_rank=pp_rank, num_chunks=len(chunks), schedule=schedule,
     )
 
 

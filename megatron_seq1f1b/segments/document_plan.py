@@ -23,7 +23,7 @@ broadcasts, so every rank raises it instead of waiting.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any, Callable, Sequence, Union
 
 from megatron_seq1f1b.base.checks import ConfigError
 from megatron_seq1f1b.segments.documents import Documents
@@ -67,23 +67,26 @@ def read_documents(source: DocumentSource, batch, seq_length: int) -> Documents:
     return Documents.from_eod(tokens, source)
 
 
-def gather_documents(source: DocumentSource, data, num_microbatches: int, seq_length: int,
-                     micro_batch_size: int, pg_collection, pp_rank: int,
-                     rehearsal: bool = False) -> list[Documents]:
+def gather_documents(source: DocumentSource, data, num_microbatches: int,
+                     seq_length: int | Sequence[int], micro_batch_size: int, pg_collection,
+                     pp_rank: int, rehearsal: bool = False) -> list[Documents]:
     """The documents of this iteration's micro-batches on every rank (module docstring).
 
     ``data``: this rank's :class:`~megatron_seq1f1b.segments.run.SegmentData` of its
-    first model chunk (or None). In a rehearsal (one stage alone) the rank
-    reads its own data.
+    first model chunk (or None). ``seq_length``: every micro-batch's, or one per
+    micro-batch (variable lengths, agreed before). In a rehearsal (one stage alone) the
+    rank reads its own data.
     """
     import torch.distributed as dist
 
+    lengths = (tuple(seq_length) if not isinstance(seq_length, int)
+               else (seq_length,) * num_microbatches)
     tp = pg_collection.tp
     tp_rank = tp.rank() if tp is not None and not rehearsal else 0
     reader = rehearsal or (pp_rank == 0 and tp_rank == 0)
     payload: list = [None]
     if reader:
-        payload[0] = _read(source, data, num_microbatches, seq_length, micro_batch_size)
+        payload[0] = _read(source, data, num_microbatches, lengths, micro_batch_size)
     if not rehearsal:
         if pp_rank == 0 and tp is not None and tp.size() > 1:
             dist.broadcast_object_list(payload, src=dist.get_global_rank(tp, 0), group=tp)
@@ -94,21 +97,21 @@ def gather_documents(source: DocumentSource, data, num_microbatches: int, seq_le
     if kind == "error":
         raise ConfigError([f"the documents of this iteration's micro-batches (read on the first "
                            f"pipeline stage): {value}"])
-    return [Documents(starts, seq_length) for starts in value]
+    return [Documents(starts, n) for starts, n in zip(value, lengths)]
 
 
-def _read(source, data, num_microbatches, seq_length, micro_batch_size) -> tuple[str, Any]:
+def _read(source, data, num_microbatches, lengths, micro_batch_size) -> tuple[str, Any]:
     """("documents", per micro-batch starts) or ("error", message): what the reader sends."""
     if data is None:
         return ("error", "the first stage's rank has no data iterator to read them from")
     try:
         batches = data.prefetch(num_microbatches)
-        found = [read_documents(source, batch, seq_length) for batch in batches]
+        found = [read_documents(source, batch, n) for batch, n in zip(batches, lengths)]
     except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
         return ("error", f"{type(exc).__name__}: {exc}")
-    for index, documents in enumerate(found):
-        if documents.seq_length != seq_length or documents.micro_batch_size != micro_batch_size:
+    for index, (documents, n) in enumerate(zip(found, lengths)):
+        if documents.seq_length != n or documents.micro_batch_size != micro_batch_size:
             return ("error", f"micro-batch {index} has documents of {documents.micro_batch_size} "
                     f"sample(s) x {documents.seq_length} tokens; the schedule runs "
-                    f"{micro_batch_size} x {seq_length}")
+                    f"{micro_batch_size} x {n}")
     return ("documents", [documents.starts for documents in found])

@@ -13,6 +13,8 @@ and the total token count goes to ``finalize_model_grads``, as in Megatron.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from megatron_seq1f1b.schedules.schedule import Action
@@ -20,7 +22,10 @@ from megatron_seq1f1b.schedules.schedule import Action
 TWO_TUPLE_ERROR = (
     "Seq1F1B: loss_func returned a 2-tuple (mean loss, report). With num_splits > 1 each call "
     "sees one segment, and a per-segment mean cannot be weighted into the micro-batch's mean. "
-    "Return Megatron's triple (loss_sum, num_tokens, report), as pretrain_gpt.py's loss_func does."
+    "Return Megatron's triple (loss_sum, num_tokens, report), as pretrain_gpt.py's loss_func does "
+    "(a loss whose weights depend on the whole micro-batch, e.g. per-sequence means: give each "
+    "token its weight and return the weighted sum; docs/variable_lengths.md). A forward-only "
+    "pass may return the 2-tuple: its per-token report tensors are joined per micro-batch."
 )
 
 
@@ -35,9 +40,11 @@ class _Microbatch:
 class SegmentLosses:
     """Loss sums of the micro-batches in flight on the last stage, for one iteration."""
 
-    def __init__(self, num_microbatches: int, num_splits: int, cp_size: int,
+    def __init__(self, num_microbatches: int, num_splits: int | Sequence[int], cp_size: int,
                  per_token: bool, device: torch.device, cp_group=None):
-        self.m, self.k, self.cp_size, self.per_token = num_microbatches, num_splits, cp_size, per_token
+        self.m, self.cp_size, self.per_token = num_microbatches, cp_size, per_token
+        self.counts = (tuple(num_splits) if not isinstance(num_splits, int)
+                       else (num_splits,) * num_microbatches)  # segments per micro-batch
         self.cp_group = cp_group if cp_size > 1 else None
         self.total_tokens = torch.zeros([], dtype=torch.int, device=device)
         self._open: dict[tuple[int, int], _Microbatch] = {}
@@ -51,7 +58,7 @@ class SegmentLosses:
             entry.sums[action.segment] = loss_sum
             entry.tokens = num_tokens if entry.tokens is None else entry.tokens + num_tokens
             return loss_sum, report
-        if len(result) == 2 and self.k == 1:
+        if len(result) == 2 and self.counts[action.microbatch] == 1:
             loss, report = result  # Megatron's legacy mean loss per micro-batch
             entry.sums[0] = loss * self.cp_size / self.m
             entry.legacy = True

@@ -82,27 +82,33 @@ class SegmentRun:
     write caches again nor count a second forward.
     """
 
-    def __init__(self, lengths: Sequence[int], *, forward_only: bool = False, config=None,
+    def __init__(self, lengths: Sequence[int] | None, *, forward_only: bool = False, config=None,
                  documents: Sequence[Documents | None] | None = None,
                  microbatch_lengths: Sequence[Sequence[int]] | None = None,
                  cp_group=None, cp_meter=None):
+        # Per micro-batch (plan data, the same on every rank): its documents, and its own
+        # segment lengths where they differ between micro-batches (``documents`` partition,
+        # variable-length micro-batches: then ``lengths`` may be None).
+        self.documents = tuple(documents) if documents is not None else None
+        self.microbatch_lengths = (tuple(tuple(int(n) for n in row) for row in microbatch_lengths)
+                                   if microbatch_lengths is not None else None)
+        if lengths is None:
+            if not self.microbatch_lengths:
+                raise_if(["SegmentRun needs segment lengths, or one row per micro-batch"])
+            lengths = self.microbatch_lengths[0]
         raise_if(segment_length_problems(lengths, config=config))
         self.lengths = tuple(int(n) for n in lengths)
         self.starts = _starts(self.lengths)
         self.forward_only = forward_only
         self.kv = KVStore()
         self.states = StateCarry()  # recurrent layers' states across cuts
-        # Per micro-batch (plan data, the same on every rank): its documents, and its own
-        # segment lengths where they differ between micro-batches (``documents`` partition).
-        self.documents = tuple(documents) if documents is not None else None
-        self.microbatch_lengths = (tuple(tuple(int(n) for n in row) for row in microbatch_lengths)
-                                   if microbatch_lengths is not None else None)
         if self.microbatch_lengths is not None:
-            for row in self.microbatch_lengths:
-                raise_if(segment_length_problems(row, sum(self.lengths), config))
-                if len(row) != len(self.lengths):
-                    raise_if([f"micro-batch segment lengths {list(row)} differ in number from "
-                              f"{list(self.lengths)}"])
+            for index, row in enumerate(self.microbatch_lengths):
+                known = self.documents_of(index) if self.documents is not None else None
+                raise_if(segment_length_problems(
+                    row, known.seq_length if known is not None else None, config))
+        self._many = self.microbatch_lengths is not None and any(
+            len(row) > 1 for row in self.microbatch_lengths)
         self._masks: dict = {}
         self._views: dict = {}
         self._packed: dict = {}
@@ -116,7 +122,8 @@ class SegmentRun:
     @property
     def segmented(self) -> bool:
         """Whether attention must treat even one segment as such (documents, or CP)."""
-        return self.num_splits > 1 or self.documents is not None or self.cp_size > 1
+        return (self.num_splits > 1 or self._many or self.documents is not None
+                or self.cp_size > 1)
 
     def rank_ranges(self, info: SegmentInfo) -> tuple[tuple[int, int], ...]:
         """The positions of the segment this rank holds (all of it without CP)."""
@@ -138,14 +145,18 @@ class SegmentRun:
         return self.documents[microbatch]
 
     def info(self, microbatch: int, segment: int, chunk: int = 0) -> SegmentInfo:
-        if not 0 <= segment < self.num_splits:
-            raise IndexError(f"segment {segment} outside 0..{self.num_splits - 1}")
         if self.microbatch_lengths is None:
-            lengths, start = self.lengths, self.starts[segment]
+            lengths = self.lengths
+            if not 0 <= segment < len(lengths):
+                raise IndexError(f"segment {segment} outside 0..{len(lengths) - 1}")
+            start = self.starts[segment]
         else:
             lengths = self.microbatch_lengths[microbatch]
+            if not 0 <= segment < len(lengths):
+                raise IndexError(f"segment {segment} outside 0..{len(lengths) - 1} of "
+                                 f"micro-batch {microbatch}")
             start = sum(lengths[:segment])
-        return SegmentInfo(microbatch, segment, self.num_splits, start, start + lengths[segment],
+        return SegmentInfo(microbatch, segment, len(lengths), start, start + lengths[segment],
                            lengths, chunk)
 
     def geometry(self, microbatch: int, window: int | None) -> Geometry:
@@ -327,6 +338,7 @@ class SegmentData:
         self._batches: dict[int, Any] = {}
         self._fetched = 0
         self._device = device
+        self._read: list | None = None  # what prefetch read, host side
 
     def __iter__(self):
         return self
@@ -350,17 +362,36 @@ class SegmentData:
         self._batches.pop(microbatch, None)
 
     def prefetch(self, count: int) -> list:
-        """Read the next ``count`` micro-batches now (their documents are plan data); the
-        segments get them later, as from :meth:`__next__`. Returns them as read (host)."""
+        """Read the next ``count`` micro-batches now (their lengths and documents are plan
+        data); the segments get them later, as from :meth:`__next__`. Returns them as read
+        (host); a second call in the same iteration returns the same list. An iterator that
+        ends early raises :class:`ShortIterator` saying how many it gave."""
+        if self._read is not None:
+            if len(self._read) != count:
+                raise RuntimeError("Seq1F1B: micro-batches prefetched twice with different "
+                                   "counts")
+            return self._read
         if self._fetched or self._batches:
             raise RuntimeError("Seq1F1B: micro-batches prefetched after the iteration began")
         read = []
         for microbatch in range(count):
-            batch = next(self._iterator)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                raise ShortIterator(microbatch) from None
             read.append(batch)
             self._batches[microbatch] = to_device(batch, self._device)
         self._fetched = count
+        self._read = read
         return read
+
+
+class ShortIterator(RuntimeError):
+    """A data iterator ended before the iteration's micro-batches: ``given`` of them."""
+
+    def __init__(self, given: int):
+        super().__init__(f"the data iterator ended after {given} micro-batch(es)")
+        self.given = given
 
 
 def to_device(batch: Any, device: torch.device | None) -> Any:
@@ -381,10 +412,11 @@ _SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "input_ids")
 _PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 
-def slice_batch(batch: dict) -> dict:
+def slice_batch(batch: dict, extra_keys: Sequence[str] = ()) -> dict:
     """This segment's part of a micro-batch (identity outside a segmented step).
 
-    ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, input_ids) are
+    ``[b, s]`` entries (tokens, labels, loss_mask, position_ids, input_ids, and the
+    ``extra_keys`` a loss needs, e.g. per-token weights or advantages) are
     cut to ``[:, start:end]``; a ``[b, 1, s, s]`` attention mask to rows
     ``start:end`` and columns ``0:end``. With context parallelism, to this
     rank's two chunks of the segment (:mod:`megatron_seq1f1b.attention.context_parallel`). Slices are contiguous copies (loss
@@ -416,7 +448,7 @@ def slice_batch(batch: dict) -> dict:
             return value.narrow(dim, info.start, info.length).contiguous()
         return torch.cat([value.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
 
-    for key in _SEQUENCE_KEYS:
+    for key in _SEQUENCE_KEYS + tuple(extra_keys):
         value = batch.get(key)
         if isinstance(value, torch.Tensor):
             if value.dim() < 2 or value.shape[-1] != seq:
