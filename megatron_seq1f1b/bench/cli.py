@@ -24,7 +24,7 @@ from megatron_seq1f1b.base.flags import (
     ArgumentParser, OldSpelling, integer, non_negative_float, non_negative_int,
     positive_float, positive_int,
 )
-from megatron_seq1f1b.bench import autoplan, cp_report, packing
+from megatron_seq1f1b.bench import autoplan, cp_report, packing, varlen
 from megatron_seq1f1b.bench.calibration import calibrate
 from megatron_seq1f1b.bench.confirm import Race, closest_rivals, confirmation, sweep_twin
 from megatron_seq1f1b.bench.cp_bytes import attach_meters, measured_bytes
@@ -174,6 +174,7 @@ def build_parser() -> arguments.StartupParser:
     p.add_argument("--profile-rank", type=non_negative_int, default=0)
     p.add_argument("--loss-rtol", type=non_negative_float, default=1e-4,
                    help="first-iteration losses of all schedules must agree this closely")
+    varlen.add_arguments(p)
     return p
 
 
@@ -201,6 +202,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     cp_checks(p, args)
+    if args.variable_lengths:
+        if args.attention_backend != "flash" or args.vpp or args.splits == AUTO \
+                or args.micro_batch_size != 1 or args.document_length is not None:
+            p.error("--variable-lengths packs THD micro-batches: it runs --attention-backend "
+                    "flash, --micro-batch-size 1, a fixed --splits, without --vpp and "
+                    "--document-length")
+        return args
     if args.schedules is None:
         args.schedules = [s for s in ALL_SCHEDULES
                           if (args.vpp or s not in INTERLEAVED) and s not in OPT_IN]
@@ -313,6 +321,8 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
          forward_step: Callable) -> int:
     """Run the whole benchmark in this torchrun process; 0 on success, 2 on a loss mismatch."""
     args = parse_args(argv)
+    if args.variable_lengths:  # its own rows and table (bench/varlen.py)
+        return varlen.main(args, model_provider=model_provider, forward_step=forward_step)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plain_args = arguments.parse(trainer_argv(args, False), world)
     data.quiet_logs()

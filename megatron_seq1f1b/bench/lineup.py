@@ -62,6 +62,7 @@ class BenchSchedule:
     form: str = "plain"  # which form (packing.FORMS)
     document_stats: dict | None = None  # document_stats.row_stats
     saved_peaks: list[float] | None = None  # --count-saved: bytes kept for backward per stage
+    segment_tokens: int | None = None  # a token budget per segment (variable lengths)
 
     @property
     def split_lengths(self) -> list[int] | None:
@@ -77,7 +78,8 @@ class BenchSchedule:
                                             split_lengths=self.split_lengths,
                                             recorder=recorder, schedule=self.schedule,
                                             segment_costs=self.segment_costs,
-                                            documents=self.documents)
+                                            documents=self.documents,
+                                            segment_tokens=self.segment_tokens)
 
     @contextlib.contextmanager
     def options(self) -> Iterator[None]:

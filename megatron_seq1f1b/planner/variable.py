@@ -1,0 +1,222 @@
+"""Plans for micro-batches of different lengths: predicted time and memory, and the choice.
+
+Given the lengths of an iteration's micro-batches (a length histogram's draw, or the
+first global batch) and per-segment costs (a :class:`~megatron_seq1f1b.planner.costs.Calibration`:
+measured, or the FLOP model), every candidate is cut as the executor cuts it
+(:func:`~megatron_seq1f1b.schedules.variable.cut_microbatches`, or by documents), built
+with one segment count per micro-batch, and replayed as the executor runs it (the same
+rendezvous replay and send slack as :mod:`~megatron_seq1f1b.planner.search`). Megatron's
+1F1B on the same micro-batches is the candidate with one segment each. Memory is the most
+activation tokens any stage holds (forwarded, not yet backwarded or, with ``W`` split off,
+weight-gradiented), in bytes where the calibration knows a token's.
+
+:func:`choose_variable_plan` ranks a token budget per segment (powers of two of the
+layout's multiple, within ``min_segment_length`` and the longest micro-batch) and fixed
+counts, under a memory budget; the fastest that fits wins, ties to the smaller memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from megatron_seq1f1b.planner.costs import Calibration
+from megatron_seq1f1b.planner.memory_model import bytes_text
+from megatron_seq1f1b.schedules.partition import CostModel, split_documents
+from megatron_seq1f1b.schedules.plan import plan_steps
+from megatron_seq1f1b.schedules.replay import replay
+from megatron_seq1f1b.schedules.schedule import Schedule, ScheduleError, build_schedule
+from megatron_seq1f1b.schedules.variable import cut_microbatches, segment_count
+
+__all__ = ["VariablePlan", "cut_rows", "predict_rows", "choose_variable_plan", "budgets",
+           "regroup"]
+
+
+@dataclass(frozen=True)
+class VariablePlan:
+    """One candidate on given micro-batch lengths: how it cuts, and what it is predicted to do."""
+
+    name: str  # e.g. "Megatron 1F1B", "Seq1F1B k=4", "Seq1F1B 2048 tokens/segment"
+    num_splits: int
+    segment_tokens: int | None
+    partition: str
+    schedule: str
+    rows: tuple[tuple[int, ...], ...]  # segment lengths per micro-batch
+    time: float
+    bubble: float
+    peak_tokens: tuple[float, ...]  # per stage: most activation tokens held
+    bytes_per_token: float | None = None
+    unit: str = "s"
+
+    @property
+    def units(self) -> int:
+        return sum(len(row) for row in self.rows)
+
+    @property
+    def peak_bytes(self) -> float | None:
+        if self.bytes_per_token is None:
+            return None
+        return max(self.peak_tokens) * self.bytes_per_token
+
+    def memory_text(self) -> str:
+        peak = self.peak_bytes
+        return bytes_text(peak) if peak is not None else f"{max(self.peak_tokens):.0f} tokens"
+
+
+def cut_rows(seq_lengths: Sequence[int], num_splits: int, partition: str, *,
+             segment_tokens: int | None = None, cost: CostModel | None = None,
+             multiple_of: int = 1, documents=None) -> tuple[tuple[int, ...], ...]:
+    """Every micro-batch's segment lengths, as the executor cuts them (``documents``: one
+    :class:`~megatron_seq1f1b.segments.documents.Documents` per micro-batch, for the
+    documents partition)."""
+    if partition == "documents":
+        return tuple(tuple(split_documents(
+            docs, segment_count(n, num_splits, segment_tokens, multiple_of), cost,
+            multiple_of=multiple_of)) for n, docs in zip(seq_lengths, documents))
+    return cut_microbatches(seq_lengths, num_splits, partition, segment_tokens=segment_tokens,
+                            cost=cost, multiple_of=multiple_of)
+
+
+def _action_cost(calibration: Calibration, rows, num_stages: int, v: int, split: bool,
+                 documents=None):
+    """cost(action, rank) per micro-batch and segment (documents: their own attention)."""
+    stages = calibration.stage_costs(num_stages * v)
+    table = {}
+    for mb, row in enumerate(rows):
+        costs = calibration.with_documents(documents[mb]) if documents is not None else calibration
+        for j, (length, end) in enumerate(zip(row, itertools.accumulate(row))):
+            for vs, stage in enumerate(stages):
+                if split:
+                    f, b, w = costs.zero_bubble_times(stage, length, end)
+                else:
+                    f, b, _ = costs.times(stage, length, end)
+                    w = 0.0
+                table[vs, mb, j] = {"F": f, "B": b, "W": w}
+    return lambda action, rank: table[action.chunk * num_stages + rank, action.microbatch,
+                                      action.segment][action.kind]
+
+
+def _placement(calibration: Calibration, rows, num_stages: int) -> tuple:
+    """Per micro-batch and segment (F, B, W), mean F 1: where a zero-bubble schedule puts W."""
+    stages = calibration.stage_costs(num_stages)
+    table = []
+    for row in rows:
+        out = []
+        for length, end in zip(row, itertools.accumulate(row)):
+            times = [calibration.zero_bubble_times(s, length, end) for s in stages]
+            out.append(tuple(sum(t[i] for t in times) / len(times) for i in range(3)))
+        table.append(out)
+    mean = sum(r[0] for row in table for r in row) / sum(len(row) for row in table)
+    return tuple(tuple(tuple(round(x / mean, 4) for x in r) for r in row) for row in table)
+
+
+def peak_tokens(schedule: Schedule, rows: Sequence[Sequence[int]], v: int = 1
+                ) -> tuple[float, ...]:
+    """Per rank, most tokens of activations held (a unit from its forward to its backward,
+    or to its W where W is split off), in one chunk's worth (divided by ``v``)."""
+    out = []
+    for actions in schedule:
+        release = "W" if any(a.is_weight for a in actions) else "B"
+        live = peak = 0.0
+        for action in actions:
+            if action.is_forward:
+                live += rows[action.microbatch][action.segment] / v
+                peak = max(peak, live)
+            elif action.kind == release:
+                live -= rows[action.microbatch][action.segment] / v
+        out.append(peak)
+    return tuple(out)
+
+
+def predict_rows(calibration: Calibration, rows: Sequence[Sequence[int]], num_stages: int, *,
+                 num_model_chunks: int = 1, schedule: str = "1f1b", send_slack: int = 1,
+                 documents=None) -> tuple[float, float, tuple[float, ...], Schedule]:
+    """(time, bubble, peak tokens per stage, schedule) of these cuts, as the executor runs
+    them. Raises ScheduleError where the executor would refuse the steps."""
+    v = num_model_chunks
+    counts = [len(row) for row in rows]
+    split = schedule != "1f1b"
+    placement = _placement(calibration, rows, num_stages * v) if split else None
+    built = build_schedule(num_stages, len(rows), counts, v, schedule=schedule,
+                           costs=placement)
+    from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn
+
+    steps = plan_steps(built, v, cost=segment_cost_fn(placement) if placement else None)
+    cost = _action_cost(calibration, rows, num_stages, v, split, documents)
+    latency = calibration.message_latency([n for row in rows for n in row])
+    timeline = replay(steps, cost, comm_latency=latency, send_slack=send_slack)
+    busy = sum(iv.end - iv.start for rank in timeline.compute for iv in rank)
+    total = timeline.makespan * num_stages
+    return (timeline.makespan, 1.0 - busy / total if total else 0.0,
+            peak_tokens(built, rows, v), built)
+
+
+def budgets(seq_lengths: Sequence[int], multiple_of: int = 1, min_segment_length: int = 128
+            ) -> list[int]:
+    """Token budgets worth trying: powers of two times the layout's multiple, from
+    ``min_segment_length`` up to (not including) the longest micro-batch."""
+    longest = max(seq_lengths)
+    low = max(multiple_of, min_segment_length)
+    out, value = [], multiple_of * 2 ** max(0, math.ceil(math.log2(low / multiple_of)))
+    while value < longest:
+        out.append(value)
+        value *= 2
+    return out
+
+
+def regroup(seq_lengths: Sequence[int], num_microbatches: int) -> list[list[int]]:
+    """Sequences regrouped into micro-batches of about equal tokens (what careful users do
+    against imbalance: longest first into the lightest micro-batch); indices per micro-batch,
+    each in the order they came."""
+    bins: list[list[int]] = [[] for _ in range(num_microbatches)]
+    loads = [0] * num_microbatches
+    for index in sorted(range(len(seq_lengths)), key=lambda i: (-seq_lengths[i], i)):
+        target = min(range(num_microbatches), key=lambda b: (loads[b], b))
+        bins[target].append(index)
+        loads[target] += seq_lengths[index]
+    return [sorted(b) for b in bins]
+
+
+def choose_variable_plan(calibration: Calibration, seq_lengths: Sequence[int], num_stages: int,
+                         *, cost: CostModel | None = None, num_model_chunks: int = 1,
+                         schedules: Sequence[str] = ("1f1b",), partition: str = "balanced",
+                         multiple_of: int = 1, min_segment_length: int = 128,
+                         max_splits: int = 16, memory_budget_bytes: float | None = None,
+                         send_slack: int = 1, documents=None
+                         ) -> tuple[VariablePlan, list[VariablePlan]]:
+    """(chosen, every candidate ranked): Megatron's 1F1B (one segment per micro-batch),
+    fixed counts 2..``max_splits`` and token budgets (:func:`budgets`), each with every
+    schedule. ``cost``: the FLOP model the balanced partition cuts with (the executor's)."""
+    candidates = [("Megatron 1F1B", 1, None, "uniform", "1f1b")]
+    for k in range(2, max_splits + 1):
+        if min(seq_lengths) // k >= 1 and max(seq_lengths) // k >= min_segment_length:
+            for name in schedules:
+                candidates.append((f"Seq1F1B k={k}", k, None, partition, name))
+    for tokens in budgets(seq_lengths, multiple_of, min_segment_length):
+        for name in schedules:
+            candidates.append((f"Seq1F1B {tokens} tokens/segment", max(max_splits, 2), tokens,
+                               partition, name))
+    plans = []
+    for label, k, tokens, cut, name in candidates:
+        rows = cut_rows(seq_lengths, k, cut, segment_tokens=tokens, cost=cost,
+                        multiple_of=multiple_of, documents=documents)
+        try:
+            time, bubble, peaks, _ = predict_rows(
+                calibration, rows, num_stages, num_model_chunks=num_model_chunks,
+                schedule=name, send_slack=send_slack, documents=documents)
+        except ScheduleError:
+            continue
+        plans.append(VariablePlan(label + ("" if name == "1f1b" else f" {name}"), k, tokens, cut,
+                                  name, rows, time, bubble, peaks, calibration.bytes_per_token,
+                                  calibration.unit))
+    fits = [p for p in plans if memory_budget_bytes is None or p.peak_bytes is None
+            or p.peak_bytes <= memory_budget_bytes]
+    ranked = sorted(plans, key=lambda p: (round(p.time, 12), max(p.peak_tokens), p.units))
+    if not fits:
+        smallest = min(plans, key=lambda p: max(p.peak_tokens))
+        raise ValueError(f"no plan fits {bytes_text(memory_budget_bytes)} of activations; the "
+                         f"smallest, {smallest.name}, holds {smallest.memory_text()}")
+    chosen = min(fits, key=lambda p: (round(p.time, 12), max(p.peak_tokens), p.units))
+    return chosen, ranked
