@@ -37,6 +37,7 @@ def budget(tokens, k=16, **kw):
 
 
 CASES = {  # name: (ranks, arguments); CI runs these, SEQ1F1B_FULL=1 the FULL ones too
+    "pp1-budget": (1, dict(spec=ROPE, lengths=UNEVEN, pp=1, seq1f1b=budget(12))),
     "pp2-k2-bshd": (2, dict(spec=ROPE, lengths=UNEVEN, seq1f1b=dict(num_splits=2))),
     "pp2-budget-balanced": (2, dict(spec=ROPE, lengths=UNEVEN,
                                     seq1f1b=budget(12, partition="balanced"))),
@@ -58,6 +59,10 @@ FULL_CASES = {
                                      seq1f1b=budget(16, partition="balanced"))),
     "pp2-per-token-loss": (2, dict(spec=ROPE, lengths=UNEVEN, per_token=True,
                                    seq1f1b=budget(12))),
+    "pp2-vpp2-forward-only": (2, dict(spec=ROPE, lengths=UNEVEN, vpp=2, forward_only=True,
+                                      seq1f1b=budget(12))),
+    "pp2-zb-h2-k3": (2, dict(spec=ROPE, lengths=UNEVEN,
+                             seq1f1b=dict(num_splits=3, schedule="zb-h2"))),
     "pp2-moe-alltoall": (2, dict(spec=MOE, lengths=UNEVEN, seq1f1b=budget(16))),
     "pp2-mtp": (2, dict(spec=MTP, lengths=UNEVEN, seq1f1b=budget(16))),
     "pp2-eod-documents": (2, dict(spec=ROPE, lengths=PACKED, documents=PACKED_DOCUMENTS,
