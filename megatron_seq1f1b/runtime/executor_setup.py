@@ -439,10 +439,10 @@ class Setup:
         """Variable lengths: every micro-batch's segment lengths (uniform, balanced, or by
         its ``documents``), the same function of the same lengths on every rank."""
         raise_if(length_problems(seq_lengths, self.own_multiple))
+        by_documents = self.document_costs is not None
+        own = self.document_multiple if by_documents else self.own_multiple
         rows = []
         for index, length in enumerate(seq_lengths):
-            by_documents = self.document_costs is not None
-            own = self.document_multiple if by_documents else self.own_multiple
             count = segment_count(length, self.num_splits, self.segment_tokens, own)
             try:
                 if by_documents:
