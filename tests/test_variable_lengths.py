@@ -10,7 +10,7 @@ import os
 import pytest
 
 from gpt import ModelSpec
-from varlen_cases import run, run_mismatch, run_step
+from varlen_cases import run, run_auto, run_mismatch, run_step
 
 FULL = os.environ.get("SEQ1F1B_FULL") == "1"
 HYBRID = importlib.util.find_spec("megatron.core.models.hybrid") is not None
@@ -114,3 +114,9 @@ def test_mismatched_stage_data_stops_every_rank(ranks, kind, line):
     for result in results:
         assert result["error"] is not None, f"rank {result['rank']} ran on"
         assert any(line in problem for problem in result["error"]), result["error"]
+
+
+def test_auto_plans_a_budget_on_the_first_global_batch(ranks):
+    results = ranks.run(2, run_auto, case="varlen-auto", lengths=[256, 32, 128, 64] * 2)
+    _check(results)
+    assert results[0]["plan"] == results[1]["plan"], results  # one plan on every rank

@@ -258,3 +258,46 @@ def run_mismatch(*, kind: str, lengths, num_splits: int = 2) -> dict:
     except ConfigError as exc:
         return {"rank": torch.distributed.get_rank(), "error": exc.problems}
     return {"rank": torch.distributed.get_rank(), "error": None}
+
+
+def run_auto(*, lengths, spec: ModelSpec = ModelSpec(seq_length=64)) -> dict:
+    """``--seq1f1b-splits auto`` with variable lengths: it plans on its first call (the same
+    plan on every rank), runs exactly (against Megatron's schedule on the same micro-batches)
+    and leaves the iterator where training would have left it."""
+    import megatron_seq1f1b as s1
+    from megatron_seq1f1b.planner.auto import auto_forward_backward_func
+
+    gpt.init_parallel(1, 2)
+    config = gpt.make_config(spec, pp=2, variable_seq_lengths=True,
+                             moe_token_dispatcher_type="alltoall")
+    chunks = gpt.build_chunks(spec, config)
+    s1.enable(chunks)
+    models = gpt.wrap_ddp(chunks, config)
+    batches = varlen_batches(spec, lengths)
+    m = len(lengths) // 2
+
+    def call(fn, iterator, slicer):
+        return fn(forward_step_func=partial(gpt.forward_step, slicer=slicer),
+                  data_iterator=iterator, model=models[0], num_microbatches=m,
+                  seq_length=max(lengths), micro_batch_size=1)
+
+    reference = call(schedules.get_forward_backward_func(), iter(batches[:m]), None)
+    expected = _grads(models)
+    _zero(models)
+    auto = auto_forward_backward_func(log=lambda text: None)
+    iterator = iter(batches)
+    store = call(auto, iterator, s1.slice_batch)
+    actual = _grads(models)
+    problems = [f"{key}: max rel err {_close(actual[key], want)[1]:.2e}"
+                for key, want in expected.items()
+                if want is not None and not _close(actual[key], want)[0]]
+    left = len(list(iterator))
+    if left != len(lengths) - m:
+        problems.append(f"{left} micro-batches left in the iterator, expected {len(lengths) - m}")
+    if parallel_state.is_pipeline_last_stage():
+        for index, (got, want) in enumerate(zip(store, reference)):
+            if not _close(got["lm loss"], want["lm loss"])[0]:
+                problems.append(f"micro-batch {index}: report differs")
+    choice = auto.choice
+    return {"rank": torch.distributed.get_rank(), "problems": problems,
+            "plan": (choice.name, choice.num_splits, choice.segment_tokens)}

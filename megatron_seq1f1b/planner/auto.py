@@ -163,7 +163,9 @@ def auto_forward_backward_func(*, memory_budget_gib: float | None = None,
                                documents=None) -> Callable:
     """Megatron-Core's forward-backward signature; plans on the first call (see module doc).
 
-    Later calls run the chosen plan (its ``choice`` attribute once made);
+    Later calls run the chosen plan (its ``choice`` attribute once made); with
+    ``variable_seq_lengths`` the plan is a token budget chosen on the first global batch's
+    lengths (:mod:`megatron_seq1f1b.planner.auto_lengths`);
     ``log`` gets the candidates' table once (default: print on global rank 0).
     ``documents``: where each micro-batch's packed documents are (planned on the first,
     then given to the schedule).
@@ -174,6 +176,21 @@ def auto_forward_backward_func(*, memory_budget_gib: float | None = None,
                               seq_length: int, micro_batch_size: int, **kwargs):
         from megatron_seq1f1b.runtime.model_hooks import chunks_of
 
+        if "run" not in state and _variable_lengths(model):
+            from megatron_seq1f1b.planner.auto_lengths import plan_variable_by_measuring
+            from megatron_seq1f1b.planner.variable import table
+
+            iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+            chosen, ranked, state["run"], replayed = plan_variable_by_measuring(
+                chunks_of(model), forward_step_func, iterators,
+                num_microbatches=num_microbatches, micro_batch_size=micro_batch_size,
+                memory_budget_gib=memory_budget_gib, min_segment_length=min_segment_length,
+                segment_multiple=segment_multiple, documents=documents)
+            forward_backward_func.choice = chosen
+            _log(log, "Seq1F1B plan (--seq1f1b-splits auto, variable-length micro-batches; "
+                      f"costs measured on the longest of the first {num_microbatches}):\n"
+                      + table(chosen, ranked))
+            data_iterator = replayed if isinstance(data_iterator, list) else replayed[0]
         if "run" not in state:
             chunks = chunks_of(model)
             iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -202,6 +219,14 @@ def auto_forward_backward_func(*, memory_budget_gib: float | None = None,
     forward_backward_func.num_splits = "auto"
     forward_backward_func.__qualname__ = "seq1f1b_forward_backward[auto]"
     return forward_backward_func
+
+
+def _variable_lengths(model) -> bool:
+    from megatron.core.utils import get_model_config
+
+    from megatron_seq1f1b.runtime.model_hooks import chunks_of
+
+    return bool(getattr(get_model_config(chunks_of(model)[0]), "variable_seq_lengths", False))
 
 
 def run_plan(plan, documents=None, segment_multiple: int | None = None) -> Callable:

@@ -183,14 +183,16 @@ def choose_variable_plan(calibration: Calibration, seq_lengths: Sequence[int], n
                          *, cost: CostModel | None = None, num_model_chunks: int = 1,
                          schedules: Sequence[str] = ("1f1b",), partition: str = "balanced",
                          multiple_of: int = 1, min_segment_length: int = 128,
-                         max_splits: int = 16, memory_budget_bytes: float | None = None,
+                         max_splits: int = 64, max_fixed_splits: int = 16,
+                         memory_budget_bytes: float | None = None,
                          send_slack: int = 1, documents=None
                          ) -> tuple[VariablePlan, list[VariablePlan]]:
     """(chosen, every candidate ranked): Megatron's 1F1B (one segment per micro-batch),
-    fixed counts 2..``max_splits`` and token budgets (:func:`budgets`), each with every
-    schedule. ``cost``: the FLOP model the balanced partition cuts with (the executor's)."""
+    fixed counts 2..``max_fixed_splits`` and token budgets (:func:`budgets`, at most
+    ``max_splits`` segments a micro-batch), each with every schedule. ``cost``: the FLOP
+    model the balanced partition cuts with (the executor's)."""
     candidates = [("Megatron 1F1B", 1, None, "uniform", "1f1b")]
-    for k in range(2, max_splits + 1):
+    for k in range(2, max_fixed_splits + 1):
         if min(seq_lengths) // k >= 1 and max(seq_lengths) // k >= min_segment_length:
             for name in schedules:
                 candidates.append((f"Seq1F1B k={k}", k, None, partition, name))
@@ -220,3 +222,21 @@ def choose_variable_plan(calibration: Calibration, seq_lengths: Sequence[int], n
                          f"smallest, {smallest.name}, holds {smallest.memory_text()}")
     chosen = min(fits, key=lambda p: (round(p.time, 12), max(p.peak_tokens), p.units))
     return chosen, ranked
+
+
+def table(chosen: VariablePlan, ranked: Sequence[VariablePlan], top: int = 8) -> str:
+    """The candidates, fastest first (at most ``top``, the chosen one and Megatron's 1F1B
+    always), each against Megatron's 1F1B on the same micro-batches."""
+    megatron = next((p for p in ranked if p.name == "Megatron 1F1B"), None)
+    shown = list(ranked[:top])
+    for plan in (chosen, megatron):
+        if plan is not None and plan not in shown:
+            shown.append(plan)
+    lines = [f"{'plan':<40} {'predicted':>12} {'vs Megatron':>11} {'bubble':>7} "
+             f"{'units':>6}  peak activations (busiest stage)"]
+    for plan in shown:
+        speed = f"{megatron.time / plan.time:.2f}x" if megatron else "-"
+        mark = "  <- chosen" if plan is chosen else ""
+        lines.append(f"{plan.name:<40} {plan.time:>10.4g} {plan.unit:<1} {speed:>11} "
+                     f"{plan.bubble:>6.1%} {plan.units:>6}  {plan.memory_text()}{mark}")
+    return "\n".join(lines)
