@@ -89,3 +89,24 @@ def test_cli_compares_zero_bubble_schedules(tmp_path, capsys):
     assert rows["Seq1F1B k=4"][-4] == "9.9%" and rows["Seq1F1B ZB-H1 k=4"][-4] == "3.5%"
     assert rows["ZB-H1"][-4] == "12.7%"
     assert (tmp_path / "s_k4_zb-h1.png").stat().st_size > 0
+
+
+def test_lengths_compare_megatron_and_seq1f1b_on_given_micro_batches(capsys):
+    """--lengths: one micro-batch per length, Megatron's 1F1B (k=1), a fixed k and a token
+    budget, each cut as the executor cuts them; uneven lengths favour Seq1F1B."""
+    from megatron_seq1f1b.schedules import simulate as sim
+
+    assert sim.main(["--pp", "2", "--cost", "attention", "--lengths", "512", "4096", "256",
+                     "1024", "--splits", "1", "4", "--segment-tokens", "1024",
+                     "--hidden-size", "256", "--num-layers", "4",
+                     "--num-attention-heads", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines()
+            if line.startswith(("1F1B", "Seq1F1B"))}
+    assert set(rows) == {"1F1B", "Seq1F1B k=4", "Seq1F1B 1024 tokens/segment"}
+    assert " 1.00x" in rows["1F1B"]
+    speed = float(rows["Seq1F1B 1024 tokens/segment"].split("x")[0].split()[-1])
+    assert speed > 1.1
+    with pytest.raises(SystemExit):
+        sim.main(["--lengths", "512", "1024"])  # uniform costs have no tokens
+    assert "add --cost attention" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from megatron_seq1f1b.schedules.partition import CostModel, split_documents
 from megatron_seq1f1b.schedules.plan import plan_steps
 from megatron_seq1f1b.schedules.replay import replay
 from megatron_seq1f1b.schedules.schedule import Schedule, ScheduleError, build_schedule
+from megatron_seq1f1b.schedules.simulate import peak_tokens
 from megatron_seq1f1b.schedules.variable import cut_microbatches, segment_count
 
 __all__ = ["VariablePlan", "cut_rows", "predict_rows", "choose_variable_plan", "budgets",
@@ -110,24 +111,6 @@ def _placement(calibration: Calibration, rows, num_stages: int) -> tuple:
         table.append(out)
     mean = sum(r[0] for row in table for r in row) / sum(len(row) for row in table)
     return tuple(tuple(tuple(round(x / mean, 4) for x in r) for r in row) for row in table)
-
-
-def peak_tokens(schedule: Schedule, rows: Sequence[Sequence[int]], v: int = 1
-                ) -> tuple[float, ...]:
-    """Per rank, most tokens of activations held (a unit from its forward to its backward,
-    or to its W where W is split off), in one chunk's worth (divided by ``v``)."""
-    out = []
-    for actions in schedule:
-        release = "W" if any(a.is_weight for a in actions) else "B"
-        live = peak = 0.0
-        for action in actions:
-            if action.is_forward:
-                live += rows[action.microbatch][action.segment] / v
-                peak = max(peak, live)
-            elif action.kind == release:
-                live -= rows[action.microbatch][action.segment] / v
-        out.append(peak)
-    return tuple(out)
 
 
 def predict_rows(calibration: Calibration, rows: Sequence[Sequence[int]], num_stages: int, *,

@@ -11,6 +11,12 @@ Command line::
     python -m megatron_seq1f1b.simulate --pp 4 --microbatches 4 --splits 1 4 \
         --png docs/schedule.png --trace schedule.json
 
+``--lengths`` simulates micro-batches of different lengths (Megatron's 1F1B on them, Seq1F1B
+with ``--splits`` and ``--segment-tokens``), with FLOP costs::
+
+    python -m megatron_seq1f1b.simulate --pp 2 --cost attention --lengths 512 4096 256 1024 \
+        --splits 1 4 --segment-tokens 1024
+
 ``--seq-length``, ``--partition`` and the model's sizes are read with ``--cost attention``
 only (refused with uniform costs). With ``--chunks`` > 1 any number of micro-batches is
 simulated, as Seq1F1B's interleaved schedule runs them; where Megatron-Core's own
@@ -20,6 +26,7 @@ of them) the output says so.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -116,6 +123,24 @@ def peak_inflight(actions: Sequence[Action]) -> int:
     return peak
 
 
+def peak_tokens(schedule: Schedule, rows: Sequence[Sequence[int]], v: int = 1
+                ) -> tuple[float, ...]:
+    """Per rank, most tokens of activations held (a unit from its forward to its backward,
+    or to its W where W is split off), in one chunk's worth (divided by ``v``)."""
+    out = []
+    for actions in schedule:
+        release = "W" if any(a.is_weight for a in actions) else "B"
+        live = peak = 0.0
+        for action in actions:
+            if action.is_forward:
+                live += rows[action.microbatch][action.segment] / v
+                peak = max(peak, live)
+            elif action.kind == release:
+                live -= rows[action.microbatch][action.segment] / v
+        out.append(peak)
+    return tuple(out)
+
+
 def simulate(schedule: Sequence[Sequence[Action]], cost: CostFn | None = None) -> SimResult:
     """Replay the schedule with `cost(action, rank)` per action.
 
@@ -199,6 +224,13 @@ def build_parser() -> ArgumentParser:
                         help=f"attention heads (--cost attention; default {d['num_attention_heads']})")
     parser.add_argument("--vocab-size", type=positive_int, metavar="V",
                         help=f"vocabulary size (--cost attention; default {d['vocab_size']})")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", metavar="TOKENS",
+                        help="micro-batches of these lengths, one each (variable-length "
+                             "micro-batches; sets --microbatches; needs --cost attention): "
+                             "--splits k cuts each into k segments (1: Megatron's 1F1B on them), "
+                             "--segment-tokens T into ceil(length / T)")
+    parser.add_argument("--segment-tokens", type=positive_int, nargs="+", metavar="T",
+                        help="with --lengths: Seq1F1B rows with these token budgets per segment")
     parser.add_argument("--png", type=output_file(make_folders=True), metavar="FILE",
                         help="draw the timeline(s) here, all on one time axis: with several, "
                              "one picture each (suffix _k<splits>[_<schedule>]) and all of them "
@@ -239,10 +271,24 @@ def _parse_args(argv=None):
     if args.cost == "uniform" and given:
         parser.error(f"{', '.join(given)}: read only with --cost attention (uniform costs "
                      "have no tokens or model); add --cost attention or drop them")
+    if args.segment_tokens and not args.lengths:
+        parser.error("--segment-tokens cuts micro-batches of --lengths: give them")
+    if args.lengths:
+        if args.cost != "attention":
+            parser.error("--lengths: micro-batches of different lengths cost by their tokens "
+                         "and attention; add --cost attention (and the model's sizes)")
+        if "--microbatches" in (argv if argv is not None else sys.argv):
+            parser.error("--lengths gives one micro-batch per length: drop --microbatches")
+        if args.seq_length is not None:
+            parser.error("--lengths gives each micro-batch's tokens: drop --seq-length")
+        if args.chunks > 1 or args.schedules != ["1f1b"]:
+            parser.error("--lengths simulates Megatron's 1F1B and Seq1F1B without --chunks "
+                         "and --schedules")
+        args.microbatches = len(args.lengths)
     for name, value in ATTENTION_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.cost == "attention":
+    if args.cost == "attention" and not args.lengths:
         for k in args.splits:
             if k > args.seq_length:
                 parser.error(f"--splits {k}: {args.seq_length} tokens (--seq-length) make at "
@@ -278,10 +324,48 @@ def schedule_name(splits: int, schedule: str, chunks: int = 1) -> str:
     return name + (f" (v={chunks})" if chunks > 1 else "")
 
 
+def lengths_table(args) -> str:
+    """``--lengths``: Megatron's 1F1B and Seq1F1B on micro-batches of these lengths, each
+    cut as the executor cuts them (:mod:`megatron_seq1f1b.schedules.variable`)."""
+    from megatron_seq1f1b.schedules.variable import cut_microbatches
+
+    config = _config_from_args(args)
+    model = CostModel.from_config(config, args.vocab_size)
+    rows = [(schedule_name(k, "1f1b"), k, None) for k in args.splits]
+    rows += [(f"Seq1F1B {t} tokens/segment", 64, t) for t in args.segment_tokens or ()]
+    if 1 not in args.splits:
+        rows.insert(0, ("1F1B", 1, None))
+    results = []
+    for name, k, tokens in rows:
+        cuts = cut_microbatches(args.lengths, k, args.partition, segment_tokens=tokens,
+                                cost=model)
+        schedule = build_schedule(args.pp, len(cuts), [len(c) for c in cuts])
+        result = simulate(schedule, segment_cost(cuts, model))
+        # segment_cost normalizes to the mean unit: back to one scale (FLOPs)
+        units = [f for c in cuts for f in model.split_costs(list(c))]
+        scale = sum(units) / len(units)
+        results.append((name, result.makespan * scale, result.bubble_fraction,
+                        peak_tokens(schedule, cuts)[0], sum(len(c) for c in cuts)))
+    base = results[0]
+    header = (f"{'schedule':<32}{'time vs 1F1B':>13}{'bubble':>8}{'units':>7}"
+              f"{'stage-0 peak tokens':>21}{'vs 1F1B':>9}")
+    lines = [f"micro-batch lengths {args.lengths} (partition {args.partition}, FLOP costs of "
+             f"{args.num_layers} layers, hidden {args.hidden_size}; predictions)", header,
+             "-" * len(header)]
+    for name, time, bubble, peak, units in results:
+        lines.append(f"{name:<32}{base[1] / time:>12.2f}x{bubble:>8.1%}{units:>7}{peak:>21.0f}"
+                     f"{peak / base[3]:>8.2f}x")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     from megatron_seq1f1b.schedules import draw
 
     args = _parse_args(argv)
+    if args.lengths:
+        print(f"pipeline stages p={args.pp}, micro-batches m={args.microbatches}")
+        print(lengths_table(args))
+        return 0
     p, m, v = args.pp, args.microbatches, args.chunks
     many_splits, many_schedules = len(args.splits) > 1, len(args.schedules) > 1
     print(f"pipeline stages p={p}, micro-batches m={m}, model chunks v={v}, cost={args.cost}")
