@@ -18,37 +18,13 @@ data each iteration consumes is the same as with the chosen flags given by hand.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Any, Callable, Iterator
 
 import torch
 
 from megatron_seq1f1b.base.checks import ConfigError
-
-
-@contextlib.contextmanager
-def _untouched_state(chunks: list):
-    """Around the measurement: RNG restored, grad sync off, gradients and MoE losses cleared."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    from megatron_seq1f1b.base import compat
-
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    tracker = get_cuda_rng_tracker().get_states() if torch.cuda.is_available() else None
-    try:
-        with contextlib.ExitStack() as no_sync, torch.enable_grad():
-            for chunk in chunks:
-                if hasattr(chunk, "no_sync"):
-                    no_sync.enter_context(chunk.no_sync())
-            yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
-            get_cuda_rng_tracker().set_states(tracker)
-        compat.moe_losses(reset=True)
+from megatron_seq1f1b.planner.measure import untouched_state
 
 
 def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: Iterator | None,
@@ -89,7 +65,7 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
     found = None
     if documents is not None:
         found = _measured_documents(documents, data_iterator, seq_length, micro_batch_size)
-    with _untouched_state(chunks):
+    with untouched_state(chunks):
         calibration = measure_calibration(chunks, forward_step_func, data_iterator, seq_length,
                                           micro_batch_size, min_segment_length=min_segment_length,
                                           multiple_of=multiple, documents=found)

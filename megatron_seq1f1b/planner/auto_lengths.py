@@ -35,8 +35,9 @@ def plan_variable_by_measuring(chunks: list, forward_step_func: Callable, iterat
 
     from megatron_seq1f1b.api import get_forward_backward_func
     from megatron_seq1f1b.base.checks import segment_multiple as layout_multiple
-    from megatron_seq1f1b.planner.auto import _untouched_state
-    from megatron_seq1f1b.planner.measure import measure_calibration, pipeline_dense_attention
+    from megatron_seq1f1b.planner.measure import (
+        measure_calibration, pipeline_dense_attention, untouched_state,
+    )
     from megatron_seq1f1b.planner.memory_model import GIB
     from megatron_seq1f1b.planner.variable import choose_variable_plan
     from megatron_seq1f1b.runtime.executor_setup import device, length_group, process_groups
@@ -62,7 +63,7 @@ def plan_variable_by_measuring(chunks: list, forward_step_func: Callable, iterat
     multiple = layout_multiple(config)
     if segment_multiple is not None:
         multiple = math.lcm(multiple, segment_multiple)
-    with _untouched_state(chunks):
+    with untouched_state(chunks):
         calibration = measure_calibration(
             chunks, forward_step_func, itertools.repeat(sample) if sample is not None else None,
             lengths[longest], micro_batch_size, min_segment_length=min_segment_length,

@@ -29,6 +29,31 @@ from megatron_seq1f1b.planner.timing import UnitTimer
 Rows = list[list[float]]
 
 
+@contextlib.contextmanager
+def untouched_state(chunks: list):
+    """Around a start-up measurement: RNG restored, grad sync off, MoE losses cleared (the
+    timing zeroes the gradients it made): training after it is as without it."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from megatron_seq1f1b.base import compat
+
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    tracker = get_cuda_rng_tracker().get_states() if torch.cuda.is_available() else None
+    try:
+        with contextlib.ExitStack() as no_sync, torch.enable_grad():
+            for chunk in chunks:
+                if hasattr(chunk, "no_sync"):
+                    no_sync.enter_context(chunk.no_sync())
+            yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+            get_cuda_rng_tracker().set_states(tracker)
+        compat.moe_losses(reset=True)
+
+
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
