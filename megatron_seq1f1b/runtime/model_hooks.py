@@ -3,9 +3,11 @@
 It finds every self-attention layer and the rotary embedding of each model
 chunk and installs the segment-aware forwards of
 :mod:`megatron_seq1f1b.attention.segmented` as instance attributes, so parameters,
-buffers and ``state_dict()`` keys stay exactly as they were. Without an
-active segment the model behaves as before. Configurations that would be
-silently wrong are rejected here, with the option to change.
+buffers and ``state_dict()`` keys stay exactly as they were; a forward
+pre-hook checks that a segment's inputs are the segment's
+(:func:`check_segment_inputs`). Without an active segment the model behaves as
+before. Configurations that would be silently wrong are rejected here, with the
+option to change.
 """
 
 from __future__ import annotations
