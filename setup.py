@@ -32,7 +32,7 @@ setup(
         # Pictures of schedules (PNG); the Chrome trace needs nothing extra.
         "plot": ["matplotlib"],
         # Optional on GPUs: Transformer Engine attention (causal_bottom_right masks).
-        # NVIDIA apex is not on PyPI; see README "Optional GPU packages".
+        # NVIDIA apex is not on PyPI; see docs/troubleshooting.md.
         "gpu": ["transformer-engine[pytorch]"],
     },
     classifiers=[

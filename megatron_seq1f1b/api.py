@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
 from typing import Callable, Sequence
 
 from megatron_seq1f1b.base.checks import raise_if, segment_multiple_problems
@@ -13,13 +11,8 @@ from megatron_seq1f1b.schedules.variable import segment_tokens_problems
 from megatron_seq1f1b.schedules.zero_bubble import segment_cost_problems
 from megatron_seq1f1b.segments.document_plan import source_problems
 
-# Modules that hold a reference to Megatron's getter under this name.
-_GETTER_HOLDERS = (
-    "megatron.core.pipeline_parallel",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.training.training",  # Megatron-LM, if imported
-)
-_installed: dict[str, Callable] = {}
+# Megatron-Core's own getter while install() is in force (None: not installed).
+_original: Callable | None = None
 # Keywords of Megatron-Core's getter (0.19 added schedule_pg_collection); ours takes them all.
 GETTER_KEYWORDS = ("pp_size", "vp_size", "schedule_pg_collection")
 
@@ -173,10 +166,19 @@ def install(num_splits: int | Callable, partition: str = "uniform", **kwargs) ->
     :func:`megatron_seq1f1b.planner.auto.auto_forward_backward_func`'s, which plans on its
     first call.
 
-    Patches ``megatron.core.pipeline_parallel.get_forward_backward_func``, the
-    same name in ``...pipeline_parallel.schedules`` and, when imported,
-    Megatron-LM's ``megatron.training.training``. Returns the function.
+    Rebinds the getter in ``megatron.core.pipeline_parallel`` (and ``.schedules``) and in
+    every loaded module that imported it by name before: the user's ``__main__``,
+    Megatron-LM's ``megatron.training.training``, Megatron-Bridge's
+    ``megatron.bridge.training.train`` and ``eval``. A reference that cannot be rebound (a
+    local variable, an attribute taken before ``install()``) raises when called, one line
+    naming ``install()``, until :func:`uninstall` (:mod:`megatron_seq1f1b.runtime.getter`).
+    Returns the function.
     """
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_seq1f1b.runtime import getter as holders
+
+    global _original
     ours = (num_splits if callable(num_splits)
             else get_forward_backward_func(num_splits, partition, **kwargs))
 
@@ -189,22 +191,22 @@ def install(num_splits: int | Callable, partition: str = "uniform", **kwargs) ->
             ])
         return ours
 
-    getter.seq1f1b = ours
-    for name in _GETTER_HOLDERS:
-        module = sys.modules.get(name) or (
-            importlib.import_module(name) if name.startswith("megatron.core") else None
-        )
-        if module is None or not hasattr(module, "get_forward_backward_func"):
-            continue
-        _installed.setdefault(name, module.get_forward_backward_func)
-        module.get_forward_backward_func = getter
+    setattr(getter, holders.MARK, ours)
+    if _original is None:
+        _original = getattr(schedules, holders.NAME)
+    holders.replace(_original, getter)
+    holders.guard(_original)
     return ours
 
 
 def uninstall() -> None:
-    """Restore Megatron's own getter everywhere :func:`install` replaced it."""
-    for name, original in list(_installed.items()):
-        module = sys.modules.get(name)
-        if module is not None:
-            module.get_forward_backward_func = original
-        del _installed[name]
+    """Restore Megatron's own getter everywhere :func:`install` replaced it, and let a
+    reference to it taken before ``install()`` run again."""
+    from megatron_seq1f1b.runtime import getter as holders
+
+    global _original
+    if _original is None:
+        return
+    holders.unguard(_original)
+    holders.restore(_original)
+    _original = None

@@ -423,6 +423,21 @@ def context_parallel_fault(failing_rank: int, model: ModelSpec, timeout_s: float
     return {"error": None, "seconds": time.monotonic() - start, "rank": me}
 
 
+def forgotten_slice_batch(pp: int, model: ModelSpec, data: DataSpec, timeout_s: float) -> dict:
+    """A forward step without s1.slice_batch (the whole micro-batch to every segment, k=2):
+    what each rank raises, and how long it took."""
+    _, _, models, batches = _layout(model, data, pp, enable=True, timeout_s=timeout_s)
+    documents = "cu_seqlens" if data.thd else None
+    start = time.monotonic()
+    try:
+        _run(s1.get_forward_backward_func(2, documents=documents), models, batches, model, data)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start,
+                "rank": torch.distributed.get_rank()}
+    return {"error": None, "seconds": time.monotonic() - start,
+            "rank": torch.distributed.get_rank()}
+
+
 def _train(models, batches, model, data, fwd_bwd, steps: int, slicer=None) -> None:
     # adam_eps=1: updates nearly linear in the gradient (as in optimizer_step), so rounding
     # differences are not blown up to +-lr where a gradient element is ~0.

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import pipeline_cases as cases
-from gpt import ModelSpec
+from gpt import DataSpec, ModelSpec
 from megatron_seq1f1b.schedules.schedule import build_schedule
 
 TIMEOUT_S = 4
@@ -49,6 +49,26 @@ def test_user_code_failure_stops_every_rank_naming_the_unit(ranks, stage, phase,
             assert r["error"].startswith("PipelineCommError"), r
             assert f"rank {r['rank']} (pipeline stage {r['rank']})" in r["error"], r
             assert "peer stage" in r["error"], r
+
+
+@pytest.mark.parametrize("pp,model,data", [
+    (1, ModelSpec(attention="flash"), DataSpec(num_microbatches=2, documents=(((0, 24),),),
+                                                thd=True)),  # packed THD: RoPE failed first
+    (2, ModelSpec(), DataSpec(num_microbatches=2)),
+], ids=["pp1-thd", "pp2"])
+def test_forgotten_slice_batch_names_it(ranks, pp, model, data):
+    """The whole micro-batch given to a segment fails in the model's first forward, one line
+    naming slice_batch, before the embedding (stage 0 sends nothing; the next stage waits for
+    it and stops at the timeout)."""
+    results = ranks.run(pp, cases.forgotten_slice_batch, case=f"no-slice-batch-pp{pp}", pp=pp,
+                        model=model, data=data, timeout_s=TIMEOUT_S)
+    first = results[0]["error"]
+    assert first and first.startswith("ActionError") and "failed in F0.0" in first, results
+    assert "\n" not in first and "megatron_seq1f1b.slice_batch(batch)" in first, first
+    assert f"model got input_ids of {model.seq_length} (the whole micro-batch)" in first, first
+    for later in results[1:]:
+        assert later["error"].startswith("PipelineCommError"), later
+        assert later["seconds"] < 6 * TIMEOUT_S, later
 
 
 def _killed_peer_worker(rank: int, port: int, results) -> None:

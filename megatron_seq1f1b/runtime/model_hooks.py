@@ -3,9 +3,11 @@
 It finds every self-attention layer and the rotary embedding of each model
 chunk and installs the segment-aware forwards of
 :mod:`megatron_seq1f1b.attention.segmented` as instance attributes, so parameters,
-buffers and ``state_dict()`` keys stay exactly as they were. Without an
-active segment the model behaves as before. Configurations that would be
-silently wrong are rejected here, with the option to change.
+buffers and ``state_dict()`` keys stay exactly as they were; a forward
+pre-hook checks that a segment's inputs are the segment's
+(:func:`check_segment_inputs`). Without an active segment the model behaves as
+before. Configurations that would be silently wrong are rejected here, with the
+option to change.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from megatron_seq1f1b.attention import segmented as attention
 from megatron_seq1f1b.base.checks import SUPPORTED_POSITIONS, model_config_problems, raise_if
 from megatron_seq1f1b.runtime import recurrent_hooks
 from megatron_seq1f1b.segments import moe, mtp
+from megatron_seq1f1b.segments.active import active
 
 _ENABLED = "_seq1f1b_enabled"
+# GPTModel.forward and HybridModel.forward: (input_ids, position_ids, attention_mask,
+# decoder_input, labels, ...), on every supported Megatron-Core
+_SEQUENCE_INPUTS = (("input_ids", 0), ("position_ids", 1), ("labels", 4))
 
 
 def unwrap(module) -> Any:
@@ -200,6 +206,28 @@ def _attention_modules(gpt):
     return found, problems
 
 
+def check_segment_inputs(module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of an enabled model: inside a segment, its ``[b, s]`` inputs must be
+    the segment's, not the whole micro-batch's (a ``forward_step_func`` without
+    :func:`~megatron_seq1f1b.slice_batch` fails later, deep in RoPE or attention, or not at
+    all). Shapes only: no synchronization; before the embedding's tensor-parallel reduce."""
+    unit = active()
+    if unit is None:
+        return
+    info, run = unit.info, unit.run
+    expected = info.length // run.cp_size
+    for name, position in _SEQUENCE_INPUTS:
+        value = kwargs.get(name, args[position] if len(args) > position else None)
+        shape = getattr(value, "shape", None)
+        if shape is not None and len(shape) == 2 and shape[-1] != expected:
+            whole = " (the whole micro-batch)" if shape[-1] == sum(info.lengths) else ""
+            raise ValueError(
+                f"Seq1F1B: segment {info.index} of micro-batch {info.microbatch} has "
+                f"{expected} tokens{' on this context-parallel rank' if run.cp_size > 1 else ''}"
+                f", but the model got {name} of {shape[-1]}{whole}: cut each segment's batch "
+                "with megatron_seq1f1b.slice_batch(batch) in forward_step_func")
+
+
 def enable(model):
     """Prepare a GPTModel or HybridModel chunk (or list of chunks, possibly wrapped) for
     segments.
@@ -225,6 +253,8 @@ def enable(model):
         for router in moe.routers(gpt):
             moe.install(router)
         mtp.install(gpt)
+        if not getattr(gpt, _ENABLED, False):
+            gpt.register_forward_pre_hook(check_segment_inputs, with_kwargs=True)
         rotary = getattr(gpt, "rotary_pos_emb", None)
         if getattr(gpt, "position_embedding_type", None) == "rope" and rotary is not None:
             attention.install_forward(rotary, attention.rotary_forward)
