@@ -1,0 +1,259 @@
+"""Hugging Face models converted by Megatron-Bridge, under Seq1F1B (run in harness workers).
+
+The oracle: a tiny random Hugging Face model (every weight random, norms included, so a weight
+the conversion missed shows), saved locally and converted by ``AutoBridge``. Its logits equal
+Megatron's; then Seq1F1B's loss, every gradient, Bridge's ``train_step`` losses and the weights
+exported back to Hugging Face after optimizer steps equal Megatron's own schedule on the same
+converted model, both driven through Bridge's own code (its ``get_batch``, loss, ``train_step``
+and the getter its ``train`` / ``eval`` modules hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import types
+from functools import partial
+
+import torch
+
+import bridge_env
+from gpt import RTOL, init_parallel
+
+SEED = 1234
+VOCAB, SEQ, HIDDEN = 96, 32, 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    family: str = "llama"          # "llama" (GQA, RoPE) or "qwen3" (GQA, RoPE, q/k norms)
+    pp: int = 1
+    num_splits: int = 4
+    partition: str = "balanced"    # or "documents" (packed batches, Bridge's keys)
+    packed_form: str = ""          # "legacy" (cu_seqlens, -1 padding, argmin) or "current"
+    num_microbatches: int = 4
+
+
+def _families():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    return {"llama": (LlamaConfig, LlamaForCausalLM, {}),
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16})}
+
+
+def hf_model(family: str):
+    """A tiny random HF causal LM (GQA: 4 heads, 2 key/value groups; 2 layers), and where it is
+    saved. Every parameter is random, norms and all, so a missed mapping changes the logits."""
+    config_class, model_class, extra = _families()[family]
+    config = config_class(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=2 * SEQ, tie_word_embeddings=False,
+                          rope_theta=10000.0, **extra)
+    generator = torch.Generator().manual_seed(SEED)
+    model = model_class(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.5 * torch.rand(param.shape, generator=generator))
+            else:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    path = tempfile.mkdtemp(prefix=f"seq1f1b-hf-{family}-")
+    model.save_pretrained(path)
+    return model, path
+
+
+def converted(path: str, pp: int, attention: str = "local", wrap_with_ddp: bool = True):
+    """AutoBridge's provider for the saved model, made buildable on CPU (fp32, the local layer
+    spec or the project's flash one, no fusions); returns (bridge, model chunks)."""
+    from megatron.bridge import AutoBridge
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_seq1f1b.attention.flash import flash_layer_spec
+
+    bridge = AutoBridge.from_hf_pretrained(path, dtype=torch.float32)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    spec = get_gpt_layer_local_spec(normalization=provider.normalization,
+                                    qk_layernorm=bool(getattr(provider, "qk_layernorm", False)))
+    provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=dict(
+        transformer_layer_spec=flash_layer_spec(spec) if attention == "flash" else spec,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, seq_length=SEQ,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
+        deallocate_pipeline_outputs=True))
+    ddp = DistributedDataParallelConfig() if wrap_with_ddp else None
+    model = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=wrap_with_ddp,
+                                               use_cpu_initialization=True)
+    return bridge, model
+
+
+# ---------------------------------------------------------------- Bridge's state and batches
+
+
+def bridge_state(num_microbatches: int):
+    """What Bridge's forward step and train_step read of its GlobalState, as plain objects:
+    configuration (defaults of Bridge's fields), timers (none logged), no straggler detection."""
+    from megatron.core.timers import Timers
+    from megatron.core.utils import StragglerDetector
+
+    cfg = types.SimpleNamespace(
+        model=types.SimpleNamespace(seq_length=SEQ, virtual_pipeline_model_parallel_size=None,
+                                    qk_clip=False),
+        dataset=types.SimpleNamespace(skip_getting_attention_mask_from_dataset=True,
+                                      dataloader_type="single"),
+        rerun_state_machine=types.SimpleNamespace(check_for_nan_in_loss=True,
+                                                  check_for_spiky_loss=False),
+        train=types.SimpleNamespace(micro_batch_size=1, empty_unused_memory_level=0,
+                                    check_optimizer_step_success=True,
+                                    skip_sync_grad_norm_across_mp=False),
+        optimizer=types.SimpleNamespace(barrier_with_L1_time=False, log_num_zeros_in_grad=False,
+                                        reuse_grad_buf_for_mxfp8_param_ag=False),
+        ddp=types.SimpleNamespace(overlap_param_gather=False),
+        dist=types.SimpleNamespace(use_decentralized_pg=False),
+        data_parallel_size=1)
+    return types.SimpleNamespace(cfg=cfg, timers=Timers(0, "minmax"),
+                                 straggler_timer=StragglerDetector())
+
+
+DOCUMENTS = ((0, 5, 20), (0, 3, 11, 12, 27), (0, 8, 16, 24), (0, 30))
+
+
+def bridge_batches(case: Case, iteration: int = 0) -> list[dict]:
+    """Micro-batches as Bridge's data loaders give them (host tensors, one sample each); packed
+    ones with Bridge's metadata in the case's form, position ids restarting per document."""
+    generator = torch.Generator().manual_seed(SEED + 101 * iteration)
+    batches = []
+    for index in range(case.num_microbatches):
+        tokens = torch.randint(0, VOCAB, (1, SEQ), generator=generator)
+        batch = dict(tokens=tokens, labels=torch.randint(0, VOCAB, (1, SEQ), generator=generator),
+                     loss_mask=(torch.rand(1, SEQ, generator=generator) > 0.25).float(),
+                     position_ids=torch.arange(SEQ).unsqueeze(0), attention_mask=None)
+        if case.partition == "documents":
+            starts = DOCUMENTS[index % len(DOCUMENTS)]
+            cu = list(starts) + [SEQ]
+            positions = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])
+            batch["position_ids"] = positions.unsqueeze(0)
+            longest = max(b - a for a, b in zip(cu, cu[1:]))
+            if case.packed_form == "legacy":
+                batch["cu_seqlens"] = torch.tensor([cu + [-1, -1]], dtype=torch.int32)
+                batch["cu_seqlens_argmin"] = torch.tensor(len(cu))
+                batch["max_seqlen"] = torch.tensor(longest)
+            else:
+                batch["cu_seqlens_q"] = batch["cu_seqlens_kv"] = torch.tensor(cu, dtype=torch.int32)
+                batch["max_seqlen_q"] = batch["max_seqlen_kv"] = torch.tensor(longest)
+        batches.append(batch)
+    return batches
+
+
+# ---------------------------------------------------------------- cases
+
+
+def _setup(pp: int):
+    bridge_env.load_loop()
+    init_parallel(pp=pp)
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def logits_equal_hf(family: str) -> dict:
+    """HF's logits and loss against the converted Megatron model's, one rank."""
+    _setup(1)
+    hf, path = hf_model(family)
+    _, (model,) = converted(path, pp=1, wrap_with_ddp=False)
+    generator = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        actual = model(tokens, torch.arange(SEQ).expand(2, SEQ), None)
+        losses = model(tokens, torch.arange(SEQ).expand(2, SEQ), None, labels=labels)
+    hf_losses = torch.nn.functional.cross_entropy(expected.reshape(-1, VOCAB), labels.reshape(-1),
+                                                  reduction="none").view(2, SEQ)
+    names = [name for name, _ in model.named_parameters()]
+    return dict(logits=_relative(actual, expected), loss=_relative(losses, hf_losses),
+                names=names)
+
+
+def _megatron_run(case, path, batches, state, loop):
+    """Megatron's own schedule (its getter) with Bridge's own forward step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    attention = "flash" if case.partition == "documents" else "local"
+    bridge, model = converted(path, case.pp, attention)
+    return bridge, model, get_forward_backward_func(), partial(loop.gpt_step.forward_step, state)
+
+
+def _seq1f1b_run(case, path, batches, state, loop, callback):
+    """Seq1F1B through the callback, fired by Bridge's callback manager as ``setup()`` fires it,
+    and the function Bridge's training module's getter now answers."""
+    from megatron_seq1f1b import bridge as s1b
+
+    attention = "flash" if case.partition == "documents" else "local"
+    bridge, model = converted(path, case.pp, attention)
+    manager = loop.callbacks.CallbackManager()
+    manager.add([callback])
+    manager.fire("on_data_init_start", loop.callbacks.CallbackContext(
+        state=state, model=model, user_state=manager.user_state))
+    function = loop.train.get_forward_backward_func(pp_size=case.pp, vp_size=None)
+    return bridge, model, function, partial(s1b.forward_step, state)
+
+
+def _callback(case):
+    from megatron_seq1f1b import bridge as s1b
+
+    documents = "packed" if case.partition == "documents" else None
+    return s1b.Seq1F1B(case.num_splits, case.partition, documents=documents)
+
+
+def _grads(model) -> dict:
+    from gpt import unwrap
+
+    return {name: param.main_grad.detach().clone()
+            for chunk in model for name, param in unwrap(chunk).named_parameters()}
+
+
+def gradients_equal_megatron(spec: Case) -> dict:
+    """One forward-backward: loss reports and every gradient, Seq1F1B vs Megatron's schedule."""
+    case = spec
+    loop = bridge_env.load_loop()
+    _setup(case.pp)
+    _, path = hf_model(case.family)
+    outcomes, flops = [], []
+    callback = _callback(case)
+    try:
+        for runner in (_megatron_run, partial(_seq1f1b_run, callback=callback)):
+            state = bridge_state(case.num_microbatches)
+            batches = bridge_batches(case)
+            _, model, function, step = runner(case, path, batches, state, loop)
+            store = function(forward_step_func=step, data_iterator=iter(batches), model=model,
+                             num_microbatches=case.num_microbatches, seq_length=SEQ,
+                             micro_batch_size=1)
+            reports = torch.stack([entry["lm loss"] for entry in store]) if store else None
+            outcomes.append((reports, _grads(model)))
+            flops.append(getattr(state, "_flops_seqlen_sum", None))
+    finally:
+        callback.uninstall()
+    (ref_reports, ref_grads), (reports, grads) = outcomes
+    problems = []
+    if ref_reports is not None:
+        if reports is None:
+            problems.append("no loss reports under Seq1F1B")
+        else:
+            per_mb = reports.view(case.num_microbatches, -1, 2).sum(dim=1)
+            if _relative(per_mb, ref_reports) > RTOL:
+                problems.append(f"loss reports: rel {_relative(per_mb, ref_reports):.2e}")
+    for name, expected in ref_grads.items():
+        rel = _relative(grads[name], expected)
+        if not rel <= RTOL:
+            problems.append(f"{name}: rel {rel:.2e}")
+    if not any(g.abs().max() > 0 for g in ref_grads.values()):
+        problems.append("the reference has no gradient")
+    flops = [None if value is None else float(value) for value in flops]
+    if flops[0] != flops[1]:
+        problems.append(f"FLOPs tokens counted {flops[1]}, Bridge's own step {flops[0]}")
+    worst = max(_relative(grads[name], expected) for name, expected in ref_grads.items())
+    return dict(problems=problems, entries=0 if reports is None else len(reports),
+                worst_gradient=worst, flops=flops)
