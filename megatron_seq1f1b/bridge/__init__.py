@@ -10,9 +10,9 @@ training loop (``pretrain`` / ``finetune``). Seq1F1B joins that loop in two plac
   (:func:`megatron_seq1f1b.enable`) and points Bridge's training and evaluation modules at
   Seq1F1B's forward-backward function, after the model exists and before the loop asks for it;
   configurations Seq1F1B cannot run through Bridge yet are refused by name there;
-* :func:`~.forward_step.forward_step` (``forward_step.py``): Bridge's GPT forward step, one
+* :func:`~.step.forward_step` (``step.py``): Bridge's GPT forward step, one
   segment of each micro-batch at a time (Bridge's packed-batch keys included), FLOPs counted
-  once per micro-batch; :func:`~.forward_step.packed_documents` reads a packed micro-batch's
+  once per micro-batch; :func:`~.step.packed_documents` reads a packed micro-batch's
   documents for the schedule;
 * :func:`~.loading.load_bridge` (``loading.py``): imports Megatron-Bridge where Transformer
   Engine is absent (a CPU machine), for conversion and tests.
@@ -29,9 +29,9 @@ import importlib
 _LAZY = {
     "Seq1F1B": "megatron_seq1f1b.bridge.callback",
     "bridge_problems": "megatron_seq1f1b.bridge.callback",
-    "forward_step": "megatron_seq1f1b.bridge.forward_step",
-    "packed_documents": "megatron_seq1f1b.bridge.forward_step",
-    "segment_packed_metadata": "megatron_seq1f1b.bridge.forward_step",
+    "forward_step": "megatron_seq1f1b.bridge.step",
+    "packed_documents": "megatron_seq1f1b.bridge.step",
+    "segment_packed_metadata": "megatron_seq1f1b.bridge.step",
     "load_bridge": "megatron_seq1f1b.bridge.loading",
     "bridge_missing_reason": "megatron_seq1f1b.bridge.loading",
 }

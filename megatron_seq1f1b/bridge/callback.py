@@ -80,10 +80,10 @@ class Seq1F1B(Callback):
 
     ``num_splits``, ``partition``, ``schedule``, ``split_lengths``, ``segment_multiple``,
     ``documents``: as :func:`megatron_seq1f1b.get_forward_backward_func`; ``documents="packed"``
-    reads the documents of Bridge's packed batches (:func:`~.forward_step.packed_documents`).
+    reads the documents of Bridge's packed batches (:func:`~.step.packed_documents`).
     ``segment_tokens`` (a token budget per segment) is passed on where the installed
     :func:`megatron_seq1f1b.get_forward_backward_func` takes it, and refused where it does not.
-    Use with :func:`megatron_seq1f1b.bridge.forward_step`, which cuts each micro-batch into its
+    Use with :func:`megatron_seq1f1b.bridge.step`, which cuts each micro-batch into its
     segment. The arguments are checked here, before Bridge starts.
     """
 
@@ -93,7 +93,7 @@ class Seq1F1B(Callback):
         kwargs = dict(split_lengths=split_lengths, schedule=schedule,
                       segment_multiple=segment_multiple)
         if documents == "packed":
-            from megatron_seq1f1b.bridge.forward_step import packed_documents
+            from megatron_seq1f1b.bridge.step import packed_documents
 
             documents = packed_documents
         kwargs["documents"] = documents
