@@ -268,3 +268,178 @@ def gradients_equal_megatron(spec: Case) -> dict:
     worst = max(_relative(grads[name], expected) for name, expected in ref_grads.items())
     return dict(problems=problems, entries=0 if reports is None else len(reports),
                 worst_gradient=worst, flops=flops)
+
+
+def _optimizer(model):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    # adam_eps=1: updates nearly linear in the gradient, so fp32 rounding differences between
+    # schedules are not blown up to +-lr where a gradient element is ~0 (tests/pipeline_cases.py)
+    config = OptimizerConfig(optimizer="adam", lr=0.1, weight_decay=0.0, clip_grad=0.0,
+                             adam_eps=1.0, bf16=False, fp16=False)
+    return get_megatron_optimizer(config, model, use_gloo_process_groups=False)
+
+
+def _as_bridge_setup_leaves_it(model, optimizer) -> None:
+    """The model config's hooks that Bridge's ``setup()`` installs (``_update_model_config_funcs``)
+    and the schedules call: gradient finalization, no_sync, the loss scale."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync
+    config.grad_scale_func = optimizer.scale_loss
+
+
+def train_steps_and_export(spec: Case, iterations: int = 2) -> dict:
+    """Bridge's own ``train_step`` for a few iterations with the function its ``train`` module's
+    getter answers: Seq1F1B (callback fired) vs Megatron's schedule (no callback). Losses,
+    weights exported back to HF after the optimizer steps, and one forward-only evaluation
+    through the getter Bridge's ``eval`` module holds."""
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator, init_num_microbatches_calculator,
+    )
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_model_config
+
+    from megatron_seq1f1b import bridge as s1b
+
+    case = spec
+    loop = bridge_env.load_loop()
+    _setup(case.pp)
+    original, path = hf_model(case.family)
+    callback = _callback(case)
+    attention = "flash" if case.partition == "documents" else "local"
+    outcomes = []
+    try:
+        for seq1f1b in (False, True):
+            destroy_num_microbatches_calculator()
+            init_num_microbatches_calculator(torch.distributed.get_rank(), None,
+                                             case.num_microbatches, 1, 1)
+            state = bridge_state(case.num_microbatches)
+            bridge, model = converted(path, case.pp, attention)
+            step = loop.gpt_step.forward_step
+            if seq1f1b:
+                manager = loop.callbacks.CallbackManager()
+                manager.add([callback])
+                manager.fire("on_data_init_start", loop.callbacks.CallbackContext(
+                    state=state, model=model, user_state=manager.user_state))
+                step = s1b.forward_step
+            function = loop.train.get_forward_backward_func(pp_size=case.pp, vp_size=None)
+            optimizer = _optimizer(model)
+            _as_bridge_setup_leaves_it(model, optimizer)
+            groups = ProcessGroupCollection.use_mpu_process_groups()
+            p2p = P2PCommunicator(pp_group=groups.pp, config=get_model_config(model[0]))
+            scheduler = types.SimpleNamespace(step=lambda increment: None)  # constant learning rate
+            losses = []
+            for iteration in range(iterations):
+                batches = bridge_batches(case, iteration)
+                result = loop.train.train_step(partial(step, state), iter(batches), model,
+                                               optimizer, scheduler, state, groups, function, p2p)
+                losses.append(result[0].get("lm loss"))
+            evaluate = loop.eval.get_forward_backward_func(pp_size=case.pp, vp_size=None)
+            batches = bridge_batches(case, iterations)
+            store = evaluate(forward_step_func=partial(step, state), data_iterator=iter(batches),
+                             model=model, num_microbatches=case.num_microbatches,
+                             seq_length=SEQ, micro_batch_size=1, forward_only=True)
+            evaluated = (torch.stack([e["lm loss"] for e in store]).sum(dim=0) if store else None)
+            exported = {name: tensor.detach().clone()
+                        for name, tensor in bridge.export_hf_weights(model, cpu=True)}
+            outcomes.append(dict(losses=losses, exported=exported, evaluated=evaluated,
+                                 function=function, evaluate=evaluate))
+    finally:
+        callback.uninstall()
+        destroy_num_microbatches_calculator()
+    reference, ours = outcomes
+    problems = []
+    if ours["function"] is not callback.function or ours["evaluate"] is not callback.function:
+        problems.append("Bridge's train/eval getters did not answer Seq1F1B's function")
+    if reference["function"] is callback.function:
+        problems.append("the reference ran Seq1F1B's function")
+    for index, (expected, actual) in enumerate(zip(reference["losses"], ours["losses"])):
+        if (expected is None) != (actual is None) or (
+                expected is not None and _relative(actual.view(1), expected.view(1)) > RTOL):
+            problems.append(f"iteration {index}: loss {actual} != Megatron's schedule {expected}")
+    if reference["evaluated"] is not None and _relative(
+            ours["evaluated"], reference["evaluated"]) > RTOL:
+        problems.append(f"evaluation {ours['evaluated']} != {reference['evaluated']}")
+    if set(reference["exported"]) != set(ours["exported"]):
+        problems.append("exported names differ")
+    hf_state = original.state_dict()
+    moved = 0.0
+    for name, expected in reference["exported"].items():
+        rel = _relative(ours["exported"][name], expected)
+        if not rel <= RTOL:
+            problems.append(f"exported {name}: rel {rel:.2e}")
+        if name in hf_state:
+            moved = max(moved, (expected - hf_state[name]).abs().max().item())
+    if moved < 1e-4:
+        problems.append(f"the optimizer steps moved no exported weight (max change {moved:.1e})")
+    losses = [None if loss is None else float(loss) for loss in ours["losses"]]
+    return dict(problems=problems, losses=losses, exported=len(ours["exported"]), moved=moved)
+
+
+def refusals() -> list[str]:
+    """What the callback refuses, by name, before it touches the model or Bridge's modules;
+    Bridge's packed keys read as documents. Returns the problems found (empty: as documented)."""
+    import inspect
+
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_seq1f1b import bridge as s1b
+    from megatron_seq1f1b.api import get_forward_backward_func
+    from megatron_seq1f1b.base.checks import ConfigError
+
+    loop = bridge_env.load_loop()
+    problems = []
+
+    def refused(make, *words) -> None:
+        try:
+            make()
+        except ConfigError as error:
+            missing = [word for word in words if word not in str(error)]
+            if missing:
+                problems.append(f"refusal without {missing}: {error}")
+            return
+        problems.append(f"not refused: {words}")
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, pipeline_dtype=torch.float32)
+    packed_pp2 = TransformerConfig(**base, pipeline_model_parallel_size=2)
+    packed_pp2.variable_seq_lengths = True  # as Bridge sets it: after __post_init__
+    in_batch = TransformerConfig(**base)
+    in_batch._enable_in_batch_packing = True  # what Bridge's ConfigContainer sets
+    cfg = bridge_state(1).cfg
+    holders = [module.get_forward_backward_func for module in (loop.train, loop.eval)]
+    for config, words in ((packed_pp2, ("variable_seq_lengths", "in-batch packing")),
+                          (in_batch, ("in-batch packing",))):
+        model = [types.SimpleNamespace(config=config)]
+        callback = s1b.Seq1F1B(4, "uniform")
+        context = loop.callbacks.CallbackContext(state=types.SimpleNamespace(cfg=cfg), model=model)
+        refused(lambda: callback.on_data_init_start(context), *words)
+    if [m.get_forward_backward_func for m in (loop.train, loop.eval)] != holders:
+        problems.append("a refused callback replaced Bridge's getters")
+    refused(lambda: s1b.Seq1F1B(0), "num_splits")
+    refused(lambda: s1b.Seq1F1B(4, "documents"), "documents")
+    if "segment_tokens" in inspect.signature(get_forward_backward_func).parameters:
+        s1b.Seq1F1B(4, segment_tokens=16)
+    else:
+        refused(lambda: s1b.Seq1F1B(4, segment_tokens=16), "segment_tokens")
+    full_graphs = types.SimpleNamespace(**vars(cfg))
+    full_graphs.model = types.SimpleNamespace(cuda_graph_impl="full_iteration")
+    if not any("full_iteration" in p for p in s1b.bridge_problems(full_graphs, in_batch)):
+        problems.append("full-iteration CUDA graphs not refused")
+
+    legacy = dict(cu_seqlens=torch.tensor([[0, 5, 20, 32, -1, -1]]),
+                  cu_seqlens_argmin=torch.tensor(4))
+    current = dict(cu_seqlens_q=torch.tensor([0, 5, 20, 32]))
+    short = dict(cu_seqlens=torch.tensor([[0, 5, 20, -1]]))  # padding after the last document
+    for batch, starts in ((legacy, (0, 5, 20)), (current, (0, 5, 20)), (short, (0, 5, 20))):
+        found = s1b.packed_documents(batch, 32).starts
+        if found != (starts,):
+            problems.append(f"packed_documents({batch}) = {found}, expected {(starts,)}")
+    padded = dict(cu_seqlens_q=torch.tensor([0, 5, 20, 30]),
+                  cu_seqlens_q_padded=torch.tensor([0, 8, 24, 32]))
+    refused(lambda: s1b.packed_documents(padded, 32), "padded")
+    return problems

@@ -46,3 +46,27 @@ def test_seq1f1b_gradients_equal_megatron_schedule(ranks, name):
     problems = [f"rank {rank}: {p}" for rank, r in enumerate(results) for p in r["problems"]]
     assert not problems, "\n".join(problems)
     assert any(r["entries"] for r in results), "no rank reported losses"
+
+
+def test_bridge_train_step_losses_and_exported_weights_equal_megatron_schedule(ranks):
+    """Bridge's own train_step, two iterations with the function its train module's getter
+    answers, and one evaluation through its eval module's getter: Seq1F1B (callback fired as
+    Bridge's setup() fires it) equals Megatron's schedule; the weights exported to Hugging Face
+    after the optimizer steps are equal too (and moved)."""
+    import bridge_cases
+
+    spec = Case("llama", pp=2)
+    results = ranks.run(2, bridge_cases.train_steps_and_export, case="train-llama-pp2", spec=spec)
+    problems = [f"rank {rank}: {p}" for rank, r in enumerate(results) for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert results[-1]["losses"][0] is not None and results[0]["exported"] > 0
+
+
+def test_refusals_name_what_to_change(ranks):
+    """Packed SFT with variable_seq_lengths / in-batch packing, segment_tokens before variable
+    lengths exist, bad knobs, full-iteration CUDA graphs: refused by name, before the callback
+    touches the model or Bridge's getters; Bridge's packed keys read as documents."""
+    import bridge_cases
+
+    (problems,) = ranks.run(1, bridge_cases.refusals)
+    assert not problems, "\n".join(problems)
