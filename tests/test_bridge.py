@@ -35,6 +35,8 @@ def test_hf_logits_equal_converted_megatron_model(ranks, family):
 GRADIENT_CASES = {
     "llama-pp1-k4-balanced": Case("llama", pp=1),
     "llama-pp2-k4-balanced": Case("llama", pp=2),
+    "llama-pp1-k4-documents-current": Case("llama", pp=1, partition="documents",
+                                           packed_form="current"),
     "llama-pp2-k4-documents-legacy": Case("llama", pp=2, partition="documents",
                                           packed_form="legacy"),
     "qwen3-pp2-k4-documents-current": Case("qwen3", pp=2, partition="documents",

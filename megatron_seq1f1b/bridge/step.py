@@ -32,6 +32,7 @@ from megatron_seq1f1b.segments.run import current_segment, slice_batch
 
 load_bridge()
 from megatron.bridge.training import gpt_step  # noqa: E402 - after load_bridge
+from megatron.bridge.training.losses import create_masked_next_token_loss_function  # noqa: E402
 from megatron.bridge.training.utils.flop_utils import (  # noqa: E402
     accumulate_flops_metadata,
     get_model_chunk_vp_stage,
@@ -149,6 +150,6 @@ def forward_step(state, data_iterator: Iterable, model, return_schedule_plan: bo
     with state.straggler_timer:
         output = model(**forward_args)
     rerun = state.cfg.rerun_state_machine
-    return output, gpt_step._create_loss_function(
+    return output, create_masked_next_token_loss_function(
         batch["loss_mask"], check_for_nan_in_loss=rerun.check_for_nan_in_loss,
         check_for_spiky_loss=rerun.check_for_spiky_loss)
