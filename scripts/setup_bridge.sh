@@ -25,7 +25,9 @@ bridge_want="$(sha256sum "$SEQ1F1B_ROOT/setup.py" "$SEQ1F1B_ROOT/scripts/setup_b
     | sha256sum | cut -c1-16) $bridge_spec"
 if [ "$(cat "$bridge_stamp" 2>/dev/null)" != "$bridge_want" ]; then
     bridge_pip() { "$SEQ1F1B_PYTHON" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
-        | grep -v "^WARNING: Location" | grep -v "^megatron-bridge .* requires" || true; }
+        | grep -v "^WARNING: Location" | grep -v "^megatron-bridge .* requires" \
+        | grep -v "^ERROR: pip's dependency resolver does not currently take into account" || true; }
+    # (pip lists Bridge's declared dependencies it does not install: the point of --no-deps)
     ignore=()
     if ! "$SEQ1F1B_PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
         ignore=(--ignore-requires-python)
