@@ -31,6 +31,16 @@ setup(
         "test": ["pytest>=7", "numpy", "psutil", "einops"],  # einops: Megatron's Mamba-2 layer
         # Pictures of schedules (PNG); the Chrome trace needs nothing extra.
         "plot": ["matplotlib"],
+        # Hugging Face models through NVIDIA Megatron-Bridge (megatron_seq1f1b.bridge, docs/bridge.md):
+        # what Bridge's conversion path imports. Bridge itself declares Python >=3.12 and a large
+        # set it does not import there: on 3.12 it comes with them (its own way); on older
+        # interpreters scripts/setup_bridge.sh installs it with --no-deps --ignore-requires-python.
+        "bridge": [
+            "megatron-bridge>=0.6.2; python_version >= '3.12'",
+            "transformers>=5.8,<=5.12.1",  # Bridge 0.6.2's range: HF models, configs, files
+            "omegaconf",  # Bridge's configuration utilities
+            "rich",  # Bridge's conversion progress bars
+        ],
         # Optional on GPUs: Transformer Engine attention (causal_bottom_right masks).
         # NVIDIA apex is not on PyPI; see docs/troubleshooting.md.
         "gpu": ["transformer-engine[pytorch]"],

@@ -16,7 +16,7 @@ Public API (see README and docs/design.md)::
 Attributes load lazily, so the schedule tools work without importing
 Megatron-Core. The package is split into rooms by responsibility, bottom floor
 first: ``base``, ``schedules``, ``segments``, ``attention``, ``runtime``, ``api``,
-``planner``, ``megatron_lm``, ``trainer``, ``bench`` (:data:`ROOMS`; docs/design.md,
+``planner``, ``megatron_lm``, ``bridge``, ``trainer``, ``bench`` (:data:`ROOMS`; docs/design.md,
 "The package's rooms"); every module name from before the rooms still imports
 (:mod:`megatron_seq1f1b.moved`).
 """
@@ -46,7 +46,7 @@ _LAZY = {
 }
 #: the rooms, bottom floor first (docs/design.md, "The package's rooms")
 ROOMS = ("base", "schedules", "segments", "attention", "runtime", "api", "planner",
-         "megatron_lm", "trainer", "bench")
+         "megatron_lm", "bridge", "trainer", "bench")
 #: submodules reachable as attributes: the rooms, and every earlier module name (the public
 #: API's ``s1.schedule.build_schedule``, ``s1.cpu.enable()``, ...) through moved
 _SUBMODULES = set(ROOMS) | set(moved.MOVED)
