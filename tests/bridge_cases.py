@@ -32,6 +32,10 @@ class Case:
     partition: str = "balanced"    # or "documents" (packed batches, Bridge's keys)
     packed_form: str = ""          # "legacy" (cu_seqlens, -1 padding, argmin) or "current"
     num_microbatches: int = 4
+    # in-batch packing: micro-batches of these lengths (variable_seq_lengths), two documents
+    # each, Seq1F1B with this token budget per segment
+    lengths: tuple = ()
+    segment_tokens: int | None = None
 
 
 def _families():
@@ -62,7 +66,8 @@ def hf_model(family: str):
     return model, path
 
 
-def converted(path: str, pp: int, attention: str = "local", wrap_with_ddp: bool = True):
+def converted(path: str, pp: int, attention: str = "local", wrap_with_ddp: bool = True,
+              variable: bool = False):
     """AutoBridge's provider for the saved model, made buildable on CPU (fp32, the local layer
     spec or the project's flash one, no fusions); returns (bridge, model chunks)."""
     from megatron.bridge import AutoBridge
@@ -81,7 +86,12 @@ def converted(path: str, pp: int, attention: str = "local", wrap_with_ddp: bool 
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
-        deallocate_pipeline_outputs=True))
+        deallocate_pipeline_outputs=True,
+        # in-batch packing: Megatron's flag, as Bridge sets it with pipeline parallelism
+        **(dict(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+           if variable and pp > 1 else {})))
+    if variable:
+        provider._enable_in_batch_packing = True  # what Bridge's ConfigContainer sets
     ddp = DistributedDataParallelConfig() if wrap_with_ddp else None
     model = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=wrap_with_ddp,
                                                use_cpu_initialization=True)
@@ -125,13 +135,14 @@ def bridge_batches(case: Case, iteration: int = 0) -> list[dict]:
     generator = torch.Generator().manual_seed(SEED + 101 * iteration)
     batches = []
     for index in range(case.num_microbatches):
-        tokens = torch.randint(0, VOCAB, (1, SEQ), generator=generator)
-        batch = dict(tokens=tokens, labels=torch.randint(0, VOCAB, (1, SEQ), generator=generator),
-                     loss_mask=(torch.rand(1, SEQ, generator=generator) > 0.25).float(),
-                     position_ids=torch.arange(SEQ).unsqueeze(0), attention_mask=None)
+        n = case.lengths[index] if case.lengths else SEQ
+        tokens = torch.randint(0, VOCAB, (1, n), generator=generator)
+        batch = dict(tokens=tokens, labels=torch.randint(0, VOCAB, (1, n), generator=generator),
+                     loss_mask=(torch.rand(1, n, generator=generator) > 0.25).float(),
+                     position_ids=torch.arange(n).unsqueeze(0), attention_mask=None)
         if case.partition == "documents":
-            starts = DOCUMENTS[index % len(DOCUMENTS)]
-            cu = list(starts) + [SEQ]
+            starts = (0, n // 3) if case.lengths else DOCUMENTS[index % len(DOCUMENTS)]
+            cu = list(starts) + [n]
             positions = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])
             batch["position_ids"] = positions.unsqueeze(0)
             longest = max(b - a for a, b in zip(cu, cu[1:]))
@@ -182,7 +193,7 @@ def _megatron_run(case, path, batches, state, loop):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     attention = "flash" if case.partition == "documents" else "local"
-    bridge, model = converted(path, case.pp, attention)
+    bridge, model = converted(path, case.pp, attention, variable=bool(case.lengths))
     return bridge, model, get_forward_backward_func(), partial(loop.gpt_step.forward_step, state)
 
 
@@ -192,7 +203,7 @@ def _seq1f1b_run(case, path, batches, state, loop, callback):
     from megatron_seq1f1b import bridge as s1b
 
     attention = "flash" if case.partition == "documents" else "local"
-    bridge, model = converted(path, case.pp, attention)
+    bridge, model = converted(path, case.pp, attention, variable=bool(case.lengths))
     manager = loop.callbacks.CallbackManager()
     manager.add([callback])
     manager.fire("on_data_init_start", loop.callbacks.CallbackContext(
@@ -205,7 +216,8 @@ def _callback(case):
     from megatron_seq1f1b import bridge as s1b
 
     documents = "packed" if case.partition == "documents" else None
-    return s1b.Seq1F1B(case.num_splits, case.partition, documents=documents)
+    return s1b.Seq1F1B(case.num_splits, case.partition, documents=documents,
+                       segment_tokens=case.segment_tokens)
 
 
 def _grads(model) -> dict:
@@ -229,8 +241,8 @@ def gradients_equal_megatron(spec: Case) -> dict:
             batches = bridge_batches(case)
             _, model, function, step = runner(case, path, batches, state, loop)
             store = function(forward_step_func=step, data_iterator=iter(batches), model=model,
-                             num_microbatches=case.num_microbatches, seq_length=SEQ,
-                             micro_batch_size=1)
+                             num_microbatches=case.num_microbatches,
+                             seq_length=max(case.lengths or (SEQ,)), micro_batch_size=1)
             reports = torch.stack([entry["lm loss"] for entry in store]) if store else None
             outcomes.append((reports, _grads(model)))
             flops.append(tuple(getattr(state, key, None)
@@ -260,7 +272,8 @@ def gradients_equal_megatron(spec: Case) -> dict:
                  for batch in bridge_batches(case)]
         _, model, function, step = _megatron_run(case, path, whole, state, loop)
         function(forward_step_func=step, data_iterator=iter(whole), model=model,
-                 num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=1)
+                 num_microbatches=case.num_microbatches,
+                 seq_length=max(case.lengths or (SEQ,)), micro_batch_size=1)
         if all(_relative(g, ref_grads[n]) <= 1e-3 for n, g in _grads(model).items()):
             problems.append("the packed documents changed no gradient: the test cannot tell")
     if flops[0] != flops[1]:
@@ -384,12 +397,9 @@ def train_steps_and_export(spec: Case, iterations: int = 2) -> dict:
 def refusals() -> list[str]:
     """What the callback refuses, by name, before it touches the model or Bridge's modules;
     Bridge's packed keys read as documents. Returns the problems found (empty: as documented)."""
-    import inspect
-
     from megatron.core.transformer import TransformerConfig
 
     from megatron_seq1f1b import bridge as s1b
-    from megatron_seq1f1b.api import get_forward_backward_func
     from megatron_seq1f1b.base.checks import ConfigError
 
     loop = bridge_env.load_loop()
@@ -406,26 +416,24 @@ def refusals() -> list[str]:
         problems.append(f"not refused: {words}")
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, pipeline_dtype=torch.float32)
-    packed_pp2 = TransformerConfig(**base, pipeline_model_parallel_size=2)
-    packed_pp2.variable_seq_lengths = True  # as Bridge sets it: after __post_init__
     in_batch = TransformerConfig(**base)
     in_batch._enable_in_batch_packing = True  # what Bridge's ConfigContainer sets
     cfg = bridge_state(1).cfg
     holders = [module.get_forward_backward_func for module in (loop.train, loop.eval)]
-    for config, words in ((packed_pp2, ("variable_seq_lengths", "in-batch packing")),
-                          (in_batch, ("in-batch packing",))):
-        model = [types.SimpleNamespace(config=config)]
-        callback = s1b.Seq1F1B(4, "uniform")
-        context = loop.callbacks.CallbackContext(state=types.SimpleNamespace(cfg=cfg), model=model)
-        refused(lambda: callback.on_data_init_start(context), *words)
+    overlap = TransformerConfig(**base)
+    overlap.overlap_moe_expert_parallel_comm = True
+    model = [types.SimpleNamespace(config=overlap)]
+    callback = s1b.Seq1F1B(4, "uniform")
+    context = loop.callbacks.CallbackContext(state=types.SimpleNamespace(cfg=cfg), model=model)
+    refused(lambda: callback.on_data_init_start(context), "overlap_moe_expert_parallel_comm")
     if [m.get_forward_backward_func for m in (loop.train, loop.eval)] != holders:
         problems.append("a refused callback replaced Bridge's getters")
+    if not s1b.variable_lengths(in_batch):
+        problems.append("in-batch packing not read as variable-length micro-batches")
     refused(lambda: s1b.Seq1F1B(0), "num_splits")
     refused(lambda: s1b.Seq1F1B(4, "documents"), "documents")
-    if "segment_tokens" in inspect.signature(get_forward_backward_func).parameters:
-        s1b.Seq1F1B(4, segment_tokens=16)
-    else:
-        refused(lambda: s1b.Seq1F1B(4, segment_tokens=16), "segment_tokens")
+    refused(lambda: s1b.Seq1F1B(4, segment_tokens=0), "segment_tokens")
+    refused(lambda: s1b.Seq1F1B(1, segment_tokens=16), "num_splits=1")
     full_graphs = types.SimpleNamespace(**vars(cfg))
     full_graphs.model = types.SimpleNamespace(cuda_graph_impl="full_iteration")
     if not any("full_iteration" in p for p in s1b.bridge_problems(full_graphs, in_batch)):

@@ -41,6 +41,14 @@ GRADIENT_CASES = {
                                           packed_form="legacy"),
     "qwen3-pp2-k4-documents-current": Case("qwen3", pp=2, partition="documents",
                                            packed_form="current"),
+    # in-batch packing (Bridge's packed SFT): micro-batches of their own lengths, 8x apart,
+    # variable_seq_lengths as Bridge sets it at pp 2 (and the callback at pp 1), a budget
+    "llama-pp2-in-batch-packing-budget": Case("llama", pp=2, num_splits=16,
+                                              partition="documents", packed_form="current",
+                                              lengths=(48, 6, 24, 12), segment_tokens=8),
+    "llama-pp1-in-batch-packing-budget": Case("llama", pp=1, num_splits=16,
+                                              partition="documents", packed_form="current",
+                                              lengths=(48, 6, 24, 12), segment_tokens=8),
 }
 
 
@@ -70,9 +78,10 @@ def test_bridge_train_step_losses_and_exported_weights_equal_megatron_schedule(r
 
 
 def test_refusals_name_what_to_change(ranks):
-    """Packed SFT with variable_seq_lengths / in-batch packing, segment_tokens before variable
-    lengths exist, bad knobs, full-iteration CUDA graphs: refused by name, before the callback
-    touches the model or Bridge's getters; Bridge's packed keys read as documents."""
+    """Bad knobs (a budget with num_splits=1 among them), full-iteration CUDA graphs, Megatron's
+    combined 1F1B: refused by name, before the callback touches the model or Bridge's getters;
+    in-batch packing read as variable-length micro-batches; Bridge's packed keys read as
+    documents."""
     import bridge_cases
 
     (problems,) = ranks.run(1, bridge_cases.refusals)

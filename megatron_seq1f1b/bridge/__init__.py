@@ -8,7 +8,8 @@ training loop (``pretrain`` / ``finetune``). Seq1F1B joins that loop in two plac
 
 * :class:`~.callback.Seq1F1B` (``callback.py``): a Bridge callback that prepares the built model
   (:func:`megatron_seq1f1b.enable`) and points Bridge's training and evaluation modules at
-  Seq1F1B's forward-backward function, after the model exists and before the loop asks for it;
+  Seq1F1B's forward-backward function, after the model exists and before the loop asks for it
+  (in-batch packing runs as variable-length micro-batches, ``segment_tokens`` a token budget);
   configurations Seq1F1B cannot run through Bridge yet are refused by name there;
 * :func:`~.step.forward_step` (``step.py``): Bridge's GPT forward step, one
   segment of each micro-batch at a time (Bridge's packed-batch keys included), FLOPs counted
@@ -29,6 +30,7 @@ import importlib
 _LAZY = {
     "Seq1F1B": "megatron_seq1f1b.bridge.callback",
     "bridge_problems": "megatron_seq1f1b.bridge.callback",
+    "variable_lengths": "megatron_seq1f1b.bridge.callback",
     "forward_step": "megatron_seq1f1b.bridge.step",
     "packed_documents": "megatron_seq1f1b.bridge.step",
     "segment_packed_metadata": "megatron_seq1f1b.bridge.step",

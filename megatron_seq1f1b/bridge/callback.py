@@ -5,19 +5,19 @@ name when they are imported, and ``train()`` calls it once, before its loop (``e
 every evaluation). No configuration field chooses the schedule, so the callback replaces that
 name in both modules, at ``on_data_init_start``: Bridge fires it after the model, optimizer and
 checkpoint exist and before ``train()`` asks for the function. The model is prepared for
-segments (:func:`megatron_seq1f1b.enable`) at the same moment. What Seq1F1B cannot run through
-Bridge yet is refused there, by name, before any step (:func:`bridge_problems`).
+segments (:func:`megatron_seq1f1b.enable`) at the same moment, and in-batch packing (micro-batches
+of their own lengths) is run as Megatron's ``variable_seq_lengths``. What Seq1F1B cannot run
+through Bridge yet is refused there, by name, before any step (:func:`bridge_problems`).
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import sys
 from typing import Callable, Sequence
 
 from megatron_seq1f1b.api import get_forward_backward_func
-from megatron_seq1f1b.base.checks import ConfigError, raise_if
+from megatron_seq1f1b.base.checks import raise_if
 from megatron_seq1f1b.bridge.loading import load_bridge
 
 load_bridge()
@@ -27,17 +27,12 @@ from megatron.bridge.training.callbacks import Callback  # noqa: E402 - after lo
 BRIDGE_GETTER_HOLDERS = ("megatron.bridge.training.train", "megatron.bridge.training.eval")
 
 
-def _variable_length_problems(model_config) -> list[str]:
-    fix = ("Seq1F1B's schedule runs micro-batches of one length (seq_length) until "
-           "variable-length micro-batches land: pack offline to a fixed length "
-           "(packed_sequence_specs) instead of in-batch packing")
-    if getattr(model_config, "variable_seq_lengths", False):
-        return ["variable_seq_lengths=True (Megatron-Bridge sets it for in-batch packing under "
-                f"pipeline parallelism): every micro-batch has its own length; {fix}"]
-    if getattr(model_config, "_enable_in_batch_packing", False):
-        return ["in-batch packing (dataset enable_in_batch_packing): every micro-batch has its "
-                f"own length (with pipeline parallelism Bridge sets variable_seq_lengths); {fix}"]
-    return []
+def variable_lengths(model_config) -> bool:
+    """Whether Bridge gives micro-batches of their own lengths: in-batch packing (with pipeline
+    parallelism Bridge sets ``variable_seq_lengths`` for it; without, Megatron's schedule needs
+    nothing, but Seq1F1B cuts every micro-batch by its own length only where the flag says so)."""
+    return bool(getattr(model_config, "variable_seq_lengths", False)
+                or getattr(model_config, "_enable_in_batch_packing", False))
 
 
 def bridge_problems(cfg, model_config) -> list[str]:
@@ -46,7 +41,7 @@ def bridge_problems(cfg, model_config) -> list[str]:
     ``cfg``: Bridge's ``ConfigContainer`` (or anything with its fields); ``model_config``: the
     built model's ``TransformerConfig``.
     """
-    problems = _variable_length_problems(model_config)
+    problems = []
     model_cfg = getattr(cfg, "model", None)
     if getattr(model_cfg, "cuda_graph_impl", "none") == "full_iteration" or (
             getattr(model_config, "cuda_graph_impl", "none") == "full_iteration"):
@@ -81,8 +76,9 @@ class Seq1F1B(Callback):
     ``num_splits``, ``partition``, ``schedule``, ``split_lengths``, ``segment_multiple``,
     ``documents``: as :func:`megatron_seq1f1b.get_forward_backward_func`; ``documents="packed"``
     reads the documents of Bridge's packed batches (:func:`~.step.packed_documents`).
-    ``segment_tokens`` (a token budget per segment) is passed on where the installed
-    :func:`megatron_seq1f1b.get_forward_backward_func` takes it, and refused where it does not.
+    ``segment_tokens``: a token budget per segment (``num_splits`` is then the most segments a
+    micro-batch gets), for Bridge's in-batch packing, whose micro-batches have their own
+    lengths (:func:`variable_lengths`; docs/variable_lengths.md).
     Use with :func:`megatron_seq1f1b.bridge.step`, which cuts each micro-batch into its
     segment. The arguments are checked here, before Bridge starts.
     """
@@ -98,11 +94,6 @@ class Seq1F1B(Callback):
             documents = packed_documents
         kwargs["documents"] = documents
         if segment_tokens is not None:
-            if "segment_tokens" not in inspect.signature(get_forward_backward_func).parameters:
-                raise ConfigError([
-                    "segment_tokens (a token budget per segment) needs variable-length "
-                    "micro-batches, which this version of megatron_seq1f1b does not have: give "
-                    "num_splits instead"])
             kwargs["segment_tokens"] = segment_tokens
         self.function = get_forward_backward_func(num_splits, partition, **kwargs)
         self._replaced: dict[str, Callable] = {}
@@ -117,7 +108,10 @@ class Seq1F1B(Callback):
         from megatron_seq1f1b.runtime.model_hooks import enable
 
         model = list(context.model)
-        raise_if(bridge_problems(context.state.cfg, get_model_config(model[0])))
+        config = get_model_config(model[0])
+        raise_if(bridge_problems(context.state.cfg, config))
+        if variable_lengths(config):  # in-batch packing: each micro-batch cut by its length
+            config.variable_seq_lengths = True
         enable(model)
         self.install()
 
