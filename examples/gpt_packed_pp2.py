@@ -104,11 +104,9 @@ def train_step(forward_backward, model, batches) -> tuple[list[float], dict]:
     store = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches),
                              model=model, num_microbatches=len(batches),
                              seq_length=SEQ_LENGTH, micro_batch_size=1)
-    # One report per loss_func call: Megatron's schedule one per micro-batch, Seq1F1B one per
-    # segment, in order; summed, as Megatron-LM's log sums them, they give each micro-batch's
-    # loss (sum over its tokens / its token count).
-    reports = torch.stack([r["lm loss"] for r in store]) if store else torch.zeros(0, 2)
-    sums = reports.view(len(batches), -1, 2).sum(1) if store else reports
+    # One report per micro-batch (both schedules; Seq1F1B sums its segments' [sum, tokens]):
+    # each micro-batch's loss is its sum over its tokens / its token count.
+    sums = torch.stack([r["lm loss"] for r in store]) if store else torch.zeros(0, 2)
     return (sums[:, 0] / sums[:, 1]).tolist(), {n: p.grad.clone()
                                                  for n, p in model.named_parameters()}
 

@@ -84,14 +84,13 @@ def forward_step(data_iterator, model):
 
 
 def train_step(forward_backward, model, batches) -> tuple[list[float], dict]:
-    """Each micro-batch's loss (last stage; Seq1F1B reports once per segment, in order) and
-    this stage's gradients."""
+    """Each micro-batch's loss (last stage; one report per micro-batch, Seq1F1B's the sum of its
+    segments') and this stage's gradients."""
     model.zero_grad(set_to_none=True)
     store = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches),
                              model=model, num_microbatches=len(batches),
                              seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH)
-    reports = torch.stack([r["lm loss"] for r in store]) if store else torch.zeros(0, 2)
-    sums = reports.view(len(batches), -1, 2).sum(1) if store else reports
+    sums = torch.stack([r["lm loss"] for r in store]) if store else torch.zeros(0, 2)
     return (sums[:, 0] / sums[:, 1]).tolist(), {n: p.grad.clone()
                                                  for n, p in model.named_parameters()}
 

@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 # script -> a module it needs (skipped where the installed megatron-core lacks it)
-SCRIPTS = {"gpt_packed_pp2.py": None, "hybrid_pp2.py": "megatron.core.models.hybrid"}
+SCRIPTS = {"gpt_packed_pp2.py": None, "hybrid_pp2.py": "megatron.core.models.hybrid",
+           "variable_lengths_pp2.py": None}
 TIMEOUT_S = 300
 
 
