@@ -1838,7 +1838,6 @@ def test_validate_does_nothing_without_the_flag():
     ({"fine_grained_activation_offloading": True}, ["--fine-grained-activation-offloading"]),
     ({"overlap_p2p_comm": True}, ["--no-overlap-p2p-communication"]),
     ({"decoder_seq_length": 2048}, ["--decoder-seq-length"]),
-    ({"variable_seq_lengths": True}, ["--seq-length"]),
     ({"modelopt_enabled": True}, ["--modelopt-enabled"]),
     ({"export_kd_teacher_load": "/ckpt/teacher"}, ["--export-kd-teacher-load"]),
     ({"tp_comm_overlap": True}, ["--tp-comm-overlap"]),
@@ -1880,6 +1879,12 @@ def test_validate_rejects_with_flag_names(overrides, flags):
     for flag in flags:
         assert flag in message, (flag, message)
     assert len(info.value.problems) == 1, info.value.problems
+
+
+def test_variable_seq_lengths_are_accepted():
+    """variable_seq_lengths (which Megatron-LM's own scripts set False) runs under Seq1F1B
+    (docs/variable_lengths.md)."""
+    assert megatron_lm.args_problems(megatron_args(variable_seq_lengths=True)) == []
 
 
 def test_validate_reports_everything_at_once():
