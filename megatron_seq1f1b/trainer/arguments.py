@@ -24,13 +24,15 @@ from megatron_seq1f1b.base.flags import (
     positive_int,
 )
 from megatron_seq1f1b.megatron_lm.arguments import (
-    AUTO, add_arguments, auto_flag_problems, moe_flag_problems, window_problems,
+    AUTO, add_arguments, auto_flag_problems, moe_flag_problems, segment_splits,
+    segment_tokens_flag_problems, window_problems,
 )
 from megatron_seq1f1b.planner.cli import add_recurrent_arguments, recurrent_fields
 from megatron_seq1f1b.planner.footprint import ModelShape
 from megatron_seq1f1b.planner.recurrent import gdn_sizes, mamba_sizes
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import split_sequence
+from megatron_seq1f1b.schedules.variable import segment_count
 from megatron_seq1f1b.trainer import data as trainer_data
 
 PROG = "pretrain_gpt.py"
@@ -421,6 +423,9 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     auto = args.seq1f1b_splits == AUTO
     problems += auto_flag_problems(args)
     problems += document_problems(args, auto)
+    problems += segment_tokens_flag_problems(args)
+    # unset: 4, or with --seq1f1b-segment-tokens no cap (the longest micro-batch's count)
+    args.seq1f1b_splits = segment_splits(args, args.schedule_seq_length)
     if args.seq1f1b and args.seq1f1b_schedule == "zb-h2" \
             and args.virtual_pipeline_model_parallel_size is not None:
         problems.append(f"--seq1f1b-schedule zb-h2 with virtual pipelining: {ZB_H2_PROBLEM}")
@@ -431,10 +436,14 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         multiple = segment_multiple(args)  # TP with SP; 2 x CP chunks with CP
         if requested is not None:
             multiple = math.lcm(multiple, requested)
+        budget = args.seq1f1b_segment_tokens
+        count = args.seq1f1b_splits if budget is None else segment_count(
+            args.schedule_seq_length, args.seq1f1b_splits, budget, multiple)
         try:
-            split_sequence(args.schedule_seq_length, args.seq1f1b_splits, multiple_of=multiple)
+            split_sequence(args.schedule_seq_length, count, multiple_of=multiple)
         except ValueError as exc:
-            problems.append(f"--seq-length / --seq1f1b-splits: {exc}")
+            flag = "--seq1f1b-splits" if budget is None else "--seq1f1b-segment-tokens"
+            problems.append(f"--seq-length / {flag}: {exc}")
     if args.seq1f1b and args.num_experts:
         problems += moe_flag_problems(args)
     if cp > 1:

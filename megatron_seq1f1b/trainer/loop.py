@@ -27,7 +27,8 @@ def _forward_backward_func(args, recorder=None) -> Callable:
             split_lengths=getattr(args, "seq1f1b_split_lengths", None), recorder=recorder,
             segment_costs=getattr(args, "seq1f1b_segment_costs", None),
             segment_multiple=args.seq1f1b_segment_multiple,
-            documents=data.seq1f1b_documents(args, data.make_tokenizer(args).eod))
+            documents=data.seq1f1b_documents(args, data.make_tokenizer(args).eod),
+            segment_tokens=args.seq1f1b_segment_tokens)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()
@@ -152,6 +153,19 @@ def _weights_digests(model: list) -> list[str]:
     return everyone
 
 
+def _schedule_name(args) -> str:
+    """The schedule as the logs and the summary name it."""
+    if not args.seq1f1b:
+        return ("Megatron-Core interleaved 1F1B" if args.virtual_pipeline_model_parallel_size
+                else "Megatron-Core 1F1B" if args.pipeline_model_parallel_size > 1
+                else "Megatron-Core (no pipelining)")
+    if args.seq1f1b_segment_tokens is not None:
+        return (f"Seq1F1B segments of <= {args.seq1f1b_segment_tokens} tokens (k <= "
+                f"{args.seq1f1b_splits}, {args.seq1f1b_partition}, {args.seq1f1b_schedule})")
+    return (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition}, "
+            f"{args.seq1f1b_schedule})")
+
+
 def _documents_note(args) -> str:
     """How this run keeps documents apart (the start-up line)."""
     if args.documents is None:
@@ -225,11 +239,7 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
     forward_backward = _forward_backward_func(args)
     memory = PeakMemory(device)
     tokens_per_iter = args.global_batch_size * args.seq_length
-    megatron = ("Megatron-Core interleaved 1F1B" if args.virtual_pipeline_model_parallel_size
-                else "Megatron-Core 1F1B" if args.pipeline_model_parallel_size > 1
-                else "Megatron-Core (no pipelining)")
-    schedule = (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition}, "
-                f"{args.seq1f1b_schedule})" if args.seq1f1b else megatron)
+    schedule = _schedule_name(args)
     _print(f"> training with {schedule} schedule: world {world_size}, tp "
            f"{args.tensor_model_parallel_size}, pp {args.pipeline_model_parallel_size}, vpp "
            f"{args.virtual_pipeline_model_parallel_size}, cp {args.context_parallel_size}, dp "
