@@ -280,6 +280,19 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-segment-tokens-sequence-parallel": _trainer(
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "255",
         "--seq1f1b", "--seq1f1b-segment-tokens", "64", world_size=2),
+    "trainer-variable-mode-unknown": _trainer("--variable-seq-lengths", "uniform"),
+    "trainer-variable-documents-micro-batch-size": _trainer("--variable-seq-lengths",
+                                                            "--micro-batch-size", "2"),
+    "trainer-variable-allgather": _trainer("--variable-seq-lengths", "lognormal",
+                                           "--num-experts", "2"),
+    "trainer-variable-auto": _trainer("--variable-seq-lengths", "--seq1f1b", "--seq1f1b-splits",
+                                      "auto"),
+    "trainer-variable-min-exceeds-sequence": _trainer("--variable-seq-lengths", "lognormal",
+                                                      "--variable-seq-lengths-min", "300"),
+    "trainer-variable-shape-without-lognormal": _trainer("--variable-seq-lengths-sigma", "0.5"),
+    "trainer-variable-sequence-parallel": _trainer(
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "255",
+        "--variable-seq-lengths", "lognormal", world_size=2),
 }
 
 # ------------------------------------------------------------------ triggers run on two gloo ranks
