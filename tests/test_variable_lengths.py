@@ -10,7 +10,7 @@ import os
 import pytest
 
 from gpt import ModelSpec
-from varlen_cases import run, run_mismatch, run_step
+from varlen_cases import run, run_framework, run_mismatch, run_step
 
 FULL = os.environ.get("SEQ1F1B_FULL") == "1"
 HYBRID = importlib.util.find_spec("megatron.core.models.hybrid") is not None
@@ -109,3 +109,15 @@ def test_mismatched_stage_data_stops_every_rank(ranks, kind, line):
     for result in results:
         assert result["error"] is not None, f"rank {result['rank']} ran on"
         assert any(line in problem for problem in result["error"]), result["error"]
+
+
+@pytest.mark.parametrize("via", ["install", "function"])
+def test_post_training_framework_drop_in(ranks, via):
+    """The path a post-training framework takes, as it calls it: install() and then Megatron's
+    getter (or the function itself), its own forward step building PackedSeqParams per
+    micro-batch from its 1-D cu_seqlens, micro_batch_size=1, seq_length the longest, a loss
+    per token: loss reports and every gradient equal Megatron's own schedule."""
+    _check(ranks.run(2, run_framework, case=f"varlen-framework-{via}", via=via, lengths=PACKED,
+                     documents=PACKED_DOCUMENTS,
+                     seq1f1b=dict(num_splits=16, partition="balanced", segment_tokens=12,
+                                  documents="cu_seqlens")))
