@@ -392,6 +392,21 @@ def test_trainer_refuses_what_megatron_or_seq1f1b_would_fail_on_later(flags, mes
     assert arguments.parse([*base, "--seq1f1b", "--seq1f1b-splits", "8"]).seq1f1b_splits == 8
 
 
+@pytest.mark.parametrize("flags, splits", [
+    ([], 4),  # the default count
+    (["--seq1f1b-segment-tokens", "8"], 12),  # no cap: ceil(96 / 8), not the default 4
+    (["--seq1f1b-segment-tokens", "8", "--seq1f1b-splits", "3"], 3),  # a given cap
+    (["--seq1f1b-segment-tokens", "500"], 2),  # a budget beyond the sequence: 1 segment, cap 2
+])
+def test_a_token_budget_without_splits_has_no_cap(flags, splits):
+    """--seq1f1b-segment-tokens T: with no --seq1f1b-splits the cap is the longest
+    micro-batch's count (no cap), not the default 4 splits."""
+    base = ["--mock-data", "--vocab-size", "64", "--seq-length", "96", "--seq1f1b"]
+    args = arguments.parse([*base, *flags])
+    assert (args.seq1f1b_splits, args.seq1f1b_segment_tokens) == (
+        splits, int(flags[1]) if flags else None)
+
+
 def test_demo_help_answers_without_setting_up():
     done = subprocess.run(["bash", str(SCRIPTS / "demo.sh"), "--help"], capture_output=True,
                           text=True, timeout=30, cwd=ROOT)

@@ -1655,7 +1655,8 @@ def parser_with_seq1f1b() -> argparse.ArgumentParser:
 
 def test_arguments_defaults_and_values():
     args = parser_with_seq1f1b().parse_args([])
-    assert (args.seq1f1b, args.seq1f1b_splits, args.seq1f1b_partition) == (False, 4, "balanced")
+    assert (args.seq1f1b, args.seq1f1b_splits, args.seq1f1b_partition) == (False, None, "balanced")
+    assert megatron_lm.segment_splits(args) == 4  # unset: the default count
     args = parser_with_seq1f1b().parse_args(
         ["--seq1f1b", "--seq1f1b-splits", "8", "--seq1f1b-partition", "uniform"])
     assert (args.seq1f1b, args.seq1f1b_splits, args.seq1f1b_partition) == (True, 8, "uniform")
@@ -1838,7 +1839,6 @@ def test_validate_does_nothing_without_the_flag():
     ({"fine_grained_activation_offloading": True}, ["--fine-grained-activation-offloading"]),
     ({"overlap_p2p_comm": True}, ["--no-overlap-p2p-communication"]),
     ({"decoder_seq_length": 2048}, ["--decoder-seq-length"]),
-    ({"variable_seq_lengths": True}, ["--seq-length"]),
     ({"modelopt_enabled": True}, ["--modelopt-enabled"]),
     ({"export_kd_teacher_load": "/ckpt/teacher"}, ["--export-kd-teacher-load"]),
     ({"tp_comm_overlap": True}, ["--tp-comm-overlap"]),
@@ -1882,6 +1882,14 @@ def test_validate_rejects_with_flag_names(overrides, flags):
     assert len(info.value.problems) == 1, info.value.problems
 
 
+def test_variable_seq_lengths_are_accepted():
+    """variable_seq_lengths (which Megatron-LM's own scripts set False) runs under Seq1F1B,
+    with a fixed count or a token budget (docs/variable_lengths.md)."""
+    for budget in (None, 512):
+        assert megatron_lm.args_problems(megatron_args(
+            variable_seq_lengths=True, seq1f1b_segment_tokens=budget)) == []
+
+
 def test_validate_reports_everything_at_once():
     problems = megatron_lm.args_problems(
         megatron_args(hybrid_context_parallel=True, num_experts=4, moe_expert_capacity_factor=1.0,
@@ -1915,6 +1923,30 @@ def test_prepare_model(monkeypatch):
 
         s1.uninstall()
     assert not hasattr(holder.get_forward_backward_func, "seq1f1b")
+
+
+@pytest.mark.parametrize("splits,cap", [(None, 16), (6, 6)], ids=["no-cap", "capped"])
+def test_segment_tokens_flag_installs_a_budget(monkeypatch, splits, cap):
+    """--seq1f1b-segment-tokens 256 at --seq-length 4096: the installed function cuts by the
+    budget; without --seq1f1b-splits no cap (ceil(4096 / 256) = 16, not the default 4), with
+    it the given cap."""
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    import megatron_seq1f1b.runtime.model_hooks as model_mod
+
+    monkeypatch.setattr(model_mod, "enable", lambda model: model)
+    argv = ["--seq1f1b", "--seq1f1b-segment-tokens", "256"]
+    parsed = parser_with_seq1f1b().parse_args(
+        argv + ([] if splits is None else ["--seq1f1b-splits", str(splits)]))
+    assert (parsed.seq1f1b_segment_tokens, parsed.seq1f1b_splits) == (256, splits)
+    try:
+        megatron_lm.prepare_model([object()], megatron_args(
+            seq1f1b_splits=parsed.seq1f1b_splits, seq1f1b_segment_tokens=256))
+        func = pipeline_parallel.get_forward_backward_func()
+        assert (func.num_splits, func.segment_tokens, func.partition) == (cap, 256, "balanced")
+    finally:
+        import megatron_seq1f1b as s1
+
+        s1.uninstall()
 
 
 def test_prepare_model_with_auto_installs_the_planning_function(monkeypatch):

@@ -168,6 +168,11 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-segments-context-parallel": _lm(context_parallel_size=2, seq_length=4098),
     "lm-segment-multiple": _lm(seq1f1b_segment_multiple=0),
     "lm-segments-segment-multiple": _lm(seq1f1b_segment_multiple=3000),
+    "lm-segment-tokens-without-seq1f1b": _lm(seq1f1b=False, seq1f1b_segment_tokens=512),
+    "lm-segment-tokens-positive": _lm(seq1f1b_segment_tokens=0),
+    "lm-segment-tokens-one-split": _lm(seq1f1b_splits=1, seq1f1b_segment_tokens=512),
+    "lm-segment-tokens-auto": _lm(seq1f1b_splits="auto", seq1f1b_segment_tokens=512),
+    "lm-segment-tokens-sequence-parallel": _lm(seq1f1b_segment_tokens=512, seq_length=4097),
 }
 
 TRAINER_VALID = ["--mock-data", "--tokenizer-type", "ByteTokenizer"]
@@ -266,6 +271,28 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-window-look-ahead": _trainer("--seq1f1b", "--window-size", "(16, 4)"),
     "trainer-plan-without-seq1f1b": _trainer("--seq1f1b-splits", "8"),
     "trainer-split-without-documents": _three_documents_default_split,
+    "trainer-segment-tokens-without-seq1f1b": _trainer("--seq1f1b-segment-tokens", "64"),
+    "trainer-segment-tokens-positive": _trainer("--seq1f1b", "--seq1f1b-segment-tokens", "0"),
+    "trainer-segment-tokens-one-split": _trainer("--seq1f1b", "--seq1f1b-splits", "1",
+                                                 "--seq1f1b-segment-tokens", "64"),
+    "trainer-segment-tokens-auto": _trainer("--seq1f1b", "--seq1f1b-splits", "auto",
+                                            "--seq1f1b-segment-tokens", "64"),
+    "trainer-segment-tokens-sequence-parallel": _trainer(
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "255",
+        "--seq1f1b", "--seq1f1b-segment-tokens", "64", world_size=2),
+    "trainer-variable-mode-unknown": _trainer("--variable-seq-lengths", "uniform"),
+    "trainer-variable-documents-micro-batch-size": _trainer("--variable-seq-lengths",
+                                                            "--micro-batch-size", "2"),
+    "trainer-variable-allgather": _trainer("--variable-seq-lengths", "lognormal",
+                                           "--num-experts", "2"),
+    "trainer-variable-auto": _trainer("--variable-seq-lengths", "--seq1f1b", "--seq1f1b-splits",
+                                      "auto"),
+    "trainer-variable-min-exceeds-sequence": _trainer("--variable-seq-lengths", "lognormal",
+                                                      "--variable-seq-lengths-min", "300"),
+    "trainer-variable-shape-without-lognormal": _trainer("--variable-seq-lengths-sigma", "0.5"),
+    "trainer-variable-sequence-parallel": _trainer(
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "255",
+        "--variable-seq-lengths", "lognormal", world_size=2),
 }
 
 # ------------------------------------------------------------------ triggers run on two gloo ranks

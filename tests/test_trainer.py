@@ -439,6 +439,94 @@ def test_document_boundaries_before_0_19_equal_megatrons(tmp_path):
         assert boundaries > (10 if mock else 300), boundaries  # the samples hold documents
 
 
+# --variable-seq-lengths: micro-batches of their own length (Megatron-Core's
+# variable_seq_lengths), per mode: the flags of every run, then each run's extra flags. The
+# first run is the reference, Megatron's 1F1B on the same layout (the same initial weights).
+# CI: packed byte documents on flash (THD), each sample cut after its last whole document,
+# as post-training packs them; SEQ1F1B_FULL=1 adds log-normal lengths on mock data (local
+# attention, micro-batches of 2, evaluation).
+VARIABLE = {
+    "documents-thd": (
+        ["--variable-seq-lengths", "documents", "--attention-backend", "flash",
+         "--reset-attention-mask", "--reset-position-ids", "--position-embedding-type", "rope"],
+        [[], ["--seq1f1b", "--seq1f1b-splits", "3"],
+         ["--seq1f1b", "--seq1f1b-segment-tokens", "16", "--seq1f1b-partition", "documents"]]),
+    "lognormal": (
+        ["--mock-data", "--variable-seq-lengths", "lognormal", "--variable-seq-lengths-min", "8",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "3",
+         "--eval-iters", "1"],
+        [[], ["--seq1f1b", "--seq1f1b-segment-tokens", "16"]]),
+}
+
+
+@pytest.mark.parametrize("mode", list(VARIABLE) if FULL else ["documents-thd"])
+def test_variable_lengths_seq1f1b_equals_megatrons_schedule(tmp_path, mode):
+    """--variable-seq-lengths at pipeline 2, fp32: Seq1F1B with a fixed k and with a token
+    budget per segment gives the losses of Megatron's 1F1B (variable_seq_lengths=True) on the
+    same micro-batches; tokens/s counts their real tokens (fewer than --global-batch-size x
+    --seq-length, the same in every run; log-normal: exactly the drawn lengths)."""
+    flags, runs = VARIABLE[mode]
+    base = [f for f in BASE if f != "--mock-data"]
+    if "--mock-data" not in flags:
+        flags = [*flags, *_short_documents(tmp_path)]
+    common = ["--pipeline-model-parallel-size", "2", "--train-iters", "3", *flags]
+    logs = []
+    for number, extra in enumerate(runs):
+        log, stdout = train(tmp_path, f"run{number}", 2, *common, *extra, base=base)
+        assert "micro-batches of " in stdout and " x up to 64 tokens; variable lengths: " \
+            in stdout, stdout[-1500:]
+        logs.append(log)
+    assert "Seq1F1B segments of <= 16 tokens" in logs[-1]["summary"]["schedule"]
+    tokens = [[record["tokens"] for record in log["iterations"]] for log in logs]
+    for other in logs[1:]:
+        _same(other["summary"]["losses"], logs[0]["summary"]["losses"])
+    assert all(t == tokens[0] for t in tokens), tokens
+    global_batch = int(common[common.index("--global-batch-size") + 1]) if \
+        "--global-batch-size" in common else 4
+    assert all(0 < t < global_batch * 64 for t in tokens[0]) and len(set(tokens[0])) > 1, tokens
+    if mode == "lognormal":
+        from megatron_seq1f1b.trainer.lengths import lognormal_length
+
+        drawn = [2 * lognormal_length(i, seed=1234, salt=0, low=8, high=64, sigma=0.8)
+                 for i in range(12)]
+        assert tokens[0] == [sum(drawn[4 * i:4 * i + 4]) for i in range(3)], (tokens, drawn)
+
+
+def test_variable_lengths_cut_samples_after_whole_documents_and_draw_by_index():
+    """lengths.py alone: a sample is cut after its last whole document (end-of-document
+    tokens, or the dataset's cu_seqlens with its mask, rows and longest part cut alike), stays
+    whole as one document or ending with one, rounds down to the layout's multiple; log-normal
+    lengths depend on (seed, split, index) only and stay within [low, high]."""
+    import torch
+
+    from megatron_seq1f1b.trainer.lengths import cut, document_length, lognormal_length
+
+    eod = 9
+    tokens = torch.tensor([[1, 2, eod, 3, 4, 5, eod, 6, 7, 8]])
+    assert document_length({"tokens": tokens}, eod) == 7
+    assert document_length({"tokens": tokens}, eod, multiple=2) == 6
+    assert document_length({"tokens": torch.tensor([[1, 2, 3, 4]])}, eod) == 4  # one document
+    assert document_length({"tokens": torch.tensor([[1, eod, 3, eod]])}, eod) == 4  # ends whole
+    cu = torch.tensor([[0, 3, 7, 10, 10, 10]], dtype=torch.int32)
+    assert document_length({"tokens": tokens, "cu_seqlens": cu}, eod) == 7
+    batch = dict(tokens=tokens, labels=tokens + 1, loss_mask=torch.ones(1, 10),
+                 position_ids=torch.arange(10).unsqueeze(0), cu_seqlens=cu,
+                 max_seqlen=torch.tensor([4], dtype=torch.int32),
+                 attention_mask=torch.ones(1, 1, 10, 10, dtype=torch.bool))
+    short = cut(batch, 7)
+    assert short["tokens"].tolist() == [[1, 2, eod, 3, 4, 5, eod]]
+    assert short["labels"].shape == short["loss_mask"].shape == (1, 7)
+    assert short["attention_mask"].shape == (1, 1, 7, 7)
+    assert short["cu_seqlens"].tolist() == [[0, 3, 7]] and short["max_seqlen"].tolist() == [4]
+    drawn = [lognormal_length(i, seed=5, salt=0, low=16, high=256, sigma=0.8, multiple=8)
+             for i in range(200)]
+    assert drawn == [lognormal_length(i, seed=5, salt=0, low=16, high=256, sigma=0.8,
+                                      multiple=8) for i in range(200)]
+    assert all(16 <= n <= 256 and n % 8 == 0 for n in drawn) and len(set(drawn)) > 10
+    assert drawn != [lognormal_length(i, seed=5, salt=1, low=16, high=256, sigma=0.8,
+                                      multiple=8) for i in range(200)]
+
+
 # (name, ranks, flags). CI resumes one run that has it all on two ranks: interleaved Seq1F1B
 # with the distributed optimizer (a Megatron-Core distributed checkpoint); SEQ1F1B_FULL=1 also
 # resumes plain Seq1F1B, interleaved without, and the distributed optimizer over dp2.

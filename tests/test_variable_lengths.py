@@ -10,7 +10,7 @@ import os
 import pytest
 
 from gpt import ModelSpec
-from varlen_cases import run, run_auto, run_mismatch, run_step
+from varlen_cases import run, run_auto, run_framework, run_mismatch, run_step
 
 FULL = os.environ.get("SEQ1F1B_FULL") == "1"
 HYBRID = importlib.util.find_spec("megatron.core.models.hybrid") is not None
@@ -120,3 +120,15 @@ def test_auto_plans_a_budget_on_the_first_global_batch(ranks):
     results = ranks.run(2, run_auto, case="varlen-auto", lengths=[256, 32, 128, 64] * 2)
     _check(results)
     assert results[0]["plan"] == results[1]["plan"], results  # one plan on every rank
+
+
+@pytest.mark.parametrize("via", ["install", "function"])
+def test_post_training_framework_drop_in(ranks, via):
+    """The path a post-training framework takes, as it calls it: install() and then Megatron's
+    getter (or the function itself), its own forward step building PackedSeqParams per
+    micro-batch from its 1-D cu_seqlens, micro_batch_size=1, seq_length the longest, a loss
+    per token: loss reports and every gradient equal Megatron's own schedule."""
+    _check(ranks.run(2, run_framework, case=f"varlen-framework-{via}", via=via, lengths=PACKED,
+                     documents=PACKED_DOCUMENTS,
+                     seq1f1b=dict(num_splits=16, partition="balanced", segment_tokens=12,
+                                  documents="cu_seqlens")))

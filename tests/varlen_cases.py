@@ -301,3 +301,104 @@ def run_auto(*, lengths, spec: ModelSpec = ModelSpec(seq_length=64)) -> dict:
     choice = auto.choice
     return {"rank": torch.distributed.get_rank(), "problems": problems,
             "plan": (choice.name, choice.num_splits, choice.segment_tokens)}
+
+
+# ---------------------------------------------------------------- the drop-in path, as called
+
+
+def framework_batches(spec: ModelSpec, lengths, documents) -> list[dict]:
+    """Packed micro-batches as a post-training framework holds them: ``[1, T]`` token rows,
+    its own 1-D int32 ``cu_seqlens`` of the sequences packed into the micro-batch and an int
+    ``max_seqlen``; no attention mask."""
+    batches = []
+    for batch in varlen_batches(spec, lengths, documents=documents, thd=True):
+        batch = {key: value for key, value in batch.items() if key != "attention_mask"}
+        batch["cu_seqlens"] = batch["cu_seqlens"].reshape(-1)
+        batch["max_seqlen"] = int(batch["max_seqlen"].item())
+        batches.append(batch)
+    return batches
+
+
+def framework_step(data_iterator, model):
+    """A post-training framework's forward step: its micro-batch (cut to the segment by
+    ``slice_batch``, the identity under Megatron's schedule), ``PackedSeqParams`` built from
+    its own ``cu_seqlens``, a loss per token (``calculate_per_token_loss``: the sum and the
+    token count; Megatron divides by the iteration's tokens)."""
+    import megatron_seq1f1b as s1
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    batch = s1.slice_batch(next(data_iterator))
+    cu = batch["cu_seqlens"]
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=packed)
+    mask = batch["loss_mask"]
+
+    def loss_func(output_tensor):
+        loss = torch.sum(output_tensor.float().view(-1) * mask.view(-1))
+        tokens = mask.sum().to(torch.int)
+        return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float().detach()])}
+
+    return output, loss_func
+
+
+def run_framework(*, via: str, lengths, documents, seq1f1b: dict,
+                  spec: ModelSpec = ModelSpec(seq_length=32, attention="flash")) -> dict:
+    """Megatron's getter on the framework's micro-batches, then Seq1F1B as the framework
+    reaches it: ``install(...)`` and Megatron's getter again (``via="install"``), or the
+    function ``get_forward_backward_func`` returns (``via="function"``); loss reports and
+    every gradient compared."""
+    import megatron.core.pipeline_parallel as pipeline_parallel
+
+    import megatron_seq1f1b as s1
+
+    spec = dataclasses.replace(spec, seq_length=max(spec.seq_length, max(lengths)))
+    gpt.init_parallel(1, 2)
+    config = gpt.make_config(spec, pp=2, variable_seq_lengths=True, calculate_per_token_loss=True,
+                             moe_token_dispatcher_type="alltoall")
+    chunks = gpt.build_chunks(spec, config)
+    s1.enable(chunks)
+    (model,) = gpt.wrap_ddp(chunks, config)
+    batches = framework_batches(spec, lengths, documents)
+
+    def call(forward_backward):
+        return forward_backward(forward_step_func=framework_step, data_iterator=iter(batches),
+                                model=model, num_microbatches=len(batches),
+                                seq_length=max(lengths), micro_batch_size=1)
+
+    megatron = pipeline_parallel.get_forward_backward_func()  # what the framework calls
+    reference = call(megatron)
+    expected = _grads([model])
+    _zero([model])
+    problems = []
+    if via == "install":
+        installed = s1.install(**seq1f1b)
+        try:
+            got = pipeline_parallel.get_forward_backward_func()
+            if got is not installed:
+                problems.append(f"Megatron's getter returned {got!r} after install()")
+            store = call(got)
+        finally:
+            s1.uninstall()
+        if pipeline_parallel.get_forward_backward_func() is not megatron:
+            problems.append("uninstall() left Seq1F1B's function in Megatron's getter")
+    else:
+        store = call(s1.get_forward_backward_func(**seq1f1b))
+    for key, want in expected.items():
+        got = _grads([model])[key]
+        if (want is None) != (got is None):
+            problems.append(f"{key}: gradient {'missing' if got is None else 'unexpected'}")
+        elif want is not None:
+            ok, rel = _close(got, want)
+            if not ok:
+                problems.append(f"{key}: max rel err {rel:.2e}")
+    if parallel_state.is_pipeline_last_stage():
+        if len(store) != len(reference):
+            problems.append(f"{len(store)} store entries, Megatron's schedule has "
+                            f"{len(reference)}")
+        for index, (got, want) in enumerate(zip(store, reference)):
+            ok, rel = _close(got["lm loss"], want["lm loss"])
+            if not ok:
+                problems.append(f"micro-batch {index} lm loss: rel err {rel:.2e}")
+    return {"rank": torch.distributed.get_rank(), "problems": problems}

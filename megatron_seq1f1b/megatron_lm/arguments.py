@@ -9,6 +9,7 @@ the flags. Importing this module does not import torch or Megatron.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any, Callable, Optional
 
 from megatron_seq1f1b.base.checks import (
@@ -18,6 +19,7 @@ from megatron_seq1f1b.base.flags import positive_float, positive_int
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import METHODS, split_sequence
 from megatron_seq1f1b.schedules.schedule import SCHEDULES
+from megatron_seq1f1b.schedules.variable import segment_count, segment_tokens_problems
 from megatron_seq1f1b.schedules.zero_bubble import VARIANTS
 
 GROUP_TITLE = "seq1f1b"
@@ -43,10 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "segments (1F1B per segment; interleaved with virtual pipelining).",
     )
     group.add_argument(
-        "--seq1f1b-splits", type=splits_value, default=DEFAULT_SPLITS, metavar="N|auto",
-        help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}); 'auto': "
-             "time segments of the first micro-batch on the real model and let "
+        "--seq1f1b-splits", type=splits_value, default=None, metavar="N|auto",
+        help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}); with "
+             "--seq1f1b-segment-tokens the most a micro-batch may get (default: no cap); "
+             "'auto': time segments of the first micro-batch on the real model and let "
              "megatron_seq1f1b.planner pick the splits, partition and schedule.",
+    )
+    group.add_argument(
+        "--seq1f1b-segment-tokens", type=positive_int, default=None, metavar="T",
+        help="A token budget per segment instead of a fixed count: a micro-batch of S tokens "
+             "gets ceil(S / T) segments (a short one stays whole), cut by "
+             "--seq1f1b-partition; with micro-batches of different lengths every unit then "
+             "costs about the same. --seq1f1b-splits, if given, caps the count.",
     )
     group.add_argument(
         "--seq1f1b-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
@@ -119,6 +129,53 @@ def _flag(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def segment_splits(args: Any, longest: Optional[int] = None) -> int | str:
+    """What ``--seq1f1b-splits`` means with these flags: its value where given; unset,
+    :data:`DEFAULT_SPLITS`, or with ``--seq1f1b-segment-tokens T`` no cap.
+
+    No cap is ``ceil(longest / T)`` (``longest``: the longest micro-batch, ``--seq-length`` by
+    default), which no micro-batch of at most ``longest`` tokens exceeds; at least 2, since a
+    cap of 1 cuts nothing. (A fixed default of 4 would silently cap a budget meant to cut a
+    long micro-batch finer.) Without a usable length, a cap no micro-batch reaches.
+    """
+    splits = _flag(args, "seq1f1b_splits")
+    if splits is not None:
+        return splits
+    budget = _flag(args, "seq1f1b_segment_tokens")
+    if budget is None or segment_tokens_problems(budget):
+        return DEFAULT_SPLITS
+    longest = _flag(args, "seq_length") if longest is None else longest
+    if isinstance(longest, bool) or not isinstance(longest, int) or longest < 1:
+        return NO_CAP
+    return max(2, math.ceil(longest / budget))
+
+
+#: ``--seq1f1b-segment-tokens`` without ``--seq1f1b-splits`` where no length is known.
+NO_CAP = 1 << 20
+
+
+def segment_tokens_flag_problems(args: Any) -> list[str]:
+    """``--seq1f1b-segment-tokens``: only with ``--seq1f1b``, a positive integer, and with a
+    cap that cuts (not ``--seq1f1b-splits 1``) and is not the planner's (``auto``)."""
+    budget = _flag(args, "seq1f1b_segment_tokens")
+    if budget is None:
+        return []
+    if not _flag(args, "seq1f1b", False):
+        return ["--seq1f1b-segment-tokens needs --seq1f1b (without it Megatron-Core's own "
+                "schedule runs whole micro-batches); add --seq1f1b, or leave the flag out"]
+    problems = segment_tokens_problems(budget)
+    splits = _flag(args, "seq1f1b_splits")
+    if splits == AUTO:
+        problems.append("--seq1f1b-segment-tokens with --seq1f1b-splits auto: the planner "
+                        "chooses the segments itself; give one of them (--seq1f1b-splits N "
+                        "with a budget is a cap)")
+    elif splits == 1:
+        problems.append("--seq1f1b-splits 1 with --seq1f1b-segment-tokens: --seq1f1b-splits "
+                        "is the most segments a micro-batch gets, so nothing would be cut; "
+                        "leave --seq1f1b-splits out (no cap) or give a larger cap")
+    return problems
+
+
 def window_problems(args: Any) -> list[str]:
     """``--window-size (w, r)`` under ``--seq1f1b``: a window may look back, not ahead (the
     patched Megatron-LM scripts and this project's trainer share the rule)."""
@@ -158,13 +215,18 @@ def args_problems(args: Any) -> list[str]:
     """Every reason Seq1F1B cannot run with these Megatron-LM arguments (empty if fine).
 
     `args` is Megatron-LM's namespace (any object with its attribute names);
-    messages name the flag to change. Nothing is checked without ``--seq1f1b``.
+    messages name the flag to change. Without ``--seq1f1b`` only that no
+    ``--seq1f1b-segment-tokens`` is given (it would be ignored).
     """
     if not _flag(args, "seq1f1b", False):
-        return []
+        return segment_tokens_flag_problems(args)  # a flag of ours that needs --seq1f1b
     problems: list[str] = []
-    splits = _flag(args, "seq1f1b_splits", DEFAULT_SPLITS)
+    splits = segment_splits(args)
+    budget = _flag(args, "seq1f1b_segment_tokens")
+    if segment_tokens_problems(budget):
+        budget = None  # said below
     problems += auto_flag_problems(args)
+    problems += segment_tokens_flag_problems(args)
     if splits == AUTO:
         splits = None
     elif isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
@@ -315,25 +377,34 @@ def args_problems(args: Any) -> list[str]:
             requested):
         multiple = (rounding_multiple(args, seq_length, splits, requested, on_cuda=False)
                     if requested is not None else segment_multiple(args))  # args: config names
+        count = splits if budget is None else segment_count(seq_length, splits, budget, multiple)
         try:
-            split_sequence(seq_length, splits, "uniform", multiple_of=multiple)
+            split_sequence(seq_length, count, "uniform", multiple_of=multiple)
         except ValueError:
-            if multiple > 1:
-                where = (f"every segment must be a multiple of {multiple} tokens "
-                         "(--tensor-model-parallel-size with --sequence-parallel, 2 x "
-                         "--context-parallel-size chunks with context parallelism, times 8 "
-                         "with --fp8-format" + (f"; --seq1f1b-segment-multiple {requested}"
-                                                if requested is not None else "") + ")")
-                fix = (f"use --seq1f1b-splits <= {seq_length // multiple} and a --seq-length "
-                       f"divisible by {multiple}")
-            else:
-                where = "every segment needs at least one token"
-                fix = f"use --seq1f1b-splits <= {seq_length}"
-            problems.append(
-                f"--seq-length {seq_length} cannot be cut into --seq1f1b-splits {splits} "
-                f"segments: {where}; {fix}"
-            )
+            problems.append(_cut_problem(seq_length, splits, budget, multiple, requested))
     return problems
+
+
+def _cut_problem(seq_length: int, splits: int, budget: Optional[int], multiple: int,
+                 requested: Optional[int]) -> str:
+    """Why ``--seq-length`` cannot be cut into the flags' segments (one line, the fix)."""
+    if budget is not None:  # the count is never more than the length allows: it divides not
+        return (f"--seq-length {seq_length} cannot be cut into segments of "
+                f"--seq1f1b-segment-tokens {budget}: every segment must be a multiple of "
+                f"{multiple} tokens; use a --seq-length divisible by {multiple}")
+    if multiple > 1:
+        where = (f"every segment must be a multiple of {multiple} tokens "
+                 "(--tensor-model-parallel-size with --sequence-parallel, 2 x "
+                 "--context-parallel-size chunks with context parallelism, times 8 "
+                 "with --fp8-format" + (f"; --seq1f1b-segment-multiple {requested}"
+                                        if requested is not None else "") + ")")
+        fix = (f"use --seq1f1b-splits <= {seq_length // multiple} and a --seq-length "
+               f"divisible by {multiple}")
+    else:
+        where = "every segment needs at least one token"
+        fix = f"use --seq1f1b-splits <= {seq_length}"
+    return (f"--seq-length {seq_length} cannot be cut into --seq1f1b-splits {splits} "
+            f"segments: {where}; {fix}")
 
 
 #: ``--cp-comm-type`` values segments run (they all-gather each segment's keys and values).

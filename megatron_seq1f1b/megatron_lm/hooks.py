@@ -57,19 +57,21 @@ from megatron_seq1f1b.base.checks import raise_if
 # The flags and their checks live in megatron_lm.arguments; the hunks call them through here.
 from megatron_seq1f1b.megatron_lm.arguments import (
     AUTO, CP_COMM_TYPES, DEFAULT_MIN_SEGMENT, DEFAULT_PARTITION, DEFAULT_SCHEDULE,
-    DEFAULT_SPLITS, EOD, FLAG_PARTITIONS, GROUP_TITLE, _flag, add_arguments, args_problems,
-    auto_flag_problems, context_parallel_problems, document_problems, documents_source,
-    extra_args_provider, flash_attention_problems, flash_attention_requested, moe_flag_problems,
-    packed_documents_flag, splits_value,
+    DEFAULT_SPLITS, EOD, FLAG_PARTITIONS, GROUP_TITLE, NO_CAP, _flag, add_arguments,
+    args_problems, auto_flag_problems, context_parallel_problems, document_problems,
+    documents_source, extra_args_provider, flash_attention_problems, flash_attention_requested,
+    moe_flag_problems, packed_documents_flag, segment_splits, segment_tokens_flag_problems,
+    splits_value,
 )
 
 __all__ = [
     # the flags (megatron_lm.arguments)
     "AUTO", "CP_COMM_TYPES", "DEFAULT_MIN_SEGMENT", "DEFAULT_PARTITION", "DEFAULT_SCHEDULE",
-    "DEFAULT_SPLITS", "EOD", "FLAG_PARTITIONS", "GROUP_TITLE", "add_arguments", "args_problems",
-    "auto_flag_problems", "context_parallel_problems", "document_problems", "documents_source",
-    "extra_args_provider", "flash_attention_problems", "flash_attention_requested",
-    "moe_flag_problems", "packed_documents_flag", "splits_value",
+    "DEFAULT_SPLITS", "EOD", "FLAG_PARTITIONS", "GROUP_TITLE", "NO_CAP", "add_arguments",
+    "args_problems", "auto_flag_problems", "context_parallel_problems", "document_problems",
+    "documents_source", "extra_args_provider", "flash_attention_problems",
+    "flash_attention_requested", "moe_flag_problems", "packed_documents_flag", "segment_splits",
+    "segment_tokens_flag_problems", "splits_value",
     # what the hunks call, and the batch cut
     "layer_spec", "context_parallel_cut", "validate_args", "help_with_flags", "prepare_model",
     "wrap_model_provider", "add_post_wrap_hook", "end_of_document_id", "use_flash_attention",
@@ -213,6 +215,10 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     ``--dataloader-inter-document-masking``), the tokenizer's end-of-document
     id for ``--reset-attention-mask`` without a dense mask from the data (the
     flash attention) or with ``--seq1f1b-partition documents``.
+
+    ``--seq1f1b-segment-tokens T`` installs a token budget per segment: every micro-batch
+    (Megatron-LM's are all ``--seq-length`` long) gets ``ceil(S / T)`` segments, capped by
+    ``--seq1f1b-splits`` where given (:func:`segment_splits`).
     """
     if args is None:
         args = _megatron_args()
@@ -228,7 +234,8 @@ def prepare_model(model: Any, args: Any = None) -> Any:
     documents = documents_source(args)
     if documents == EOD:
         documents = end_of_document_id()
-    if args.seq1f1b_splits == AUTO:  # planned on the first forward-backward call
+    splits = segment_splits(args)  # unset: 4, or no cap with --seq1f1b-segment-tokens
+    if splits == AUTO:  # planned on the first forward-backward call
         from megatron_seq1f1b.planner.auto import auto_forward_backward_func
 
         install(auto_forward_backward_func(
@@ -237,9 +244,10 @@ def prepare_model(model: Any, args: Any = None) -> Any:
             min_segment_length=_flag(args, "seq1f1b_min_segment_length", DEFAULT_MIN_SEGMENT),
             segment_multiple=_flag(args, "seq1f1b_segment_multiple"), documents=documents))
     else:
-        install(args.seq1f1b_splits, args.seq1f1b_partition,
+        install(splits, args.seq1f1b_partition,
                 schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE),
-                segment_multiple=_flag(args, "seq1f1b_segment_multiple"), documents=documents)
+                segment_multiple=_flag(args, "seq1f1b_segment_multiple"), documents=documents,
+                segment_tokens=_flag(args, "seq1f1b_segment_tokens"))
     return model
 
 

@@ -24,14 +24,17 @@ from megatron_seq1f1b.base.flags import (
     positive_int,
 )
 from megatron_seq1f1b.megatron_lm.arguments import (
-    AUTO, add_arguments, auto_flag_problems, moe_flag_problems, window_problems,
+    AUTO, add_arguments, auto_flag_problems, moe_flag_problems, segment_splits,
+    segment_tokens_flag_problems, window_problems,
 )
 from megatron_seq1f1b.planner.cli import add_recurrent_arguments, recurrent_fields
 from megatron_seq1f1b.planner.footprint import ModelShape
 from megatron_seq1f1b.planner.recurrent import gdn_sizes, mamba_sizes
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import split_sequence
+from megatron_seq1f1b.schedules.variable import segment_count
 from megatron_seq1f1b.trainer import data as trainer_data
+from megatron_seq1f1b.trainer import lengths
 
 PROG = "pretrain_gpt.py"
 #: Seconds a refusing rank under torchrun waits for every other rank to refuse too.
@@ -337,6 +340,30 @@ def build_parser() -> StartupParser:
                            "them and position ids restart at each (takes precedence over "
                            "--reset-attention-mask)")
 
+    varlen = p.add_argument_group(
+        "variable-length micro-batches",
+        "Micro-batches of their own length, at most --seq-length, as post-training packs them: "
+        "Megatron-Core's variable_seq_lengths, for Megatron's schedules and Seq1F1B alike "
+        "(with --seq1f1b-segment-tokens every segment about the same size). Tokens/s counts "
+        "the micro-batches' tokens.")
+    varlen.add_argument(
+        "--variable-seq-lengths", nargs="?", const=lengths.DOCUMENTS, choices=lengths.MODES,
+        default=None,
+        help="'documents' (the default): each sample cut after its last whole document "
+             "(end-of-document tokens, or the dataset's boundaries with "
+             "--dataloader-inter-document-masking; --micro-batch-size 1); 'lognormal': the "
+             "length of each global micro-batch drawn from a log-normal seeded by --seed and "
+             "its index, clipped to [--variable-seq-lengths-min, --seq-length]")
+    varlen.add_argument(
+        "--variable-seq-lengths-min", type=positive_int, default=None, metavar="N",
+        help=f"lognormal: the shortest micro-batch (default --seq-length / "
+             f"{lengths.DEFAULT_MIN_FRACTION}); the median is the geometric mean of it and "
+             "--seq-length")
+    varlen.add_argument(
+        "--variable-seq-lengths-sigma", type=positive_float, default=lengths.DEFAULT_SIGMA,
+        metavar="S", help=f"lognormal: the spread (sigma of the log; default "
+                          f"{lengths.DEFAULT_SIGMA})")
+
     add_arguments(p)  # --seq1f1b... flags, as in Megatron-LM (auto's budget flags too)
     return p
 
@@ -421,20 +448,29 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     auto = args.seq1f1b_splits == AUTO
     problems += auto_flag_problems(args)
     problems += document_problems(args, auto)
+    problems += segment_tokens_flag_problems(args)
+    problems += lengths.flag_problems(args)
+    # unset: 4, or with --seq1f1b-segment-tokens no cap (the longest micro-batch's count)
+    args.seq1f1b_splits = segment_splits(args, args.schedule_seq_length)
     if args.seq1f1b and args.seq1f1b_schedule == "zb-h2" \
             and args.virtual_pipeline_model_parallel_size is not None:
         problems.append(f"--seq1f1b-schedule zb-h2 with virtual pipelining: {ZB_H2_PROBLEM}")
     requested = args.seq1f1b_segment_multiple
     if requested is not None and not args.seq1f1b:
         problems.append("--seq1f1b-segment-multiple needs --seq1f1b")
-    elif args.seq1f1b and not auto and args.seq1f1b_splits >= 1:
+    elif args.seq1f1b and not auto and args.seq1f1b_splits >= 1 \
+            and args.variable_seq_lengths is None:  # variable: each cut by its own length
         multiple = segment_multiple(args)  # TP with SP; 2 x CP chunks with CP
         if requested is not None:
             multiple = math.lcm(multiple, requested)
+        budget = args.seq1f1b_segment_tokens
+        count = args.seq1f1b_splits if budget is None else segment_count(
+            args.schedule_seq_length, args.seq1f1b_splits, budget, multiple)
         try:
-            split_sequence(args.schedule_seq_length, args.seq1f1b_splits, multiple_of=multiple)
+            split_sequence(args.schedule_seq_length, count, multiple_of=multiple)
         except ValueError as exc:
-            problems.append(f"--seq-length / --seq1f1b-splits: {exc}")
+            flag = "--seq1f1b-splits" if budget is None else "--seq1f1b-segment-tokens"
+            problems.append(f"--seq-length / {flag}: {exc}")
     if args.seq1f1b and args.num_experts:
         problems += moe_flag_problems(args)
     if cp > 1:

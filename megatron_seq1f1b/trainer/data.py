@@ -18,6 +18,7 @@ import numpy
 import torch
 
 from megatron_seq1f1b.segments.documents import Documents
+from megatron_seq1f1b.trainer.lengths import cut
 
 
 class NullTokenizer:
@@ -250,9 +251,11 @@ def build_datasets(args, tokenizer, train_samples: int, eval_samples: int):
 
 
 def batches(dataset, micro_batch_size: int, first_block: int, stride: int,
-            form: Callable[[dict], dict] | None = None) -> Iterator[dict]:
+            form: Callable[[dict], dict] | None = None,
+            length: Callable[[int, dict], int] | None = None) -> Iterator[dict]:
     """This data-parallel rank's micro-batches (``form``: how they carry documents,
-    :func:`document_form`).
+    :func:`document_form`; ``length``: the tokens each keeps with --variable-seq-lengths,
+    from its global index and samples, :mod:`megatron_seq1f1b.trainer.lengths`).
 
     The global stream of micro-batches is blocks of ``micro_batch_size``
     consecutive samples; rank d of D takes blocks d, d + D, d + 2D, ...
@@ -264,10 +267,32 @@ def batches(dataset, micro_batch_size: int, first_block: int, stride: int,
         start = block * micro_batch_size
         samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
         batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        if length is not None:
+            batch = cut(batch, length(block, batch))
         if form is not None:
             batch = form(batch)
         yield {key: value.pin_memory() for key, value in batch.items()} if pin else batch
         block += stride
+
+
+class Counted:
+    """An iterator of micro-batches that counts their tokens (``tokens``: since the last
+    :meth:`take`): what tokens/s counts, the real ones whatever the lengths."""
+
+    def __init__(self, iterator: Iterator[dict]):
+        self.iterator, self.tokens = iterator, 0
+
+    def __iter__(self) -> "Counted":
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.iterator)
+        self.tokens += batch["tokens"].numel()
+        return batch
+
+    def take(self) -> int:
+        tokens, self.tokens = self.tokens, 0
+        return tokens
 
 
 # ------------------------------------------------------------------------------- documents

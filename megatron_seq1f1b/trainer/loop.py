@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron_seq1f1b.base import compat
 from megatron_seq1f1b.megatron_lm.arguments import AUTO
 from megatron_seq1f1b.planner.peak_memory import PeakMemory
-from megatron_seq1f1b.trainer import arguments, auto_plan, checkpoint, data, setup
+from megatron_seq1f1b.trainer import arguments, auto_plan, checkpoint, data, lengths, setup
 
 
 def _forward_backward_func(args, recorder=None) -> Callable:
@@ -27,7 +27,8 @@ def _forward_backward_func(args, recorder=None) -> Callable:
             split_lengths=getattr(args, "seq1f1b_split_lengths", None), recorder=recorder,
             segment_costs=getattr(args, "seq1f1b_segment_costs", None),
             segment_multiple=args.seq1f1b_segment_multiple,
-            documents=data.seq1f1b_documents(args, data.make_tokenizer(args).eod))
+            documents=data.seq1f1b_documents(args, data.make_tokenizer(args).eod),
+            segment_tokens=args.seq1f1b_segment_tokens)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()
@@ -105,21 +106,24 @@ def _mtp_losses(args) -> dict:
     return {f"mtp_{depth} loss": value for depth, value in enumerate(found, start=1)}
 
 
-def _reduce_losses(store: list, device) -> tuple[float, float]:
-    """(loss, tokens) over the global batch: sum reports, all-reduce over data x context
-    parallel ranks (as Megatron-LM: each context-parallel rank reports its tokens' part)."""
+def _reduce_losses(store: list, device, read: int = 0) -> tuple[float, float, int]:
+    """(loss, loss tokens, tokens read) over the global batch: sum reports, all-reduce over
+    data x context parallel ranks (as Megatron-LM: each context-parallel rank reports its
+    tokens' part); ``read``: the tokens of the micro-batches this rank read (each
+    context-parallel rank of a replica reads the same ones)."""
     from megatron.core import parallel_state
 
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    total = torch.zeros(3, dtype=torch.float64, device=device)
     for entry in store:
-        total += entry["lm loss"].to(device=device, dtype=torch.float64)
+        total[:2] += entry["lm loss"].to(device=device, dtype=torch.float64)
+    total[2] = read / parallel_state.get_context_parallel_world_size()
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group(
             with_context_parallel=True))
     # Everyone learns the loss (the last stage has it).
     last = parallel_state.get_pipeline_model_parallel_last_rank()
     dist.broadcast(total, src=last, group=parallel_state.get_pipeline_model_parallel_group())
-    return (total[0] / total[1].clamp(min=1)).item(), total[1].item()
+    return (total[0] / total[1].clamp(min=1)).item(), total[1].item(), round(total[2].item())
 
 
 def _stage_peaks(memory: PeakMemory, device) -> list[float]:
@@ -152,6 +156,19 @@ def _weights_digests(model: list) -> list[str]:
     return everyone
 
 
+def _schedule_name(args) -> str:
+    """The schedule as the logs and the summary name it."""
+    if not args.seq1f1b:
+        return ("Megatron-Core interleaved 1F1B" if args.virtual_pipeline_model_parallel_size
+                else "Megatron-Core 1F1B" if args.pipeline_model_parallel_size > 1
+                else "Megatron-Core (no pipelining)")
+    if args.seq1f1b_segment_tokens is not None:
+        return (f"Seq1F1B segments of <= {args.seq1f1b_segment_tokens} tokens (k <= "
+                f"{args.seq1f1b_splits}, {args.seq1f1b_partition}, {args.seq1f1b_schedule})")
+    return (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition}, "
+            f"{args.seq1f1b_schedule})")
+
+
 def _documents_note(args) -> str:
     """How this run keeps documents apart (the start-up line)."""
     if args.documents is None:
@@ -174,7 +191,8 @@ def _print(message: str) -> None:
         print(message, flush=True)
 
 
-def _iterators(args, dataset, model, consumed_microbatches: int):
+def _iterators(args, dataset, model, consumed_microbatches: int, split: str = "train"):
+    """(the schedule's data iterator(s), the last chunk's, which counts the tokens read)."""
     from megatron.core import parallel_state
 
     # The data-parallel rank without context parallelism: every CP rank of a replica reads
@@ -182,9 +200,15 @@ def _iterators(args, dataset, model, consumed_microbatches: int):
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=False)
     dp = args.data_parallel_size
     first = dp_rank + dp * consumed_microbatches
-    form = data.document_form(args, data.make_tokenizer(args).eod)
-    made = [data.batches(dataset, args.micro_batch_size, first, dp, form) for _ in model]
-    return made if len(made) > 1 else made[0]
+    eod = data.make_tokenizer(args).eod
+    form = data.document_form(args, eod)
+    length = lengths.length_rule(args, eod, split)
+    made = [data.batches(dataset, args.micro_batch_size, first, dp, form, length)
+            for _ in model]
+    # The last stage's last chunk reads every micro-batch once (it needs the labels): its
+    # count there is the replica's (the loss reduction sums the replicas).
+    made[-1] = counted = data.Counted(made[-1])
+    return (made if len(made) > 1 else made[0]), counted
 
 
 def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -> dict:
@@ -221,21 +245,18 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
         choice = auto_plan.choose(args, model, forward_step_func, train_ds)
         _print(f"> Seq1F1B plan (--seq1f1b-splits auto; costs: {choice.source}):\n"
                f"{choice.table()}")
-    train_iter = _iterators(args, train_ds, model, iteration * args.num_microbatches)
+    train_iter, counted = _iterators(args, train_ds, model, iteration * args.num_microbatches)
     forward_backward = _forward_backward_func(args)
     memory = PeakMemory(device)
-    tokens_per_iter = args.global_batch_size * args.seq_length
-    megatron = ("Megatron-Core interleaved 1F1B" if args.virtual_pipeline_model_parallel_size
-                else "Megatron-Core 1F1B" if args.pipeline_model_parallel_size > 1
-                else "Megatron-Core (no pipelining)")
-    schedule = (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition}, "
-                f"{args.seq1f1b_schedule})" if args.seq1f1b else megatron)
+    schedule = _schedule_name(args)
+    variable = args.variable_seq_lengths is not None
     _print(f"> training with {schedule} schedule: world {world_size}, tp "
            f"{args.tensor_model_parallel_size}, pp {args.pipeline_model_parallel_size}, vpp "
            f"{args.virtual_pipeline_model_parallel_size}, cp {args.context_parallel_size}, dp "
            f"{args.data_parallel_size}, "
            f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x "
-           f"{args.seq_length} tokens{_documents_note(args)}")
+           f"{'up to ' if variable else ''}{args.seq_length} tokens"
+           f"{'; ' + lengths.describe(args) if variable else ''}{_documents_note(args)}")
     for warning in [*args.startup_warnings, memory.warning]:
         if warning:
             _print(f"> warning: {warning}")
@@ -243,7 +264,7 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
     # With --timeline-dir every iteration after the first (warm-up) is timed per action, so
     # that a summary's bubble and busy time are medians, not one iteration's; the last one
     # is also drawn.
-    records, times, timeline, timelines = [], [], None, []
+    records, times, read, timeline, timelines = [], [], [], None, []
     while iteration < args.train_iters:
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -270,13 +291,14 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         iteration += 1
-        loss, tokens = _reduce_losses(store, device)
+        loss, _, tokens = _reduce_losses(store, device, counted.take())
         peaks = _stage_peaks(memory, device)
         times.append(elapsed)
+        read.append(tokens)
         record = {
             "iteration": iteration, "lm_loss": loss, "lr": optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm,
-            "ms_per_iter": elapsed * 1e3, "tokens_per_s": tokens_per_iter / elapsed,
+            "grad_norm": grad_norm, "tokens": tokens,
+            "ms_per_iter": elapsed * 1e3, "tokens_per_s": tokens / elapsed,
             "peak_gib_per_stage": peaks,
         }
         if args.num_experts:
@@ -294,7 +316,7 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
                 f" iteration {iteration:6d}/{args.train_iters:6d} | lm loss: {loss:.6E} | "
                 f"learning rate: {record['lr']:.3E} | grad norm: {grad_norm or 0:.3f} | "
                 f"elapsed time per iteration (ms): {elapsed * 1e3:.1f} | tokens/s: "
-                f"{tokens_per_iter / elapsed:.0f} | peak mem per stage (GiB): "
+                f"{tokens / elapsed:.0f} | peak mem per stage (GiB): "
                 + " ".join(f"{p:.3f}" for p in peaks)
                 + "".join(f" | {name}: {value:.6E}"
                           for name, value in record.get("moe_losses", {}).items())
@@ -311,13 +333,14 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
     if args.save:
         checkpoint.save(args, iteration, model, optimizer, scheduler)
     steady = times[1:] or times
+    steady_tokens = read[1:] or read
     summary = {
         "schedule": schedule,
         "attention_backend": args.attention_backend,
         "iterations": len(records),
         "final_lm_loss": records[-1]["lm_loss"] if records else None,
         "mean_ms_per_iter": 1e3 * sum(steady) / max(len(steady), 1),
-        "tokens_per_s": tokens_per_iter * len(steady) / max(sum(steady), 1e-9),
+        "tokens_per_s": sum(steady_tokens) / max(sum(steady), 1e-9),
         # Like the times, peaks skip the first iteration (it allocates optimizer state).
         "peak_gib_per_stage": [max(r["peak_gib_per_stage"][s] for r in records[1:] or records)
                                for s in range(len(records[0]["peak_gib_per_stage"]))]
@@ -341,7 +364,7 @@ def evaluate(args, forward_step_func, forward_backward, model, dataset, device, 
     for chunk in model:
         chunk.eval()
     consumed = (iteration // args.eval_interval - 1) * args.eval_iters * args.num_microbatches
-    iterator = _iterators(args, dataset, model, max(consumed, 0))
+    iterator, _ = _iterators(args, dataset, model, max(consumed, 0), split="valid")
     total_loss = total_tokens = 0.0
     with torch.no_grad():
         for _ in range(args.eval_iters):
@@ -351,7 +374,7 @@ def evaluate(args, forward_step_func, forward_backward, model, dataset, device, 
                 micro_batch_size=args.schedule_micro_batch_size, decoder_seq_length=None,
                 forward_only=True,
             )
-            loss, tokens = _reduce_losses(store, device)
+            loss, tokens, _ = _reduce_losses(store, device)
             total_loss += loss * tokens
             total_tokens += tokens
     for chunk in model:

@@ -95,6 +95,7 @@ def transformer_config(args):
         window_attn_skip_freq=args.window_attn_skip_freq,
         add_bias_linear=not args.disable_bias_linear,
         **_moe_fields(args),
+        **_variable_fields(args),
         **recurrent_fields(args),
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
@@ -167,6 +168,18 @@ def _moe_fields(args) -> dict:
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_grouped_gemm=False,
     )
+
+
+def _variable_fields(args) -> dict:
+    """--variable-seq-lengths: Megatron-Core's variable_seq_lengths, which it allows only with
+    the alltoall token dispatcher, also in a dense model whose config keeps the allgather
+    default (an MoE model's dispatcher is its flag's, checked at start-up)."""
+    if getattr(args, "variable_seq_lengths", None) is None:
+        return {}
+    fields = dict(variable_seq_lengths=True)
+    if not args.num_experts:
+        fields["moe_token_dispatcher_type"] = "alltoall"
+    return fields
 
 
 def build_model(args, config, model_provider: Callable) -> list:
