@@ -10,7 +10,7 @@ import os
 import pytest
 
 from gpt import ModelSpec
-from varlen_cases import run, run_auto, run_framework, run_mismatch, run_step
+from varlen_cases import budget_rounding, run, run_auto, run_framework, run_mismatch, run_step
 
 FULL = os.environ.get("SEQ1F1B_FULL") == "1"
 HYBRID = importlib.util.find_spec("megatron.core.models.hybrid") is not None
@@ -132,3 +132,8 @@ def test_post_training_framework_drop_in(ranks, via):
                      documents=PACKED_DOCUMENTS,
                      seq1f1b=dict(num_splits=16, partition="balanced", segment_tokens=12,
                                   documents="cu_seqlens")))
+
+
+def test_a_budget_rounds_by_the_segments_it_cuts(ranks):
+    (result,) = ranks.run(1, budget_rounding, case="varlen-budget-rounding")
+    assert result == {"budget": 64, "cap": 1}, result  # 64 segments of 32 tokens: no 64 blocks

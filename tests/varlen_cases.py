@@ -402,3 +402,27 @@ def run_framework(*, via: str, lengths, documents, seq1f1b: dict,
             if not ok:
                 problems.append(f"micro-batch {index} lm loss: rel err {rel:.2e}")
     return {"rank": torch.distributed.get_rank(), "problems": problems}
+
+
+def budget_rounding() -> dict:
+    """What a budget's cut rounds to on CUDA: the count the budget gives (2 segments of 2048
+    tokens round to 64), not its cap (64 segments would not)."""
+    from unittest import mock
+
+    from megatron_seq1f1b.runtime.executor_setup import process_groups, stage_facts
+
+    spec = ModelSpec(seq_length=2048)
+    gpt.init_parallel(1, 1)
+    config = gpt.make_config(spec)
+    chunks = gpt.build_chunks(spec, config)
+    _, groups = process_groups(config, None, None)
+    out = {}
+    for name, tokens in (("budget", 1024), ("cap", None)):
+        with mock.patch("torch.cuda.is_available", return_value=True):
+            facts = stage_facts(chunks, config, groups, num_microbatches=2, seq_length=2048,
+                                micro_batch_size=1, forward_only=False, num_splits=64,
+                                partition="uniform", split_lengths=None, schedule="1f1b",
+                                segment_costs=None, adjust_tensor_shapes_fn=None,
+                                segment_tokens=tokens)
+        out[name] = facts.multiple
+    return out

@@ -282,8 +282,13 @@ def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
     except RuntimeError:
         vocab_size = None
     costs = CostModel.from_config(config, vocab_size, pattern=layer_pattern(chunks))
-    multiple = (rounding_multiple(config, seq_length, num_splits, segment_multiple) if not variable
-                else _document_multiple(config, segment_multiple))  # each micro-batch rounds alone
+    if variable:  # each micro-batch rounds alone, by its own length and count
+        multiple = _document_multiple(config, segment_multiple)
+    else:  # with a budget, the count the budget gives (num_splits is its cap)
+        count = num_splits if segment_tokens is None or not isinstance(seq_length, int) \
+            else segment_count(seq_length, num_splits, segment_tokens,
+                               segment_multiple_of(config))
+        multiple = rounding_multiple(config, seq_length, count, segment_multiple)
     document_multiple = _document_multiple(config, segment_multiple)
     cp = pg_collection.cp.size() if pg_collection.cp is not None else 1
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
