@@ -159,14 +159,16 @@ def _slot_messages(slots, topo):
 
 
 def dataflow_timing(
-    slots: Sequence[Sequence[Slot]], topo: Topology, cost: Callable[[Action], float] = _unit_cost
+    slots: Sequence[Sequence[Slot]], topo: Topology, cost: Callable[[Action], float] = _unit_cost,
+    messages: tuple | None = None,
 ) -> tuple[list[list[float]], dict[Message, float]]:
     """Start time of every slot and send time of every message, if sends never wait.
 
+    ``messages``: the slots' (inputs, outputs) where the caller has them already.
     Raises DeadlockError if the compute order itself cannot finish (a slot
     waits for a message that is only produced after it).
     """
-    inputs, outputs = _slot_messages(slots, topo)
+    inputs, outputs = messages if messages is not None else _slot_messages(slots, topo)
     produced: dict[Message, float] = {}
     starts: list[list[float]] = [[] for _ in slots]
     clock = [0.0] * len(slots)
@@ -212,14 +214,10 @@ def _stuck_report(slots, position, produced, topo) -> str:
 def plan_slots(slots: Sequence[Sequence[Slot]], topo: Topology,
                cost: Callable[[Action], float] = _unit_cost) -> list[list[Step]]:
     """Steps of every rank for the given slots (see the module docstring)."""
-    starts, produced = dataflow_timing(slots, topo, cost)
-    consumer: dict[Message, int] = {}
-    for rank, rank_slots in enumerate(slots):
-        for t, slot in enumerate(rank_slots):
-            for action in slot:
-                msg = input_message(action, rank, topo)
-                if msg is not None:
-                    consumer[msg] = t
+    inputs, outputs = _slot_messages(slots, topo)  # made once: the plan's hot spot
+    starts, produced = dataflow_timing(slots, topo, cost, (inputs, outputs))
+    consumer: dict[Message, int] = {msg: t for rank in inputs
+                                    for t, needed in enumerate(rank) for msg in needed}
     recvs: list[list[list[Message]]] = [[[] for _ in s] for s in slots]
     # In send-time order, so every link's receives stay in its sends' order.
     for msg, sent_at in _keyed(produced):
@@ -230,7 +228,7 @@ def plan_slots(slots: Sequence[Sequence[Slot]], topo: Topology,
         rank_steps, pending = [], ()
         for t, slot in enumerate(rank_slots):
             rank_steps.append(Step(pending, tuple(recvs[rank][t]), slot))
-            pending = tuple(m for m in (output_message(a, rank, topo) for a in slot) if m)
+            pending = tuple(outputs[rank][t])
         if pending:
             rank_steps.append(Step(pending, (), ()))
         steps.append(rank_steps)
