@@ -285,8 +285,9 @@ TRAINER: dict[str, LocalTrigger] = {
                                                             "--micro-batch-size", "2"),
     "trainer-variable-allgather": _trainer("--variable-seq-lengths", "lognormal",
                                            "--num-experts", "2"),
-    "trainer-variable-auto": _trainer("--variable-seq-lengths", "--seq1f1b", "--seq1f1b-splits",
-                                      "auto"),
+    "trainer-variable-auto-budget-microbatches": _trainer(
+        "--variable-seq-lengths", "--seq1f1b", "--seq1f1b-splits", "auto",
+        "--seq1f1b-memory-budget-microbatches", "2"),
     "trainer-variable-min-exceeds-sequence": _trainer("--variable-seq-lengths", "lognormal",
                                                       "--variable-seq-lengths-min", "300"),
     "trainer-variable-shape-without-lognormal": _trainer("--variable-seq-lengths-sigma", "0.5"),

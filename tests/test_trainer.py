@@ -444,7 +444,8 @@ def test_document_boundaries_before_0_19_equal_megatrons(tmp_path):
 # first run is the reference, Megatron's 1F1B on the same layout (the same initial weights).
 # CI: packed byte documents on flash (THD), each sample cut after its last whole document,
 # as post-training packs them; SEQ1F1B_FULL=1 adds log-normal lengths on mock data (local
-# attention, micro-batches of 2, evaluation).
+# attention, micro-batches of 2, evaluation; --seq1f1b-splits auto planning a budget on the
+# first global batch, whose measurement leaves training as it was).
 VARIABLE = {
     "documents-thd": (
         ["--variable-seq-lengths", "documents", "--attention-backend", "flash",
@@ -455,7 +456,8 @@ VARIABLE = {
         ["--mock-data", "--variable-seq-lengths", "lognormal", "--variable-seq-lengths-min", "8",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "3",
          "--eval-iters", "1"],
-        [[], ["--seq1f1b", "--seq1f1b-segment-tokens", "16"]]),
+        [[], ["--seq1f1b", "--seq1f1b-splits", "auto", "--seq1f1b-memory-budget", "1"],
+         ["--seq1f1b", "--seq1f1b-segment-tokens", "16"]]),
 }
 
 
@@ -475,6 +477,8 @@ def test_variable_lengths_seq1f1b_equals_megatrons_schedule(tmp_path, mode):
         log, stdout = train(tmp_path, f"run{number}", 2, *common, *extra, base=base)
         assert "micro-batches of " in stdout and " x up to 64 tokens; variable lengths: " \
             in stdout, stdout[-1500:]
+        if "auto" in extra:  # planned on the first global batch's lengths, then trained
+            assert "<- chosen" in stdout and "vs Megatron" in stdout, stdout[-3000:]
         logs.append(log)
     assert "Seq1F1B segments of <= 16 tokens" in logs[-1]["summary"]["schedule"]
     tokens = [[record["tokens"] for record in log["iterations"]] for log in logs]

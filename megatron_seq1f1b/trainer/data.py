@@ -18,7 +18,7 @@ import numpy
 import torch
 
 from megatron_seq1f1b.segments.documents import Documents
-from megatron_seq1f1b.trainer.lengths import cut
+from megatron_seq1f1b.trainer.lengths import cut, length_rule
 
 
 class NullTokenizer:
@@ -410,3 +410,23 @@ def quiet_logs() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def data_iterators(args, dataset, model, consumed_microbatches: int, split: str = "train"):
+    """(the schedule's data iterator(s), the last chunk's, which counts the tokens read)."""
+    from megatron.core import parallel_state
+
+    # The data-parallel rank without context parallelism: every CP rank of a replica reads
+    # the same micro-batches, and Seq1F1B's cut (slice_batch) gives each its part.
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=False)
+    dp = args.data_parallel_size
+    first = dp_rank + dp * consumed_microbatches
+    eod = make_tokenizer(args).eod
+    form = document_form(args, eod)
+    length = length_rule(args, eod, split)
+    made = [batches(dataset, args.micro_batch_size, first, dp, form, length)
+            for _ in model]
+    # The last stage's last chunk reads every micro-batch once (it needs the labels): its
+    # count there is the replica's (the loss reduction sums the replicas).
+    made[-1] = counted = Counted(made[-1])
+    return (made if len(made) > 1 else made[0]), counted

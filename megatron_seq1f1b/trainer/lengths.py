@@ -156,10 +156,11 @@ def flag_problems(args) -> list[str]:
             f"--variable-seq-lengths with --moe-token-dispatcher-type "
             f"{args.moe_token_dispatcher_type}: Megatron-Core requires the alltoall dispatcher "
             "with variable_seq_lengths; add --moe-token-dispatcher-type alltoall")
-    if args.seq1f1b and args.seq1f1b_splits == "auto":
+    if args.seq1f1b and args.seq1f1b_splits == "auto" and \
+            args.seq1f1b_memory_budget_microbatches is not None:
         problems.append(
-            "--seq1f1b-splits auto with --variable-seq-lengths: the start-up plan measures one "
-            "sequence length; give --seq1f1b-splits N or --seq1f1b-segment-tokens T")
+            "--seq1f1b-memory-budget-microbatches with --variable-seq-lengths: micro-batches of "
+            "their own lengths have no one size to count in; give --seq1f1b-memory-budget GIB")
     low = args.variable_seq_lengths_min
     if mode == LOGNORMAL and low is not None and low > args.seq_length:
         problems.append(f"--variable-seq-lengths-min {low} exceeds --seq-length "

@@ -191,26 +191,6 @@ def _print(message: str) -> None:
         print(message, flush=True)
 
 
-def _iterators(args, dataset, model, consumed_microbatches: int, split: str = "train"):
-    """(the schedule's data iterator(s), the last chunk's, which counts the tokens read)."""
-    from megatron.core import parallel_state
-
-    # The data-parallel rank without context parallelism: every CP rank of a replica reads
-    # the same micro-batches, and Seq1F1B's cut (slice_batch) gives each its part.
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=False)
-    dp = args.data_parallel_size
-    first = dp_rank + dp * consumed_microbatches
-    eod = data.make_tokenizer(args).eod
-    form = data.document_form(args, eod)
-    length = lengths.length_rule(args, eod, split)
-    made = [data.batches(dataset, args.micro_batch_size, first, dp, form, length)
-            for _ in model]
-    # The last stage's last chunk reads every micro-batch once (it needs the labels): its
-    # count there is the replica's (the loss reduction sums the replicas).
-    made[-1] = counted = data.Counted(made[-1])
-    return (made if len(made) > 1 else made[0]), counted
-
-
 def pretrain(forward_step_func: Callable, model_provider: Callable, argv=None) -> dict:
     """Parse flags, set up, train, evaluate, save; returns the summary (all ranks).
 
@@ -245,7 +225,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
         choice = auto_plan.choose(args, model, forward_step_func, train_ds)
         _print(f"> Seq1F1B plan (--seq1f1b-splits auto; costs: {choice.source}):\n"
                f"{choice.table()}")
-    train_iter, counted = _iterators(args, train_ds, model, iteration * args.num_microbatches)
+    train_iter, counted = data.data_iterators(args, train_ds, model,
+                                              iteration * args.num_microbatches)
     forward_backward = _forward_backward_func(args)
     memory = PeakMemory(device)
     schedule = _schedule_name(args)
@@ -364,7 +345,7 @@ def evaluate(args, forward_step_func, forward_backward, model, dataset, device, 
     for chunk in model:
         chunk.eval()
     consumed = (iteration // args.eval_interval - 1) * args.eval_iters * args.num_microbatches
-    iterator, _ = _iterators(args, dataset, model, max(consumed, 0), split="valid")
+    iterator, _ = data.data_iterators(args, dataset, model, max(consumed, 0), split="valid")
     total_loss = total_tokens = 0.0
     with torch.no_grad():
         for _ in range(args.eval_iters):
