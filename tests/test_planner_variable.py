@@ -63,28 +63,32 @@ def test_budget_beats_megatron_on_uneven_lengths_and_saves_memory():
     """Faster on uneven lengths; the memory every stage must hold is the longest micro-batch
     whole (its last segment's backward comes first) plus what runs ahead of it: less than
     Megatron's p micro-batches where p is large or the cut is fixed."""
+    def plan(p, k, tokens=None):
+        rows = cut_rows(LENGTHS, k, "balanced", segment_tokens=tokens, cost=MODEL,
+                        multiple_of=16)
+        time, _, peaks, _ = predict_rows(_calibration(p), rows, p)
+        return time, max(peaks)
+
     for p in (2, 4):
-        chosen, ranked = choose_variable_plan(_calibration(p), LENGTHS, p, cost=MODEL,
-                                              multiple_of=16)
-        megatron = next(plan for plan in ranked if plan.name == "Megatron 1F1B")
-        budget = next(plan for plan in ranked if plan.segment_tokens == 1024)
-        fixed = next(plan for plan in ranked if plan.name == "Seq1F1B k=4")
-        assert megatron.time / budget.time > 1.2
-        assert chosen.time <= budget.time
-        assert max(fixed.peak_tokens) < 0.95 * max(megatron.peak_tokens)
-        assert min(budget.peak_tokens) >= max(LENGTHS) / p  # a stage holds its longest whole
-    assert max(budget.peak_tokens) < 0.9 * max(megatron.peak_tokens)  # p = 4
+        megatron, budget, fixed = plan(p, 1), plan(p, 64, 1024), plan(p, 4)
+        chosen, _ = choose_variable_plan(_calibration(p), LENGTHS, p, cost=MODEL, multiple_of=16)
+        assert megatron[0] / budget[0] > 1.2
+        assert chosen.time <= budget[0]
+        assert fixed[1] < 0.95 * megatron[1]
+        assert budget[1] >= max(LENGTHS)  # a stage holds its longest micro-batch whole
+    assert budget[1] < 0.9 * megatron[1]  # p = 4
 
 
 def test_fixed_cost_per_unit_limits_the_budget():
     """With a large fixed cost per unit the smallest budgets lose: the choice is not simply
     the most segments."""
     calibration = _calibration(2, host=2000.0)
-    chosen, ranked = choose_variable_plan(calibration, LENGTHS, 2, cost=MODEL, multiple_of=16,
-                                          min_segment_length=128)
-    smallest = next(p for p in ranked if p.segment_tokens == 128)
-    assert chosen.time < smallest.time
-    assert chosen.units < smallest.units
+    chosen, _ = choose_variable_plan(calibration, LENGTHS, 2, cost=MODEL, multiple_of=16,
+                                     min_segment_length=128)
+    rows = cut_rows(LENGTHS, 64, "balanced", segment_tokens=128, cost=MODEL, multiple_of=16)
+    smallest, *_ = predict_rows(calibration, rows, 2)
+    assert chosen.time < smallest
+    assert chosen.units < sum(len(r) for r in rows)
 
 
 def test_memory_budget_picks_a_plan_that_fits_or_says_the_smallest():
@@ -119,3 +123,28 @@ def test_documents_cut_at_document_ends():
     rows = cut_rows([1024, 256], 16, "documents", segment_tokens=512, cost=MODEL,
                     documents=documents)
     assert [sum(r) for r in rows] == [1024, 256] and len(rows[0]) == 2 and len(rows[1]) == 1
+
+
+def test_pruned_search_chooses_what_timing_every_candidate_chooses(monkeypatch):
+    """The bound only skips candidates that cannot win: with every candidate timed (bound
+    0) the choice is the same, on random lengths, stage counts and fixed costs per unit."""
+    import random
+
+    from megatron_seq1f1b.planner import variable
+
+    rng = random.Random(3)
+    for _ in range(6):
+        p = rng.choice([2, 3, 4])
+        lengths = [rng.choice([256, 512, 1024, 2048, 4096]) for _ in range(rng.randint(3, 8))]
+        calibration = _calibration(p, host=rng.choice([0.0, 50.0, 500.0]))
+        chosen, timed = choose_variable_plan(calibration, lengths, p, cost=MODEL, multiple_of=16,
+                                             schedules=("1f1b", "zb-h1"))
+        with monkeypatch.context() as patch:
+            patch.setattr(variable, "busy_bound", lambda *a, **k: 0.0)
+            every, all_timed = choose_variable_plan(calibration, lengths, p, cost=MODEL,
+                                                    multiple_of=16, schedules=("1f1b", "zb-h1"))
+        assert (chosen.name, chosen.time) == (every.name, every.time)
+        assert len(timed) <= len(all_timed)
+        bound = variable.busy_bound(calibration, every.rows, p,
+                                    split_backward=every.schedule != "1f1b")
+        assert bound <= every.time * (1 + 1e-9)  # a bound, not an estimate
