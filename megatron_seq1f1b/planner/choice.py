@@ -71,22 +71,27 @@ class PlanChoice:
     """The winner, every candidate (ranked: fastest first) and why the winner won."""
 
     plan: Plan
-    candidates: tuple[Plan, ...]
+    candidates: tuple[Plan, ...]  # those timed (all of them with exhaustive=True)
     reason: str
     source: str = ""  # where the costs came from (the calibration's source)
+    untimed: int = 0  # candidates not timed: their bounds could not change the answer
+    untimed_over_budget: int = 0  # of which over the memory budget
 
     def table(self, top: int = 0) -> str:
         """The candidates (``top``: only the fastest ``top`` and the chosen one), why the
         winner won and its memory per stage (only the busiest where candidates were cut)."""
-        text = format_table(self.candidates, self.plan, self.reason, top)
-        cut = len(_shown(self.candidates, self.plan, top)) < len(self.candidates)
+        text = format_table(self.candidates, self.plan, self.reason, top,
+                            self.untimed, self.untimed_over_budget)
+        cut = (len(_shown(self.candidates, self.plan, top)) < len(self.candidates)
+               or self.untimed > 0)
         return text + ("\n" + self.plan.stages_text(cut) if self.plan.stages else "")
 
 
 class BudgetError(ValueError):
     """No candidate plan fits the memory budget: ``smallest`` is the plan nearest to it;
-    ``limits``, the search's bounds that more splits would need raised (``{"max_splits": 16,
-    "min_segment_length": 128}``), which :meth:`text` names as its caller spells them."""
+    ``limits``, the search's bounds that kept it from more splits, each with a value that
+    allows more (``{"max_splits": 32}``: never the value in force; empty where raising none
+    could help), which :meth:`text` names as its caller spells them."""
 
     def __init__(self, message: str, smallest: Plan, limits: dict | None = None):
         self.message, self.smallest, self.limits = message, smallest, dict(limits or {})
@@ -243,9 +248,10 @@ def _shown(candidates: Sequence[Plan], chosen: Plan, top: int) -> list[Plan]:
 
 
 def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = None,
-                 top: int = 0) -> str:
+                 top: int = 0, untimed: int = 0, untimed_over_budget: int = 0) -> str:
     """All candidates, fastest first (``*`` = chosen), then why the winner won; ``top``:
-    only the fastest ``top`` and the chosen one, and a line counting the others."""
+    only the fastest ``top`` and the chosen one, and a line counting the others;
+    ``untimed``: a line counting the candidates the search did not time."""
     ranked = sorted(candidates, key=_rank_key)
     shown = _shown(ranked, chosen, top)
     best = ranked[0].time
@@ -268,6 +274,11 @@ def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = 
     if len(shown) < len(ranked):
         lines.append(f"  ... {len(ranked) - len(shown)} more candidates not shown "
                      "(--top 0 lists all)")
+    if untimed:
+        over = (f", {untimed_over_budget} of them over the memory budget"
+                if untimed_over_budget else "")
+        lines.append(f"  ... {untimed} more candidates not timed: their lower bounds cannot "
+                     f"change this answer{over} (--top 0 times them all)")
     lines.append(reason or explain(ranked, chosen))
     return "\n".join(lines)
 

@@ -41,10 +41,9 @@ from megatron_seq1f1b.runtime.model_hooks import (
 from megatron_seq1f1b.runtime.p2p import Peers
 from megatron_seq1f1b.schedules import plan as plan_mod
 from megatron_seq1f1b.schedules.partition import METHODS, CostModel, split_sequence
-from megatron_seq1f1b.schedules.replay import replay
-from megatron_seq1f1b.schedules.schedule import SCHEDULES, Action, build_schedule, splits_backward
-from megatron_seq1f1b.schedules.validate import check_link_order
-from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn, segment_cost_problems
+from megatron_seq1f1b.schedules.schedule import SCHEDULES, Action, splits_backward
+from megatron_seq1f1b.schedules.steady import executor_plan, whole_plan
+from megatron_seq1f1b.schedules.zero_bubble import segment_cost_problems
 from megatron_seq1f1b.segments.cp_group import StandInGroup, is_stand_in
 from megatron_seq1f1b.segments.document_plan import source_problems
 
@@ -57,20 +56,29 @@ def pipeline_steps(
     """Every rank's steps (a pure function of the sizes; cached across iterations).
 
     ``costs``: per-segment (F, B, W) estimates that place zero-bubble W actions and
-    the receives; a plan built from them is replayed (validated) before use.
+    the receives; a plan built from them is replayed (validated) before use. Many
+    micro-batches cost what a few do: the steps of a few small counts give every rank's
+    warm-up, repeated steady state and cool-down, which are repeated out
+    (:func:`~megatron_seq1f1b.schedules.steady.executor_plan`, which says what is checked).
     """
-    actions = build_schedule(num_stages, num_microbatches, num_splits, num_chunks,
-                             forward_only=forward_only, schedule=schedule, costs=costs)
-    cost = segment_cost_fn(costs) if costs is not None and not forward_only else None
-    steps = plan_mod.plan_steps(actions, num_chunks, cost=cost)
-    if cost is not None:
-        check_link_order(steps)
-        replay(steps)
+    periodic = executor_plan(num_stages, num_microbatches, num_splits, num_chunks, schedule,
+                             costs, forward_only)
+    if periodic is not None:
+        copies = periodic.copies(num_microbatches)
+        return tuple(tuple(periodic.rank_items(rank, copies)) for rank in range(num_stages))
+    steps = whole_plan(num_stages, num_microbatches, num_splits, num_chunks, schedule, costs,
+                       forward_only)
     return tuple(tuple(rank) for rank in steps)
 
 
+@functools.lru_cache(maxsize=64)
 def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only, rank,
                schedule: str = "1f1b", costs: tuple | None = None) -> tuple:
+    """This rank's steps of :func:`pipeline_steps` (only this rank's are repeated out)."""
+    periodic = executor_plan(num_stages, num_microbatches, num_splits, num_chunks, schedule,
+                             costs, forward_only)
+    if periodic is not None:
+        return tuple(periodic.rank_items(rank, periodic.copies(num_microbatches)))
     return pipeline_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only,
                           schedule, costs)[rank]
 
