@@ -19,7 +19,11 @@ activations)::
 
 It prints what it planned for and the costs in words, the chosen flags (and,
 where the tie rule kept a plan slower than the fastest, by how much and why),
-the ``--top`` fastest candidates and the winner's memory.
+Megatron-Core's own 1F1B (and interleaved 1F1B with ``--vpp``) on the same costs with
+the speed and memory ratios (:mod:`~megatron_seq1f1b.planner.report`), the ``--top``
+fastest candidates, the winner's memory, and whether memory was checked against a GPU
+(without ``--gpu-memory-gib``: the busiest stage against common GPU sizes). Candidates
+that cannot be among the ``--top`` are not timed (``--top 0`` times every one).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from megatron_seq1f1b.planner.costs import Calibration, Fit, load_calibration, s
 from megatron_seq1f1b.planner.footprint import ModelShape, Training
 from megatron_seq1f1b.planner.memory_model import GIB, MemoryModel
 from megatron_seq1f1b.planner.recurrent import KERNELS, gdn_sizes, mamba_sizes
+from megatron_seq1f1b.planner.report import baseline_lines, megatron_baselines, memory_lines
 from megatron_seq1f1b.planner.search import MAX_SPLITS, RUNTIME_TIMING, choose_plan
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import METHODS, CostModel
@@ -699,23 +704,26 @@ def main(argv=None) -> int:
                      "bytes_per_token) to turn micro-batches of activations into bytes")
     if args.message_latency is not None:
         calibration = replace(calibration, message=Fit(0.0, 0.0, args.message_latency))
+    common = dict(
+        micro_batch_size=args.micro_batch_size, config=config, vocab_size=args.vocab_size,
+        dense_attention=args.dense_attention,
+        bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,
+        multiple_of=_segment_multiple(args), timing=_timing(args), memory_model=memory_model,
+        context_parallel_size=args.context_parallel_size)
+    cost_model = (CostModel.from_config(config, args.vocab_size, args.dense_attention,
+                                        pattern=args.hybrid_layer_pattern)
+                  if config is not None and _by_layer_kind(args) else None)
     try:
         choice = choose_plan(
             args.seq_length, args.pp, args.microbatches, num_model_chunks=args.vpp,
-            micro_batch_size=args.micro_batch_size, calibration=calibration, config=config,
-            vocab_size=args.vocab_size, dense_attention=args.dense_attention,
-            cost_model=(CostModel.from_config(config, args.vocab_size, args.dense_attention,
-                                              pattern=args.hybrid_layer_pattern)
-                        if config is not None and _by_layer_kind(args) else None),
+            calibration=calibration, cost_model=cost_model,
             memory_budget=args.memory_budget_microbatches,
             memory_budget_bytes=args.memory_budget_gib * GIB if args.memory_budget_gib else None,
-            bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,
-            max_splits=args.max_splits, multiple_of=_segment_multiple(args), splits=args.splits,
-            partitions=args.partitions, schedules=args.schedules, timing=_timing(args),
-            tie_tolerance=args.tie_tolerance, memory_model=memory_model,
+            max_splits=args.max_splits, splits=args.splits,
+            partitions=args.partitions, schedules=args.schedules,
+            tie_tolerance=args.tie_tolerance,
             memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None,
-            context_parallel_size=args.context_parallel_size,
-            top=max(args.top, 1), exhaustive=args.top == 0)
+            top=max(args.top, 1), exhaustive=args.top == 0, **common)
     except BudgetError as exc:  # the flags are fine; no plan fits them
         text = exc.text({"max_splits": "--max-splits",
                          "min_segment_length": "--min-segment-length"})
@@ -730,8 +738,17 @@ def main(argv=None) -> int:
           f"--seq1f1b-schedule {plan.schedule}")
     if note:
         print(f"  ({note}; --tie-tolerance 0 takes the fastest)")
+    plain = None  # the costs of the layout without interleaving (FLOPs only: see report)
+    if args.vpp > 1 and not args.calibration:
+        plain = _flop_calibration(args, config, args.pp)
+        if args.message_latency is not None:
+            plain = replace(plain, message=Fit(0.0, 0.0, args.message_latency))
+    baselines = megatron_baselines(args.seq_length, args.pp, args.microbatches, args.vpp,
+                                   calibration, plain, cost_model=cost_model, **common)
+    print("\n".join(baseline_lines(plan, baselines)))
     print(choice.table(args.top))
     print(f"split_lengths {list(plan.lengths)} (the chosen plan's segments, tokens)")
+    print("\n".join(memory_lines(plan, args.gpu_memory_gib)))
     if args.save_calibration:
         save_calibration(calibration, args.save_calibration)
     if args.json:
@@ -739,6 +756,7 @@ def main(argv=None) -> int:
             "plan": _plan_dict(plan), "reason": choice.reason,
             "candidates": [_plan_dict(c) for c in choice.candidates],
             "tie_note": note, "costs": costs, "source": calibration.source,
+            "baselines": {name: _plan_dict(b) for name, b in baselines.items() if b},
             "untimed": choice.untimed, "timing": _timing(args),
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "sequence_parallel": _sequence_parallel(args),
