@@ -216,7 +216,7 @@ def _costs(kind: str, seed: int):
 
 @pytest.mark.parametrize("p,k,v,name", TIME_GRID)
 def test_extended_makespan_equals_the_full_replay(p, k, v, name):
-    m = 13 * steady.period(p, k, v) + 1
+    m = 48 * steady.period(p, k, v) + 1  # well past the copies replayed before extending
     periodic = steady.executor_plan(p, m, k, v, name, UNEVEN[k] if name != "1f1b" else None)
     assert periodic is not None
     whole = periodic.items(periodic.copies(m))  # what the executor runs
@@ -241,11 +241,11 @@ SHAPE = ModelShape(num_layers=8, hidden_size=1024, num_attention_heads=8, vocab_
 MEMORY = MemoryModel(SHAPE, Training(dtype="bf16"))
 
 PLAN_GRID = [  # (p, m, v, max k, attention, budget)
-    (4, 12, 1, 4, True, None), (4, 14, 2, 3, True, "activations"), (2, 11, 1, 4, False, "total"),
+    (4, 40, 1, 4, True, None), (4, 44, 2, 3, True, "activations"), (2, 37, 1, 4, False, "total"),
 ]
 if FULL:
     PLAN_GRID = [(p, m, v, kk, attention, budget) for p, m, v in
-                 ((2, 11, 1), (3, 13, 1), (4, 12, 1), (4, 14, 2), (3, 17, 2), (6, 15, 1))
+                 ((2, 37, 1), (3, 41, 1), (4, 40, 1), (4, 44, 2), (3, 47, 2), (6, 45, 1))
                  for kk in (3, 5) for attention in (True, False)
                  for budget in (None, "activations", "total")]
 
@@ -334,3 +334,22 @@ def test_planner_shortcut_is_used_and_its_cost_does_not_grow_with_m(monkeypatch)
     choice = _plan(4, 1000, 1, 4, True, {"memory_budget_total_bytes": 2 * GIB})
     assert choice.plan.num_splits >= 1 and max(counts) < 20
     cand.clear_caches()
+
+
+def test_the_extension_is_what_is_checked(monkeypatch):
+    """At many micro-batches the replay stops at a few copies and extends: the replays it runs
+    hold far fewer copies than the target, and the answer equals the whole replay's."""
+    periodic = steady.executor_plan(4, 400, 2, 1)
+    sizes = []
+    original = steady.replay_times
+
+    def recording(steps, *a, partners=None, **kw):
+        sizes.append(sum(len(rank) for rank in partners[0]))
+        return original(steps, *a, partners=partners, **kw)
+
+    monkeypatch.setattr(steady, "replay_times", recording)
+    cost = _costs("segments", 3)
+    got = steady.steady_makespan(periodic, 400, cost, 0.1, "nccl")
+    whole = periodic.items(periodic.copies(400))
+    assert max(sizes) < sum(len(rank) for rank in whole) / 10
+    assert got == pytest.approx(replay(whole, cost, 0.1, timing="nccl").makespan, rel=1e-12)

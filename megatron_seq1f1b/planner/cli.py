@@ -229,10 +229,10 @@ def build_parser() -> ArgumentParser:
                              "alike: neither predicts closer than that; 0: the fastest "
                              "prediction wins)")
     parser.add_argument("--top", type=non_negative_int, default=TOP, metavar="N",
-                        help=f"list the N fastest candidates and the chosen one (default {TOP}"
-                             "; with candidates left out, only the busiest stage's memory; "
-                             "candidates that cannot be among them are not timed); 0: time "
-                             "and list every candidate and every stage")
+                        help=f"list the N fastest candidates timed and the chosen one (default "
+                             f"{TOP}; with candidates left out, only the busiest stage's "
+                             "memory; candidates that cannot change the choice are not timed, "
+                             "and counted); 0: time and list every candidate and every stage")
     memory = parser.add_argument_group(
         "memory per stage (with the model: weights, main gradients, Adam states, activations)")
     memory.add_argument("--bf16", action="store_true", help="bf16 weights (default fp32)")
@@ -723,7 +723,7 @@ def main(argv=None) -> int:
             partitions=args.partitions, schedules=args.schedules,
             tie_tolerance=args.tie_tolerance,
             memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None,
-            top=max(args.top, 1), exhaustive=args.top == 0, **common)
+            exhaustive=args.top == 0, **common)
     except BudgetError as exc:  # the flags are fine; no plan fits them
         text = exc.text({"max_splits": "--max-splits",
                          "min_segment_length": "--min-segment-length"})
@@ -732,7 +732,7 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     plan = choice.plan
     costs = _costs_text(args, calibration, config, stages)
-    note = tie_note(choice.candidates, plan, args.tie_tolerance)
+    note = tie_note(choice.candidates, plan, args.tie_tolerance, complete=not choice.untimed)
     print("\n".join([_layout_text(args), *costs]))
     print(f"chosen: --seq1f1b-splits {plan.num_splits} --seq1f1b-partition {plan.partition} "
           f"--seq1f1b-schedule {plan.schedule}")

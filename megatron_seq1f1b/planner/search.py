@@ -32,7 +32,8 @@ from megatron_seq1f1b.planner.candidates import (
     memory_schedule, predict_time, table_cost, time_lower_bound, busy_time,
 )
 from megatron_seq1f1b.planner.choice import (
-    Plan, PlanChoice, BudgetError, _memory_key, _pick, _q, _rank_key, explain, need_text,
+    PREFERRED_PARTITIONS, Plan, PlanChoice, BudgetError, _memory_key, _pick, _q, _rank_key,
+    explain, need_text,
 )
 from megatron_seq1f1b.planner.costs import Calibration, action_cost_table, placement_costs
 from megatron_seq1f1b.planner.memory_model import MemoryModel, activation_peak, bytes_text
@@ -248,9 +249,12 @@ def choose_plan(
                             memory_budget_bytes, memory_budget_total_bytes, limits, note)
     chosen = _pick(sorted(feasible, key=_rank_key), tie_tolerance)
     untimed = [c for c in candidates if c.plan is None and not c.refused]
-    return PlanChoice(chosen, ranked, explain(ranked, chosen, tie_tolerance, budgets),
+    return PlanChoice(chosen, ranked, explain(ranked, chosen, tie_tolerance, budgets,
+                                              complete=not untimed),
                       calibration.source, len(untimed),
-                      sum(1 for c in untimed if search.over(c)))
+                      sum(1 for c in untimed if search.over(c) or (
+                          search.budgeted and c.memory is not None
+                          and not search.fits(c.memory))))
 
 
 class _Search:
@@ -329,30 +333,87 @@ class _Search:
 
     def run(self, candidates: list[_Candidate], tolerance: float, top: int,
             exhaustive: bool) -> list[Plan]:
-        """Time what the answer needs; the feasible plans timed."""
+        """Time what the answer needs (module doc); the feasible plans timed."""
         if exhaustive:
             for c in candidates:
                 self.time(c)
             return [c.plan for c in candidates if c.plan is not None and c.plan.within_budget
                     is not False]
-        pending = sorted((c for c in candidates if not self.over(c)),
-                         key=lambda c: (c.bound, c.order))
+        by_bound = sorted(candidates, key=lambda c: (c.bound, c.order))
         feasible: list[Plan] = []
-        for c in pending:
-            if feasible and c.bound > _needed(feasible, tolerance, top) * (1 + 1e-8):
-                break
-            if self.budgeted and not self.fits(self.memory(c)):
-                continue  # zero bubble whose own memory is over (1F1B's was not)
-            plan = self.time(c)
-            if plan is not None:
-                feasible.append(plan)
-        if feasible and self.budgeted:  # faster plans over the budget, for the reason
-            chosen = _pick(sorted(feasible, key=_rank_key), tolerance)
-            for c in sorted(candidates, key=lambda c: (c.bound, c.order)):
-                if c.bound > chosen.time * (1 + 1e-8):
+
+        def nth(n: int) -> float:
+            times = sorted(plan.time for plan in feasible)
+            return times[n - 1] if len(times) >= n else math.inf
+
+        def fits(c: _Candidate) -> bool:  # its memory first: over the budget, never timed
+            return not self.over(c) and (not self.budgeted or self.fits(self.memory(c)))
+
+        untimed = [c for c in by_bound]
+
+        def refine() -> bool:
+            """Time the untimed candidate with the least bound (False: none left)."""
+            while untimed:
+                c = untimed.pop(0)
+                if c.plan is not None or c.refused or not fits(c):
+                    continue
+                plan = self.time(c)
+                if plan is not None:
+                    feasible.append(plan)
+                return True
+            return False
+
+        def fastest_bounds() -> tuple[float, float]:
+            """(no plan can be faster than, the fastest timed) within the budget."""
+            upper = min((plan.time for plan in feasible), default=math.inf)
+            rest = [c.bound for c in untimed if c.plan is None and not c.refused
+                    and not self.over(c)]
+            return min([upper] + rest[:1]), upper
+
+        # the ``top`` fastest (without a tie tolerance, the fastest is the choice): cheapest
+        # bound first, until no bound could beat the top-th
+        if top > 1 or tolerance == 0:
+            while untimed and untimed[0].bound <= nth(max(top, 1)) * (1 + 1e-8):
+                refine()
+        else:
+            while not feasible and refine():
+                pass
+        # the tie rule's choice: the most robust plan within the tolerance of the fastest,
+        # robust first; a plan is in if it is within the tolerance of every bound, out if
+        # not of the fastest timed, and the fastest is pinned down further in between
+        if tolerance > 0 and feasible:
+            for c in sorted(candidates, key=_robust_order):
+                if c.refused or (c.plan is None and not fits(c)):
+                    continue
+                while True:
+                    least, upper = fastest_bounds()
+                    if c.plan is None and c.bound > upper * (1 + tolerance) * (1 + 1e-8):
+                        break  # cannot be within the tolerance
+                    if c.plan is None:
+                        plan = self.time(c)
+                        if plan is None:
+                            break
+                        feasible.append(plan)
+                        continue
+                    if c.plan.time <= least * (1 + tolerance) * (1 - 1e-9):
+                        break  # within it, whatever the fastest turns out to be
+                    if c.plan.time > upper * (1 + tolerance) * (1 + 1e-9) or not refine():
+                        break
+                if c.plan is not None and c.plan.time <= fastest_bounds()[0] * (1 + tolerance) \
+                        * (1 - 1e-9):
                     break
-                if c.plan is None and self.over(c):
-                    self.time(c)
+        # the choice over what was timed is the choice over all: the tie rule needs the
+        # fastest only to within the tolerance
+        if feasible and self.budgeted:  # the fastest plan over the budget, if faster: the reason names it
+            chosen = _pick(sorted(feasible, key=_rank_key), tolerance)
+            best = chosen.time
+            for c in by_bound:
+                if c.bound > best * (1 + 1e-8):
+                    break
+                if c.plan is None and not c.refused and not fits(c):
+                    plan = self.time(c)
+                    if plan is not None:
+                        best = min(best, plan.time)
         return feasible
 
     def more_splits(self, limits: dict, seq_length: int, multiple: int, tried: int,
@@ -410,15 +471,12 @@ class _Search:
         raise ValueError("no candidate plan: the executor would refuse every one")
 
 
-def _needed(feasible: list[Plan], tolerance: float, top: int) -> float:
-    """The slowest time a candidate not yet timed may have and still change the answer: the
-    tie tolerance's limit, the next plan after the chosen one, the ``top``-th fastest."""
-    ranked = sorted(feasible, key=_rank_key)
-    chosen = _pick(ranked, tolerance)
-    needed = ranked[0].time * (1 + tolerance)
-    after = [plan for plan in ranked if _rank_key(plan) > _rank_key(chosen)]
-    needed = max(needed, after[0].time if after else math.inf)
-    return max(needed, ranked[top - 1].time if len(ranked) >= top else math.inf)
+def _robust_order(c: _Candidate) -> tuple:
+    """The tie rule's preference (:func:`~megatron_seq1f1b.planner.choice._pick`) before the
+    time: 1F1B first, then the partition, then the fewest splits."""
+    return (SCHEDULES.index(c.schedule),
+            PREFERRED_PARTITIONS.index(c.partition) if len(c.lengths) > 1 else 0,
+            len(c.lengths), c.order)
 
 
 def _budget_error(smallest: Plan, budgets, microbatches, activation_bytes, total_bytes,

@@ -38,6 +38,15 @@ many copies are replayed, up to all of them. The replay of ``J`` copies never bu
 their steps: where each message's other end lies is placed by index from a few
 copies (:class:`_Layout`).
 
+The last copies are not always in progression: where a step waits for its receiver to
+post (rendezvous, NCCL's posting after sends), the cool-down reaches back into them. So
+:func:`steady_makespan` compares two replays, ``J`` and ``J + s`` copies: if inserting
+``s`` copies kept the times of every step before a window of ``2d + s`` copies and moved
+every later one (and every rank's end) by ``lam``, the same times with the window
+repeated satisfy the equations of ``J + 2s`` copies (inside the window both descriptions
+agree, and the window is wider than any equation reaches), and so on: the makespan of
+``J + n s`` copies is ``makespan(J) + n lam``.
+
 **Memory**. Every block forwards and releases (B, W) each (segment, chunk) equally
 often (checked), so the units in flight at the start of every copy are the same
 and each copy repeats the same profile: the peak of one copy (``m0 + P``
@@ -177,14 +186,13 @@ class _Layout:
     def __init__(self, periodic: "Periodic"):
         self.periodic = periodic
         self.cuts, self.sizes = periodic.prefix, [len(b) for b in periodic.blocks]
-        probe = periodic.items(3)
-        reach = _reach(periodic.regions(3), message_partners(probe))
-        self.template = 2 * reach + 3
-        partners = message_partners(periodic.items(self.template))
-        self.reach = max(reach, _reach(periodic.regions(self.template), partners))
-        if self.template < 2 * self.reach + 3:
-            self.template = 2 * self.reach + 3
+        self.template, self.reach = 5, 1
+        while True:  # enough copies that the middle one shows every copy-to-copy relation
             partners = message_partners(periodic.items(self.template))
+            self.reach = max(self.reach, _reach(periodic.regions(self.template), partners))
+            if self.template >= 2 * self.reach + 3:
+                break
+            self.template = 2 * self.reach + 3
         try:
             self.rules = [self._rules(partners[side]) for side in (0, 1)]
         except ValueError:  # a relation the rules cannot say: every count built in full
@@ -251,7 +259,7 @@ class _Layout:
             return message_partners(self.periodic.items(copies))
         cuts, sizes = self.cuts, self.sizes
 
-        def index(q: int, kind: str, a: int, y: int, c: int = 0) -> int:
+        def index(q: int, kind: str, a: int, y: int) -> int:
             if kind == "P":
                 return y
             if kind == "S":
@@ -260,13 +268,24 @@ class _Layout:
                 return cuts[q] + a * sizes[q] + y
             return cuts[q] + (copies - a) * sizes[q] + y  # "E"
 
+        def fixed(steps) -> list[tuple]:
+            return [tuple((q, index(q, kind, a, y)) for q, kind, a, y in step) for step in steps]
+
         sides = []
         for rules in self.rules:
             side = []
             for prefix, block, suffix in rules:
-                rows = [tuple((q, index(q, kind, a, y)) for q, kind, a, y in step)
-                        for step in prefix]
+                rows = fixed(prefix)
+                # copies whose messages all land in copies: the block's rows, moved along
+                span = max((abs(delta) for generic, _ in block for _, _, delta, _ in generic),
+                           default=0)
+                inner = [tuple((q, cuts[q] + delta * sizes[q] + y, sizes[q])
+                               for q, _, delta, y in generic) for generic, _ in block]
                 for c in range(copies):
+                    if span <= c < copies - span:
+                        rows += [tuple((q, base + c * size) for q, base, size in step)
+                                 for step in inner]
+                        continue
                     for generic, ends in block:
                         row = []
                         for (q, _, delta, y), table in zip(generic, ends):
@@ -279,8 +298,7 @@ class _Layout:
                             else:
                                 row.append((q, cuts[q] + there * sizes[q] + y))
                         rows.append(tuple(row))
-                rows += [tuple((q, index(q, kind, a, y)) for q, kind, a, y in step)
-                         for step in suffix]
+                rows += fixed(suffix)
                 side.append(rows)
             sides.append(side)
         return sides[0], sides[1]
@@ -496,15 +514,16 @@ def _reach(regions: list[list[int]], partners: tuple) -> int:
 
 
 def _progression(values: Sequence[list[float]], regions: list[list[int]], first: int,
-                 last: int, tolerance: float) -> float | None:
-    """The common step of the copies ``first..last`` of every rank's ``values`` (one list
-    per rank, one value per step), or None if they are not an arithmetic progression."""
+                 last: int, stride: int, tolerance: float) -> float | None:
+    """What every value of copy ``c + stride`` adds to copy ``c``'s, for the copies
+    ``first..last`` of every rank (one list of values per rank, one per step), if that is one
+    number; else None."""
     lam = None
     for rank_values, rank_regions in zip(values, regions):
         where = [i for i, c in enumerate(rank_regions) if first <= c <= last]
-        size = len(where) // (last - first + 1)
-        for i in where[size:]:
-            step = rank_values[i] - rank_values[i - size]
+        shift = len(where) // (last - first + 1) * stride
+        for i in where[shift:]:
+            step = rank_values[i] - rank_values[i - shift]
             if lam is None:
                 lam = step
             elif abs(step - lam) > tolerance:
@@ -512,38 +531,92 @@ def _progression(values: Sequence[list[float]], regions: list[list[int]], first:
     return lam
 
 
+#: The periods (in copies) a replay's times are tried for: max-plus systems such as these
+#: settle into cycles of a few copies (each copy alternating, say), not always of one.
+STRIDES = (1, 2, 3, 4, 6)
+
+
 def steady_makespan(periodic: Periodic, num_microbatches: int,
                     action_cost: Callable[[Action, int], float], comm_latency: float = 0.0,
                     timing: str = "rendezvous") -> float:
-    """The makespan of ``num_microbatches`` (module doc): replay a few copies, and twice as
-    many while their last ``2d + 1`` are not in progression; extend the progression once it
-    shows, or replay every copy where that comes first. ``action_cost(action, rank)`` must
-    not depend on the action's micro-batch. DeadlockError as the replay raises it."""
+    """The makespan of ``num_microbatches`` (module doc): replay ``J`` copies and ``J + s``
+    (``s`` the period of their times in copies, :data:`STRIDES`); where inserting the ``s``
+    copies left the times before an inserted window of ``2d + s`` copies as they were and
+    moved those after it by one number, extend that; else replay twice as many copies, up
+    to all of them. ``action_cost(action, rank)`` must not depend on the action's
+    micro-batch. DeadlockError as the replay raises it."""
     target = periodic.copies(num_microbatches)
     reach = periodic.layout().reach
-    copies = 2 * reach + 1
+    copies = 4 * reach + 4
+
+    def replay_of(count: int):
+        partners, _ = periodic.compiled(count)
+        return replay_times(None, comm_latency=comm_latency, timing=timing, partners=partners,
+                            costs=periodic.step_costs(action_cost, count))
+
     while True:
-        copies = min(copies, target)
-        partners, regions = periodic.compiled(copies)
-        times = replay_times(None, comm_latency=comm_latency, timing=timing, partners=partners,
-                             costs=periodic.step_costs(action_cost, copies))
-        makespan = max(times.end)
-        if copies == target:  # every micro-batch replayed
-            return makespan
-        if copies >= 2 * reach + 1:
-            lam = _copy_step(times, regions, copies - 2 * reach - 1, copies - 1,
-                             1e-9 * max(makespan, 1e-300))
+        if copies + max(STRIDES) >= target:  # as cheap as the whole: replay every copy
+            return max(replay_of(target).end)
+        times = replay_of(copies)
+        tolerance = 1e-9 * max(max(times.end), 1e-300)
+        regions = periodic.regions(copies)
+        for stride in STRIDES:
+            window = 2 * reach + stride
+            middle = (copies - window) // 2
+            if middle < 0 or _copy_step(times, regions, middle, middle + window - 1, stride,
+                                        tolerance) is None:
+                continue
+            start = copies + (target - copies) % stride  # a whole number of strides away
+            base = replay_of(start) if start != copies else times
+            more = replay_of(start + stride)
+            lam = _inserted(periodic, base, more, start, stride, window, tolerance)
             if lam is not None:
-                return makespan + (target - copies) * lam
-        copies = 2 * copies
+                return max(base.end) + (target - start) // stride * lam
+        copies *= 2
 
 
-def _copy_step(times, regions, first: int, last: int, tolerance: float) -> float | None:
-    """What each of the copies ``first..last`` adds to every time of the copy before it, if
-    that is one number (an arithmetic progression); else None."""
+def _inserted(periodic: Periodic, base, more, copies: int, stride: int, window: int,
+              tolerance: float) -> float | None:
+    """Whether ``more`` (the times of ``copies + stride`` copies) is ``base`` (of ``copies``)
+    with ``stride`` copies inserted: every step before some copy ``a + window`` kept its
+    times, every step from copy ``a`` on (and every rank's end) moved by one number,
+    ``lam``; that number, or None."""
+    lam = None
+    keep_until, move_from = copies, 0  # in copies, over all ranks
+    quantities = ("reach", "post", "recv_post", "start")
+    for r, (cut, block) in enumerate(zip(periodic.prefix, periodic.blocks)):
+        size, n = len(block), len(base.start[r])
+        shift = stride * size
+        first_moved = n  # from here on this rank's steps moved (as far as checked)
+        for i in range(n - 1, -1, -1):
+            step = [getattr(more, q)[r][i + shift] - getattr(base, q)[r][i] for q in quantities]
+            if lam is None:
+                lam = more.end[r] - base.end[r]
+            if any(abs(x - lam) > tolerance for x in step):
+                break
+            first_moved = i
+        if abs(more.end[r] - base.end[r] - lam) > tolerance:
+            return None
+        first_changed = n
+        for i in range(n):
+            if any(abs(getattr(more, q)[r][i] - getattr(base, q)[r][i]) > tolerance
+                   for q in quantities):
+                first_changed = i
+                break
+        if first_changed < cut:
+            return None
+        move_from = max(move_from, -(-(first_moved - cut) // size))
+        keep_until = min(keep_until, (first_changed - cut) // size)
+    return lam if keep_until - move_from >= window else None
+
+
+def _copy_step(times, regions, first: int, last: int, stride: int,
+               tolerance: float) -> float | None:
+    """What each of the copies ``first..last`` adds to every time of the copy ``stride``
+    before it, if that is one number (an arithmetic progression); else None."""
     lam = None
     for values in (times.reach, times.post, times.recv_post, times.start):
-        step = _progression(values, regions, first, last, tolerance)
+        step = _progression(values, regions, first, last, stride, tolerance)
         if step is None or (lam is not None and abs(step - lam) > tolerance):
             return None
         lam = step
