@@ -245,7 +245,7 @@ PLAN_GRID = [  # (p, m, v, max k, attention, budget)
 ]
 if FULL:
     PLAN_GRID = [(p, m, v, kk, attention, budget) for p, m, v in
-                 ((2, 37, 1), (3, 41, 1), (4, 40, 1), (4, 44, 2), (3, 47, 2), (6, 45, 1))
+                 ((2, 37, 1), (8, 41, 1), (4, 40, 1), (4, 44, 2), (2, 47, 2), (8, 45, 1))
                  for kk in (3, 5) for attention in (True, False)
                  for budget in (None, "activations", "total")]
 

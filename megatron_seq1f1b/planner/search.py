@@ -375,13 +375,10 @@ class _Search:
         if top > 1 or tolerance == 0:
             while untimed and untimed[0].bound <= nth(max(top, 1)) * (1 + 1e-8):
                 refine()
-        else:
-            while not feasible and refine():
-                pass
         # the tie rule's choice: the most robust plan within the tolerance of the fastest,
         # robust first; a plan is in if it is within the tolerance of every bound, out if
         # not of the fastest timed, and the fastest is pinned down further in between
-        if tolerance > 0 and feasible:
+        if tolerance > 0:
             for c in sorted(candidates, key=_robust_order):
                 if c.refused or (c.plan is None and not fits(c)):
                     continue

@@ -339,6 +339,8 @@ def _base_count(p: int, m: int, k: int, v: int, schedule: str) -> int | None:
     if schedule == "zb-h2":
         warmup += p - 1
     need = -(-(warmup + units) // units)  # micro-batches past the first stage's warm-up
+    if schedule != "1f1b":
+        need += 2  # zero bubble defers W: its pattern settles a little later
     rest = m % per
     copies = max(-(-(need - rest) // per), rest + 1 if v > 1 else 0, 1)
     base = rest + copies * per
@@ -387,8 +389,8 @@ def _periodic(build: Build, shift: Callable, p: int, m: int, k: int, v: int, sch
         return built[count]
 
     with paused_gc():
-        for attempt in range(tries):
-            for multiple in multiples:
+        for multiple in multiples:  # a later start first (a transient), then longer periods
+            for attempt in range(tries):
                 per = multiple * step
                 m0 = base + attempt * step
                 m0 += (m - m0) % per  # m's remainder: m is m0 + a whole number of copies
