@@ -353,3 +353,35 @@ def test_the_extension_is_what_is_checked(monkeypatch):
     whole = periodic.items(periodic.copies(400))
     assert max(sizes) < sum(len(rank) for rank in whole) / 10
     assert got == pytest.approx(replay(whole, cost, 0.1, timing="nccl").makespan, rel=1e-12)
+
+
+def test_plan_cost_benchmark_runs_and_counts_what_it_timed(capsys):
+    from megatron_seq1f1b.bench import plan_cost
+
+    (result,) = plan_cost.main(["--pp", "4", "--microbatches", "32", "--vpp", "1",
+                                "--zero-bubble", "off", "--max-splits", "4"])
+    assert result["candidates"] == 7 and 1 <= result["timed"] <= 7  # k=1 once, k 2..4 twice
+    assert result["steps"] > 0 and all(x >= 0 for x in result["choose_plan"])
+    assert plan_cost.row(result) in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not FULL, reason="a timing: SEQ1F1B_FULL=1")
+def test_auto_plans_pp8_m256_in_under_two_seconds():
+    """What --seq1f1b-splits auto adds to its measurement at pp 8, m 256: choose_plan on a
+    calibration like a measured one (host floors, message time), as auto calls it."""
+    import time
+
+    from megatron_seq1f1b.planner.choice import TIE_TOLERANCE
+    from megatron_seq1f1b.planner.costs import Calibration, Fit
+    from megatron_seq1f1b.schedules.partition import CostModel
+
+    model = CostModel.from_config(CONFIG, 32000)
+    calibration = Calibration.from_cost_model(model, 8, flop_rate=100e12, host_seconds=2e-3)
+    calibration = calibration.__class__(**{**calibration.__dict__,
+                                           "message": Fit(2e-10, 0.0, 5e-5)})
+    cand.clear_caches()
+    start = time.process_time()
+    choose_plan(4096, 8, 256, calibration=calibration, config=CONFIG, vocab_size=32000,
+                min_segment_length=128, tie_tolerance=TIE_TOLERANCE, timing="nccl")
+    assert time.process_time() - start < 2.0
+    cand.clear_caches()
