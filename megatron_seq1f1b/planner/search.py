@@ -363,42 +363,45 @@ class _Search:
                 return True
             return False
 
-        def fastest_bounds() -> tuple[float, float]:
-            """(no plan can be faster than, the fastest timed) within the budget."""
-            upper = min((plan.time for plan in feasible), default=math.inf)
-            rest = [c.bound for c in untimed if c.plan is None and not c.refused
-                    and not self.over(c)]
-            return min([upper] + rest[:1]), upper
-
         # the ``top`` fastest (without a tie tolerance, the fastest is the choice): cheapest
         # bound first, until no bound could beat the top-th
         if top > 1 or tolerance == 0:
             while untimed and untimed[0].bound <= nth(max(top, 1)) * (1 + 1e-8):
                 refine()
         # the tie rule's choice: the most robust plan within the tolerance of the fastest,
-        # robust first; a plan is in if it is within the tolerance of every bound, out if
-        # not of the fastest timed, and the fastest is pinned down further in between
+        # visited robust first. A timed plan X is in if no plan can be faster than
+        # T_X / (1 + tolerance) (every other bound and time at least that), out if one timed
+        # is; in between, the plans whose bound is below it are timed, 1F1B's first (cheap,
+        # and often enough to put X out), then the rest, least bound first
         if tolerance > 0:
             for c in sorted(candidates, key=_robust_order):
                 if c.refused or (c.plan is None and not fits(c)):
                     continue
-                while True:
-                    least, upper = fastest_bounds()
-                    if c.plan is None and c.bound > upper * (1 + tolerance) * (1 + 1e-8):
-                        break  # cannot be within the tolerance
-                    if c.plan is None:
-                        plan = self.time(c)
-                        if plan is None:
-                            break
-                        feasible.append(plan)
+                if c.plan is None:
+                    upper = min((plan.time for plan in feasible), default=math.inf)
+                    if c.bound > upper * (1 + tolerance) * (1 + 1e-8):
+                        continue  # cannot be within the tolerance of a plan already timed
+                    plan = self.time(c)
+                    if plan is None:
                         continue
-                    if c.plan.time <= least * (1 + tolerance) * (1 - 1e-9):
-                        break  # within it, whatever the fastest turns out to be
-                    if c.plan.time > upper * (1 + tolerance) * (1 + 1e-9) or not refine():
+                    feasible.append(plan)
+                threshold = c.plan.time / (1 + tolerance)
+                while True:
+                    if min(plan.time for plan in feasible) < threshold * (1 - 1e-9):
+                        break  # out
+                    below = [d for d in untimed if d.plan is None and not d.refused
+                             and d.bound < threshold * (1 + 1e-9)]
+                    if not below:
                         break
-                if c.plan is not None and c.plan.time <= fastest_bounds()[0] * (1 + tolerance) \
-                        * (1 - 1e-9):
-                    break
+                    cheap = [d for d in below if not d.zero_bubble]
+                    d = (cheap or below)[0]
+                    untimed.remove(d)
+                    if fits(d):
+                        plan = self.time(d)
+                        if plan is not None:
+                            feasible.append(plan)
+                if min(plan.time for plan in feasible) >= threshold * (1 - 1e-9):
+                    break  # in (or a tie to the last digits, which the tie rule settles)
         # the choice over what was timed is the choice over all: the tie rule needs the
         # fastest only to within the tolerance
         if feasible and self.budgeted:  # the fastest plan over the budget, if faster: the reason names it
