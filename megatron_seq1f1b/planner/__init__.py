@@ -57,6 +57,6 @@ __all__ = [
     "format_table", "explain", "TIE_TOLERANCE", "MEASURED_TIE_TOLERANCE", "save_calibration",
     "load_calibration", "activation_peak", "action_cost", "placement_costs", "predict", "main",
     "build_parser", "MemoryModel", "stage_memory", "FORMAT", "GIB", "MAX_SPLITS",
-    "RUNTIME_SEND_SLACK", "RUNTIME_TIMING", "OFFLINE_FLOP_RATE", "OFFLINE_HOST_SECONDS_PER_LAYER", "bytes_text",
-    "split_counts",
+    "RUNTIME_SEND_SLACK", "RUNTIME_TIMING", "OFFLINE_FLOP_RATE", "OFFLINE_HOST_SECONDS_PER_LAYER",
+    "bytes_text", "split_counts",
 ]

@@ -13,12 +13,17 @@ left out.
 
 The search costs the same for any number of micro-batches: a candidate is replayed over
 a few copies of its steady state (:mod:`megatron_seq1f1b.schedules.steady`), its memory
-counted on one; and it skips what cannot change the answer (:mod:`~.candidates`):
-candidates over the memory budget are not timed (unless they might be faster than the
-chosen plan, which the reason then names), nor those whose lower bound (work of the
-busiest rank plus the pipeline's fill and drain) is slower than the plans it must show
-(the chosen one, the fastest, everything within the tie tolerance, the next one, and the
-``top`` fastest). ``exhaustive=True`` times every candidate.
+counted on one; and it times only what its answer needs (:mod:`~.candidates` gives every
+candidate a lower bound on its time, from its busiest rank's work and the pipeline's fill
+and drain). Candidates over the memory budget are not timed (unless they might be faster
+than the chosen plan: the reason names the fastest of them). Without a tie tolerance the
+fastest is the choice: candidates are timed least bound first until no bound can beat it.
+With one, they are visited in the tie rule's order (1F1B first, then the partition, then
+fewer splits): a plan is chosen once no other plan can be faster than its time over
+``1 + tolerance`` (every other bound, and every time taken, at least that), passed over
+once one is; in between the candidates whose bound is below that are timed, 1F1B's
+first. The plan chosen is the one timing every candidate gives (``exhaustive=True``,
+tested against it); the candidates left untimed are counted in :class:`PlanChoice`.
 """
 
 from __future__ import annotations
@@ -165,10 +170,10 @@ def choose_plan(
     (``bytes_per_token`` is per token a rank holds; the FLOP model's work is split over the
     group); segment lengths divide into ``2 * cp`` chunks.
 
-    Which candidates are timed (:attr:`PlanChoice.candidates`; the module doc): the chosen
-    plan, every plan within the tie tolerance of the fastest, the next one after the
-    chosen, the ``top`` fastest within the budget, and faster plans over the budget; the
-    others are counted in :attr:`PlanChoice.untimed`. ``exhaustive``: time them all.
+    Which candidates are timed (:attr:`PlanChoice.candidates`; the module doc): what the
+    choice needs, the ``top`` fastest within the budget (``top`` > 1), and the fastest over
+    the budget where it beats the chosen plan; the others are counted in
+    :attr:`PlanChoice.untimed`. ``exhaustive``: time them all.
     """
     if memory_budget_total_bytes is not None and memory_model is None:
         raise ValueError("memory_budget_total_bytes needs memory_model (weights, gradients, "
@@ -403,8 +408,9 @@ class _Search:
                 if min(plan.time for plan in feasible) >= threshold * (1 - 1e-9):
                     break  # in (or a tie to the last digits, which the tie rule settles)
         # the choice over what was timed is the choice over all: the tie rule needs the
-        # fastest only to within the tolerance
-        if feasible and self.budgeted:  # the fastest plan over the budget, if faster: the reason names it
+        # fastest only to within the tolerance. Then the fastest plan over the budget, if
+        # faster than the chosen one: the reason names it
+        if feasible and self.budgeted:
             chosen = _pick(sorted(feasible, key=_rank_key), tolerance)
             best = chosen.time
             for c in by_bound:
