@@ -168,6 +168,25 @@ def test_transport_choice(monkeypatch):
         p2p.transport("nccl")
 
 
+def test_each_transport_is_timed_as_it_posts(monkeypatch):
+    """The planner's replay timing of a pipeline group (docs/design.md): NCCL's links post a
+    step once the previous sends completed ("nccl"), gloo posts receives a step ahead
+    ("gloo"), NCCL's batch waits for its whole step ("rendezvous")."""
+    from megatron_seq1f1b.runtime import p2p
+
+    class Group(str):
+        def size(self):
+            return 2
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: str(group))
+    monkeypatch.delenv(p2p.TRANSPORT_ENV, raising=False)
+    assert p2p.replay_timing(Group("nccl")) == "nccl"
+    assert p2p.replay_timing(Group("gloo")) == "gloo"
+    monkeypatch.setenv(p2p.TRANSPORT_ENV, "batch")
+    assert p2p.replay_timing(Group("nccl")) == "rendezvous"
+    assert p2p.replay_timing(None) == "rendezvous"
+
+
 def _next_step() -> Step:
     """Rank 1's step after ``_step``: receives an activation from stage 0 and a gradient."""
     act_in = Message(ACTIVATION, 3, 0, 0, 0, 1)

@@ -15,14 +15,16 @@ that fits the memory budget wins. One job per module:
   weights, gradients and optimizer states per stage; :mod:`~.recurrent`: what Mamba-2 and
   gated-delta-net layers hold;
 - :mod:`~.search`: every candidate predicted as the executor would run it, the fastest within
-  the budget chosen (:func:`choose_plan`, :func:`predict`);
+  the budget chosen (:func:`choose_plan`, :func:`predict`); :mod:`~.candidates`: one
+  candidate's lower bound, memory and time, none of them growing with the micro-batches;
 - :mod:`~.choice`: what a candidate is (:class:`Plan`), how candidates rank and ties are won,
   the table and the reason;
 - measured on the running model: :mod:`~.timing` and :mod:`~.measure` (per-segment costs at
   start-up), :mod:`~.auto` (``--seq1f1b-splits auto``), :mod:`~.peak_memory` (peaks from real
   allocations), :mod:`~.rehearse` (one stage run alone with stand-in messages:
   ``python -m megatron_seq1f1b.rehearse``);
-- :mod:`~.cli`: the offline command line, ``python -m megatron_seq1f1b.planner``.
+- :mod:`~.cli`: the offline command line, ``python -m megatron_seq1f1b.planner``;
+  :mod:`~.report`: Megatron-Core's own schedules beside its choice, and memory against GPUs.
 
 This package keeps the pure planner's public names importable from
 ``megatron_seq1f1b.planner``.
@@ -47,7 +49,7 @@ from megatron_seq1f1b.planner.memory_model import (
     GIB, MemoryModel, activation_peak, bytes_text, stage_memory,
 )
 from megatron_seq1f1b.planner.search import (
-    MAX_SPLITS, RUNTIME_SEND_SLACK, choose_plan, predict, split_counts,
+    MAX_SPLITS, RUNTIME_SEND_SLACK, RUNTIME_TIMING, choose_plan, predict, split_counts,
 )
 
 __all__ = [
@@ -55,6 +57,6 @@ __all__ = [
     "format_table", "explain", "TIE_TOLERANCE", "MEASURED_TIE_TOLERANCE", "save_calibration",
     "load_calibration", "activation_peak", "action_cost", "placement_costs", "predict", "main",
     "build_parser", "MemoryModel", "stage_memory", "FORMAT", "GIB", "MAX_SPLITS",
-    "RUNTIME_SEND_SLACK", "OFFLINE_FLOP_RATE", "OFFLINE_HOST_SECONDS_PER_LAYER", "bytes_text",
-    "split_counts",
+    "RUNTIME_SEND_SLACK", "RUNTIME_TIMING", "OFFLINE_FLOP_RATE", "OFFLINE_HOST_SECONDS_PER_LAYER",
+    "bytes_text", "split_counts",
 ]

@@ -53,7 +53,7 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
     from megatron_seq1f1b.planner.measure import measure_calibration, pipeline_dense_attention
     from megatron_seq1f1b.planner.memory_model import GIB
     from megatron_seq1f1b.planner.search import choose_plan
-    from megatron_seq1f1b.runtime.p2p import send_slack_of_runtime
+    from megatron_seq1f1b.runtime.p2p import replay_timing
 
     config = get_model_config(chunks[0])
     raise_if(segment_multiple_problems(segment_multiple))
@@ -80,7 +80,8 @@ def plan_by_measuring(chunks: list, forward_step_func: Callable, data_iterator: 
             dense_attention=pipeline_dense_attention(chunks),  # as the stages agree on it
             min_segment_length=min_segment_length,
             multiple_of=multiple,
-            send_slack=send_slack_of_runtime(),  # sends finish a step later, on NCCL too
+            # timed as this pipeline's transport posts and waits (NCCL links, gloo, batch)
+            timing=replay_timing(parallel_state.get_pipeline_model_parallel_group()),
             tie_tolerance=TIE_TOLERANCE,  # closer predictions are within its noise
             documents=found, context_parallel_size=config.context_parallel_size or 1,
         )

@@ -71,22 +71,27 @@ class PlanChoice:
     """The winner, every candidate (ranked: fastest first) and why the winner won."""
 
     plan: Plan
-    candidates: tuple[Plan, ...]
+    candidates: tuple[Plan, ...]  # those timed (all of them with exhaustive=True)
     reason: str
     source: str = ""  # where the costs came from (the calibration's source)
+    untimed: int = 0  # candidates not timed: their bounds could not change the answer
+    untimed_over_budget: int = 0  # of which over the memory budget
 
     def table(self, top: int = 0) -> str:
         """The candidates (``top``: only the fastest ``top`` and the chosen one), why the
         winner won and its memory per stage (only the busiest where candidates were cut)."""
-        text = format_table(self.candidates, self.plan, self.reason, top)
-        cut = len(_shown(self.candidates, self.plan, top)) < len(self.candidates)
+        text = format_table(self.candidates, self.plan, self.reason, top,
+                            self.untimed, self.untimed_over_budget)
+        cut = (len(_shown(self.candidates, self.plan, top)) < len(self.candidates)
+               or self.untimed > 0)
         return text + ("\n" + self.plan.stages_text(cut) if self.plan.stages else "")
 
 
 class BudgetError(ValueError):
     """No candidate plan fits the memory budget: ``smallest`` is the plan nearest to it;
-    ``limits``, the search's bounds that more splits would need raised (``{"max_splits": 16,
-    "min_segment_length": 128}``), which :meth:`text` names as its caller spells them."""
+    ``limits``, the search's bounds that kept it from more splits, each with a value that
+    allows more (``{"max_splits": 32}``: never the value in force; empty where raising none
+    could help), which :meth:`text` names as its caller spells them."""
 
     def __init__(self, message: str, smallest: Plan, limits: dict | None = None):
         self.message, self.smallest, self.limits = message, smallest, dict(limits or {})
@@ -164,34 +169,39 @@ def _tie_reason(chosen: Plan, other: Plan) -> str:
     return f"schedule order {SCHEDULES}"
 
 
-def tie_note(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float) -> str:
+def tie_note(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float,
+             complete: bool = True) -> str:
     """Where the tie rule kept a plan slower than the fastest within the budget: by how much
     and why, in one phrase for a report's first lines ("" where the chosen plan is the
-    fastest: nothing was overridden)."""
+    fastest: nothing was overridden). ``complete``: as :func:`explain` takes it."""
     ranked = sorted(candidates, key=_rank_key)
     fastest = next(c for c in ranked if c.within_budget is not False)
     if fastest == chosen:
         return ""
     within = " within the budget" if ranked[0].within_budget is False else ""
-    return (f"{chosen.time / fastest.time - 1:.1%} slower than the fastest{within}, "
+    timed = "" if complete else " timed"
+    return (f"{chosen.time / fastest.time - 1:.1%} slower than the fastest{timed}{within}, "
             f"{fastest.describe()}; kept because that is within the {tie_tolerance * 100:g}% "
             f"tie tolerance and it leans less on the cost model "
             f"({_robust_reason(chosen, fastest)})")
 
 
 def explain(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float = 0.0,
-            budgets: Sequence[str] = ()) -> str:
+            budgets: Sequence[str] = (), complete: bool = True) -> str:
     """One line: why `chosen` won over the others; memory in the units of ``budgets``
-    (:func:`need_text`)."""
+    (:func:`need_text`). ``complete``: ``candidates`` are all there were; otherwise only those
+    the search timed (counts become "at least", the next one "the next timed")."""
     ranked = sorted(candidates, key=_rank_key)
     faster = [c for c in ranked if _rank_key(c) < _rank_key(chosen)]
     over = [c for c in faster if c.within_budget is False]
-    budget = (f"; {len(over)} faster plan(s) exceed the memory budget, e.g. "
+    least = "" if complete else "at least "
+    timed = "" if complete else " timed"
+    budget = (f"; {least}{len(over)} faster plan(s) exceed the memory budget, e.g. "
               f"{over[0].describe()} (needs {need_text(over[0], budgets)})" if over else "")
     fastest = next(c for c in ranked if c.within_budget is not False)
     if fastest != chosen:
         return (f"{chosen.describe()} wins: predicted {chosen.time / fastest.time - 1:.1%} "
-                f"slower than the fastest{' within the budget' if over else ''}, "
+                f"slower than the fastest{timed}{' within the budget' if over else ''}, "
                 f"{fastest.describe()}, which is within the tie tolerance of "
                 f"{tie_tolerance:.0%}, and it leans less on the cost model "
                 f"({_robust_reason(chosen, fastest)}){budget}")
@@ -202,15 +212,15 @@ def explain(candidates: Sequence[Plan], chosen: Plan, tie_tolerance: float = 0.0
         if _q(nxt.time) == _q(chosen.time):
             versus = f"as fast as {nxt.describe()}, and wins the tie on {_tie_reason(chosen, nxt)}"
         else:
-            versus = (f"{nxt.time / chosen.time - 1:.1%} faster than the next"
+            versus = (f"{nxt.time / chosen.time - 1:.1%} faster than the next{timed}"
                       f"{' within the budget' if faster else ''}, {nxt.describe()}")
     else:
-        versus = "the only candidate" + (" within the budget" if faster else "")
+        versus = f"the only candidate{timed}" + (" within the budget" if faster else "")
     if not faster:
         return f"{chosen.describe()} wins: fastest; {versus}"
     best = faster[0]
     return (f"{chosen.describe()} wins: fastest within the memory budget "
-            f"({need_text(chosen, budgets)}); {len(faster)} faster plan(s) exceed it, e.g. "
+            f"({need_text(chosen, budgets)}); {least}{len(faster)} faster plan(s) exceed it, e.g. "
             f"{best.describe()} ({chosen.time / best.time - 1:.1%} faster, needs "
             f"{need_text(best, budgets)}); {versus}")
 
@@ -243,9 +253,10 @@ def _shown(candidates: Sequence[Plan], chosen: Plan, top: int) -> list[Plan]:
 
 
 def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = None,
-                 top: int = 0) -> str:
+                 top: int = 0, untimed: int = 0, untimed_over_budget: int = 0) -> str:
     """All candidates, fastest first (``*`` = chosen), then why the winner won; ``top``:
-    only the fastest ``top`` and the chosen one, and a line counting the others."""
+    only the fastest ``top`` and the chosen one, and a line counting the others;
+    ``untimed``: a line counting the candidates the search did not time."""
     ranked = sorted(candidates, key=_rank_key)
     shown = _shown(ranked, chosen, top)
     best = ranked[0].time
@@ -268,6 +279,11 @@ def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = 
     if len(shown) < len(ranked):
         lines.append(f"  ... {len(ranked) - len(shown)} more candidates not shown "
                      "(--top 0 lists all)")
+    if untimed:
+        over = (f", {untimed_over_budget} of them over the memory budget"
+                if untimed_over_budget else "")
+        lines.append(f"  ... {untimed} more candidates not timed: their lower bounds cannot "
+                     f"change this answer{over} (--top 0 times them all)")
     lines.append(reason or explain(ranked, chosen))
     return "\n".join(lines)
 

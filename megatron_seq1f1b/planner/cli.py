@@ -19,7 +19,11 @@ activations)::
 
 It prints what it planned for and the costs in words, the chosen flags (and,
 where the tie rule kept a plan slower than the fastest, by how much and why),
-the ``--top`` fastest candidates and the winner's memory.
+Megatron-Core's own 1F1B (and interleaved 1F1B with ``--vpp``) on the same costs with
+the speed and memory ratios (:mod:`~megatron_seq1f1b.planner.report`), the ``--top``
+fastest candidates, the winner's memory, and whether memory was checked against a GPU
+(without ``--gpu-memory-gib``: the busiest stage against common GPU sizes). Candidates
+that cannot be among the ``--top`` are not timed (``--top 0`` times every one).
 """
 
 from __future__ import annotations
@@ -41,9 +45,11 @@ from megatron_seq1f1b.planner.costs import Calibration, Fit, load_calibration, s
 from megatron_seq1f1b.planner.footprint import ModelShape, Training
 from megatron_seq1f1b.planner.memory_model import GIB, MemoryModel
 from megatron_seq1f1b.planner.recurrent import KERNELS, gdn_sizes, mamba_sizes
-from megatron_seq1f1b.planner.search import MAX_SPLITS, RUNTIME_SEND_SLACK, choose_plan
+from megatron_seq1f1b.planner.report import baseline_lines, megatron_baselines, memory_lines
+from megatron_seq1f1b.planner.search import MAX_SPLITS, RUNTIME_TIMING, choose_plan
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import METHODS, CostModel
+from megatron_seq1f1b.schedules.replay import TIMINGS
 from megatron_seq1f1b.schedules.schedule import SCHEDULES
 
 #: Offline plans without a calibration: sustained FLOP/s of a large GPU in bf16 (about 40 %
@@ -195,11 +201,16 @@ def build_parser() -> ArgumentParser:
                         metavar="SECONDS",
                         help="one-way time of a pipeline message in seconds (default: the "
                              "calibration's message fit, else 0)")
-    parser.add_argument("--send-slack", type=integer(0, 1), choices=(0, 1),
-                        default=RUNTIME_SEND_SLACK,
-                        help="1 (default): sends finish a step later, as the executor runs on "
-                             "gloo and NCCL; 0: a step waits for all its transfers "
-                             "(SEQ1F1B_P2P=batch on NCCL, Megatron's own schedules)")
+    parser.add_argument("--timing", choices=TIMINGS, default=None,
+                        help=f"how the executor's transport posts its transfers and waits "
+                             f"(default {RUNTIME_TIMING}: NCCL's links transport, a step posts "
+                             "once the previous step's sends completed); gloo: receives posted a "
+                             "step ahead (CPU runs); rendezvous: a step waits for all its "
+                             "transfers (SEQ1F1B_P2P=batch on NCCL, Megatron's own schedules); "
+                             "slack: it waits for its receives and the previous step's sends "
+                             "(what the planner assumed before; docs/design.md)")
+    parser.add_argument("--send-slack", type=integer(0, 1), choices=(0, 1), default=None,
+                        help="the older spelling of --timing: 0 rendezvous, 1 slack")
     parser.add_argument("--flop-rate", type=positive_float, default=OFFLINE_FLOP_RATE / 1e12,
                         metavar="TFLOPS",
                         help="without --calibration: sustained TFLOP/s per GPU that turn FLOPs "
@@ -218,9 +229,10 @@ def build_parser() -> ArgumentParser:
                              "alike: neither predicts closer than that; 0: the fastest "
                              "prediction wins)")
     parser.add_argument("--top", type=non_negative_int, default=TOP, metavar="N",
-                        help=f"list the N fastest candidates and the chosen one (default {TOP}"
-                             "; with candidates left out, only the busiest stage's memory); "
-                             "0: every candidate and every stage")
+                        help=f"list the N fastest candidates timed and the chosen one (default "
+                             f"{TOP}; with candidates left out, only the busiest stage's "
+                             "memory; candidates that cannot change the choice are not timed, "
+                             "and counted); 0: time and list every candidate and every stage")
     memory = parser.add_argument_group(
         "memory per stage (with the model: weights, main gradients, Adam states, activations)")
     memory.add_argument("--bf16", action="store_true", help="bf16 weights (default fp32)")
@@ -263,6 +275,9 @@ def _check(parser: ArgumentParser, args: argparse.Namespace) -> None:
                      "pipeline stages), got --pp 1")
     if args.bf16 and args.fp16:
         parser.error("--bf16 and --fp16 are exclusive")
+    if args.timing is not None and args.send_slack is not None:
+        parser.error(f"--timing {args.timing} and --send-slack {args.send_slack} say the same "
+                     "thing; give one of them")
     multiple = _segment_multiple(args)
     if args.seq_length % multiple:
         layout = "" if multiple == args.multiple_of else (
@@ -689,22 +704,26 @@ def main(argv=None) -> int:
                      "bytes_per_token) to turn micro-batches of activations into bytes")
     if args.message_latency is not None:
         calibration = replace(calibration, message=Fit(0.0, 0.0, args.message_latency))
+    common = dict(
+        micro_batch_size=args.micro_batch_size, config=config, vocab_size=args.vocab_size,
+        dense_attention=args.dense_attention,
+        bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,
+        multiple_of=_segment_multiple(args), timing=_timing(args), memory_model=memory_model,
+        context_parallel_size=args.context_parallel_size)
+    cost_model = (CostModel.from_config(config, args.vocab_size, args.dense_attention,
+                                        pattern=args.hybrid_layer_pattern)
+                  if config is not None and _by_layer_kind(args) else None)
     try:
         choice = choose_plan(
             args.seq_length, args.pp, args.microbatches, num_model_chunks=args.vpp,
-            micro_batch_size=args.micro_batch_size, calibration=calibration, config=config,
-            vocab_size=args.vocab_size, dense_attention=args.dense_attention,
-            cost_model=(CostModel.from_config(config, args.vocab_size, args.dense_attention,
-                                              pattern=args.hybrid_layer_pattern)
-                        if config is not None and _by_layer_kind(args) else None),
+            calibration=calibration, cost_model=cost_model,
             memory_budget=args.memory_budget_microbatches,
             memory_budget_bytes=args.memory_budget_gib * GIB if args.memory_budget_gib else None,
-            bytes_per_token=args.bytes_per_token, min_segment_length=args.min_segment_length,
-            max_splits=args.max_splits, multiple_of=_segment_multiple(args), splits=args.splits,
-            partitions=args.partitions, schedules=args.schedules, send_slack=args.send_slack,
-            tie_tolerance=args.tie_tolerance, memory_model=memory_model,
+            max_splits=args.max_splits, splits=args.splits,
+            partitions=args.partitions, schedules=args.schedules,
+            tie_tolerance=args.tie_tolerance,
             memory_budget_total_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else None,
-            context_parallel_size=args.context_parallel_size)
+            exhaustive=args.top == 0, **common)
     except BudgetError as exc:  # the flags are fine; no plan fits them
         text = exc.text({"max_splits": "--max-splits",
                          "min_segment_length": "--min-segment-length"})
@@ -713,14 +732,23 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     plan = choice.plan
     costs = _costs_text(args, calibration, config, stages)
-    note = tie_note(choice.candidates, plan, args.tie_tolerance)
+    note = tie_note(choice.candidates, plan, args.tie_tolerance, complete=not choice.untimed)
     print("\n".join([_layout_text(args), *costs]))
     print(f"chosen: --seq1f1b-splits {plan.num_splits} --seq1f1b-partition {plan.partition} "
           f"--seq1f1b-schedule {plan.schedule}")
     if note:
         print(f"  ({note}; --tie-tolerance 0 takes the fastest)")
+    plain = None  # the costs of the layout without interleaving (FLOPs only: see report)
+    if args.vpp > 1 and not args.calibration:
+        plain = _flop_calibration(args, config, args.pp)
+        if args.message_latency is not None:
+            plain = replace(plain, message=Fit(0.0, 0.0, args.message_latency))
+    baselines = megatron_baselines(args.seq_length, args.pp, args.microbatches, args.vpp,
+                                   calibration, plain, cost_model=cost_model, **common)
+    print("\n".join(baseline_lines(plan, baselines)))
     print(choice.table(args.top))
     print(f"split_lengths {list(plan.lengths)} (the chosen plan's segments, tokens)")
+    print("\n".join(memory_lines(plan, args.gpu_memory_gib)))
     if args.save_calibration:
         save_calibration(calibration, args.save_calibration)
     if args.json:
@@ -728,11 +756,20 @@ def main(argv=None) -> int:
             "plan": _plan_dict(plan), "reason": choice.reason,
             "candidates": [_plan_dict(c) for c in choice.candidates],
             "tie_note": note, "costs": costs, "source": calibration.source,
+            "baselines": {name: _plan_dict(b) for name, b in baselines.items() if b},
+            "untimed": choice.untimed, "timing": _timing(args),
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "sequence_parallel": _sequence_parallel(args),
             "context_parallel_size": args.context_parallel_size,
             "segment_multiple": _segment_multiple(args)}, indent=1) + "\n")
     return 0
+
+
+def _timing(args: argparse.Namespace) -> str:
+    """The replay timing the flags ask for (--timing, or --send-slack's, or the default)."""
+    if args.send_slack is not None:
+        return ("rendezvous", "slack")[args.send_slack]
+    return args.timing or RUNTIME_TIMING
 
 
 def _plan_dict(plan: Plan) -> dict:

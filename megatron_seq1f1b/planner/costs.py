@@ -45,7 +45,7 @@ from megatron_seq1f1b.schedules.simulate import CostFn
 FORMAT = "megatron_seq1f1b.calibration"
 
 __all__ = ["FORMAT", "Fit", "StageCosts", "Calibration", "save_calibration", "load_calibration",
-           "action_cost", "placement_costs"]
+           "action_cost", "action_cost_table", "placement_costs"]
 
 
 @dataclass(frozen=True)
@@ -311,9 +311,11 @@ def load_calibration(path: str | Path, layout: str = "plain") -> Calibration:
     return Calibration.from_dict(data)
 
 
-def action_cost(calibration: Calibration, lengths: Sequence[int], num_stages: int,
-                num_model_chunks: int = 1, split_backward: bool = False) -> CostFn:
-    """cost(action, rank) for :func:`predict`: B is the whole backward unless W is split off."""
+def action_cost_table(calibration: Calibration, lengths: Sequence[int], num_stages: int,
+                      num_model_chunks: int = 1, split_backward: bool = False
+                      ) -> dict[tuple[int, int], dict[str, float]]:
+    """``{(virtual stage, segment): {"F": .., "B": .., "W": ..}}``: what :func:`action_cost`
+    reads (B is the whole backward and W 0 unless W is split off)."""
     stages = calibration.stage_costs(num_stages * num_model_chunks)
     ends = list(itertools.accumulate(lengths))
     table = {}
@@ -325,6 +327,14 @@ def action_cost(calibration: Calibration, lengths: Sequence[int], num_stages: in
             else:
                 forward, backward, _ = calibration.times(stage, length, end)
                 table[vs, j] = {"F": forward, "B": backward, "W": 0.0}
+    return table
+
+
+def action_cost(calibration: Calibration, lengths: Sequence[int], num_stages: int,
+                num_model_chunks: int = 1, split_backward: bool = False) -> CostFn:
+    """cost(action, rank) for :func:`predict`: B is the whole backward unless W is split off."""
+    table = action_cost_table(calibration, lengths, num_stages, num_model_chunks,
+                              split_backward)
     return lambda action, rank: table[action.chunk * num_stages + rank, action.segment][action.kind]
 
 

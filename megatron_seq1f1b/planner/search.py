@@ -4,57 +4,79 @@ it, and the fastest within the memory budget chosen (:func:`choose_plan`).
 Time is what the executor would do: the zero-bubble schedules are built and
 their receives placed from the plan's per-segment costs
 (:attr:`Plan.segment_costs`, as the executor's ``pipeline_steps`` does with
-its costs), and every rank's steps are replayed with rendezvous messages
-whose sends finish a step later (``send_slack=1``, what the executor's
-transports do on gloo and NCCL, see :mod:`megatron_seq1f1b.runtime.p2p`; 0 models a
-step that waits for all its transfers, as ``SEQ1F1B_P2P=batch`` on NCCL and
-Megatron's own schedules do), a step that exchanges tensors paying the
-calibration's message time. Plans the executor would refuse (deadlock, link
-order) are left out.
+its costs), and every rank's steps are replayed with the timing of the executor's
+transport (``timing``, :data:`~megatron_seq1f1b.schedules.replay.TIMINGS`; by default
+NCCL's links transport, where a step posts its transfers once the previous step's sends
+completed; docs/design.md says why), a step that exchanges tensors paying the
+calibration's message time. Plans the executor would refuse (deadlock, link order) are
+left out.
+
+The search costs the same for any number of micro-batches: a candidate is replayed over
+a few copies of its steady state (:mod:`megatron_seq1f1b.schedules.steady`), its memory
+counted on one; and it times only what its answer needs (:mod:`~.candidates` gives every
+candidate a lower bound on its time, from its busiest rank's work and the pipeline's fill
+and drain). Candidates over the memory budget are not timed (unless they might be faster
+than the chosen plan: the reason names the fastest of them). Without a tie tolerance the
+fastest is the choice: candidates are timed least bound first until no bound can beat it.
+With one, they are visited in the tie rule's order (1F1B first, then the partition, then
+fewer splits): a plan is chosen once no other plan can be faster than its time over
+``1 + tolerance`` (every other bound, and every time taken, at least that), passed over
+once one is; in between the candidates whose bound is below that are timed, 1F1B's
+first. The plan chosen is the one timing every candidate gives (``exhaustive=True``,
+tested against it); the candidates left untimed are counted in :class:`PlanChoice`.
 """
 
 from __future__ import annotations
 
 import math
-
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_seq1f1b.base.checks import segment_multiple
-from megatron_seq1f1b.planner.choice import (
-    Plan, PlanChoice, BudgetError, _memory_key, _pick, _rank_key, explain, need_text,
+from megatron_seq1f1b.planner.candidates import (
+    memory_schedule, predict_time, table_cost, time_lower_bound, busy_time,
 )
-from megatron_seq1f1b.planner.costs import Calibration, action_cost, placement_costs
+from megatron_seq1f1b.planner.choice import (
+    PREFERRED_PARTITIONS, Plan, PlanChoice, BudgetError, _memory_key, _pick, _q, _rank_key,
+    explain, need_text,
+)
+from megatron_seq1f1b.planner.costs import Calibration, action_cost_table, placement_costs
 from megatron_seq1f1b.planner.memory_model import MemoryModel, activation_peak, bytes_text
 from megatron_seq1f1b.schedules.partition import METHODS, CostModel, split_sequence
 from megatron_seq1f1b.schedules.plan import plan_steps
-from megatron_seq1f1b.schedules.replay import replay
-from megatron_seq1f1b.schedules.schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
+from megatron_seq1f1b.schedules.replay import TIMINGS, replay, timing_of
+from megatron_seq1f1b.schedules.schedule import SCHEDULES, Schedule
 from megatron_seq1f1b.schedules.simulate import CostFn
 from megatron_seq1f1b.schedules.validate import check_link_order
 from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn
 
-#: The replay's ``send_slack`` of the executor's transports (gloo; NCCL's links transport).
+#: The replay's ``send_slack`` of the "slack" timing (a step's compute waits for its receives
+#: and the previous step's sends), which the planner used for every transport before it timed
+#: each transport as the executor runs it (:data:`RUNTIME_TIMING`).
 RUNTIME_SEND_SLACK = 1
+#: The timing the planner assumes by default: the executor's NCCL links transport.
+RUNTIME_TIMING = "nccl"
 
-__all__ = ["RUNTIME_SEND_SLACK", "MAX_SPLITS", "predict", "split_counts", "choose_plan"]
+__all__ = ["RUNTIME_SEND_SLACK", "RUNTIME_TIMING", "MAX_SPLITS", "predict", "split_counts",
+           "choose_plan"]
 
 
 def predict(schedule: Schedule, num_model_chunks: int, cost: CostFn,
             costs: Sequence[tuple[float, float, float]] | None = None,
-            send_slack: int = 0, comm_latency: float = 0.0) -> tuple[float, float]:
-    """(makespan, bubble) of the executor's steps: receives placed with ``costs`` (zero
-    bubble) or unit costs, replayed with ``cost`` and ``comm_latency`` per exchanging
-    step; ScheduleError where it would refuse."""
+            send_slack: int = 0, comm_latency: float = 0.0,
+            timing: str | None = None) -> tuple[float, float]:
+    """(makespan, bubble) of the executor's steps of a whole schedule: receives placed with
+    ``costs`` (zero bubble) or unit costs, replayed with ``cost``, ``comm_latency`` per
+    exchanging step and ``timing`` (or ``send_slack``); ScheduleError where it would refuse."""
     steps = plan_steps(schedule, num_model_chunks,
                        cost=segment_cost_fn(costs) if costs is not None else None)
     if costs is not None:
         check_link_order(steps)
-    timeline = replay(steps, cost, comm_latency=comm_latency, send_slack=send_slack)
+    timeline = replay(steps, cost, comm_latency=comm_latency, send_slack=send_slack,
+                      timing=timing)
     busy = sum(iv.end - iv.start for rank in timeline.compute for iv in rank)
     total = timeline.makespan * len(schedule)
     return timeline.makespan, (1.0 - busy / total if total else 0.0)
-
 
 
 MAX_SPLITS = 16  # the most segments a plan tries (and the start-up measurement times)
@@ -65,6 +87,27 @@ def split_counts(seq_length: int, multiple_of: int, min_segment_length: int,
     """The k a plan may use: 1 up to the most whose segments keep min_segment_length."""
     limit = min(max_splits, seq_length // max(min_segment_length, 1), seq_length // multiple_of)
     return list(range(1, max(limit, 1) + 1))
+
+
+@dataclass
+class _Candidate:
+    """One (k, partition, schedule) before and after it is timed."""
+
+    order: int  # enumeration order: ties between equal bounds go the same way everywhere
+    partition: str
+    lengths: tuple[int, ...]
+    schedule: str
+    costs: tuple | None  # zero bubble: placement costs
+    table: dict
+    bound: float  # no prediction of it can be faster
+    memory: tuple | None = None  # (activations in micro-batches, bytes, stages), exact
+    floor: tuple | None = None  # the same, a lower bound (zero bubble: 1F1B's)
+    plan: Plan | None = None
+    refused: bool = False
+
+    @property
+    def zero_bubble(self) -> bool:
+        return self.schedule != "1f1b"
 
 
 def choose_plan(
@@ -88,14 +131,17 @@ def choose_plan(
     splits: Sequence[int] | None = None,
     partitions: Sequence[str] | None = None,
     schedules: Sequence[str] | None = None,
-    send_slack: int = RUNTIME_SEND_SLACK,
+    send_slack: int | None = None,
     tie_tolerance: float = 0.0,
     memory_model: MemoryModel | None = None,
     memory_budget_total_bytes: float | None = None,
     documents=None,
     context_parallel_size: int = 1,
+    timing: str | None = None,
+    top: int = 1,
+    exhaustive: bool = False,
 ) -> PlanChoice:
-    """The fastest (k, partition, schedule) within the memory budget, and all candidates.
+    """The fastest (k, partition, schedule) within the memory budget, and the candidates timed.
 
     Costs from ``calibration``, else the FLOP model (``cost_model``, or from
     ``config`` + ``vocab_size``), which the ``"balanced"`` partition needs
@@ -103,8 +149,10 @@ def choose_plan(
     stage; ``memory_budget_bytes`` needs ``bytes_per_token`` (activation bytes
     one token of one sample leaves on a stage; default: the calibration's). ``k`` runs from 1 to the
     largest with segments of at least ``min_segment_length`` tokens (at most
-    ``max_splits``), or over ``splits``. ``send_slack``: 1, the executor's
-    transports (0: steps that wait for their sends; see the module docstring). Deterministic: ties go to less
+    ``max_splits``), or over ``splits``. ``timing``: how the executor's transport posts and
+    waits (:data:`~megatron_seq1f1b.schedules.replay.TIMINGS`; default
+    :data:`RUNTIME_TIMING`, NCCL's links transport); ``send_slack`` 0 or 1 is the older
+    way to say "rendezvous" or "slack". Deterministic: ties go to less
     memory, fewer splits, then METHODS and SCHEDULES order. ``tie_tolerance``
     (relative; default 0, the exact fastest; the command line, the start-up measurement and
     the benchmark pass :data:`~megatron_seq1f1b.planner.choice.TIE_TOLERANCE`, 2 %, for
@@ -121,12 +169,22 @@ def choose_plan(
     ``context_parallel_size``: each rank holds ``1 / cp`` of a micro-batch's tokens
     (``bytes_per_token`` is per token a rank holds; the FLOP model's work is split over the
     group); segment lengths divide into ``2 * cp`` chunks.
+
+    Which candidates are timed (:attr:`PlanChoice.candidates`; the module doc): what the
+    choice needs, the ``top`` fastest within the budget (``top`` > 1), and the fastest over
+    the budget where it beats the chosen plan; the others are counted in
+    :attr:`PlanChoice.untimed`. ``exhaustive``: time them all.
     """
     if memory_budget_total_bytes is not None and memory_model is None:
         raise ValueError("memory_budget_total_bytes needs memory_model (weights, gradients, "
                          "optimizer states and activations per stage)")
     if not 0 <= tie_tolerance < 1:
         raise ValueError(f"tie_tolerance must be in [0, 1), got {tie_tolerance}")
+    if send_slack is not None and timing is not None:
+        raise ValueError(f"send_slack={send_slack} and timing={timing!r}: give one of them")
+    timing = timing_of(send_slack, None) if send_slack is not None else (timing or RUNTIME_TIMING)
+    if timing not in TIMINGS:
+        raise ValueError(f"unknown timing {timing!r}; choose one of {TIMINGS}")
     p, m, v = num_stages, num_microbatches, num_model_chunks
     if bytes_per_token is None and calibration is not None:
         bytes_per_token = calibration.bytes_per_token
@@ -157,9 +215,8 @@ def choose_plan(
     budgets = [name for name, value in (("microbatches", memory_budget),
                                         ("bytes", memory_budget_bytes),
                                         ("total", memory_budget_total_bytes)) if value is not None]
-    budgeted = bool(budgets)
 
-    candidates: list[Plan] = []
+    candidates: list[_Candidate] = []
     for k in ks:
         seen: set[tuple[int, ...]] = set()
         for partition in partitions:
@@ -173,35 +230,266 @@ def choose_plan(
                 continue  # the same split under an earlier name, or segments too short
             seen.add(lengths)
             for name in schedules:
-                plan = _evaluate(calibration, p, m, v, partition, lengths, name, send_slack,
-                                 memory_model, micro_batch_size, documents)
-                if plan is None:
-                    continue
-                memory_bytes = (plan.memory * seq_length / context_parallel_size
-                                * micro_batch_size * bytes_per_token if bytes_per_token else None)
-                fits = ((memory_budget is None or plan.memory <= memory_budget + 1e-9)
-                        and (memory_budget_bytes is None or memory_bytes <= memory_budget_bytes)
-                        and (memory_budget_total_bytes is None
-                             or plan.peak_stage_bytes <= memory_budget_total_bytes)
-                        ) if budgeted else None
-                candidates.append(replace(plan, memory_bytes=memory_bytes, within_budget=fits))
+                zero_bubble = name != "1f1b"
+                table = action_cost_table(calibration, lengths, p, v, zero_bubble)
+                candidates.append(_Candidate(
+                    len(candidates), partition, lengths, name,
+                    placement_costs(calibration, lengths, p * v) if zero_bubble else None,
+                    table, time_lower_bound(table, p, m, zero_bubble)))
     if not candidates:
         raise ValueError(f"no candidate plan: no split of {seq_length} tokens into segments of "
                          f"at least {min_segment_length} tokens (multiple of {multiple})")
-    ranked = tuple(sorted(candidates, key=_rank_key))
-    feasible = [c for c in ranked if c.within_budget is not False]
+    search = _Search(calibration, p, m, v, timing, micro_batch_size, memory_model, documents,
+                     seq_length / context_parallel_size * micro_batch_size * bytes_per_token
+                     if bytes_per_token else None,
+                     (memory_budget, memory_budget_bytes, memory_budget_total_bytes))
+    feasible = search.run(candidates, tie_tolerance, top, exhaustive)
+    timed = [c.plan for c in candidates if c.plan is not None]
+    ranked = tuple(sorted(timed, key=_rank_key))
     if not feasible:
-        raise _budget_error(ranked, budgets, memory_budget, memory_budget_bytes,
-                            memory_budget_total_bytes, max_splits, min_segment_length)
-    chosen = _pick(feasible, tie_tolerance)
-    return PlanChoice(chosen, ranked, explain(ranked, chosen, tie_tolerance, budgets),
-                      calibration.source)
+        limits = _split_limits(seq_length, multiple, min_segment_length, max_splits, splits)
+        limits, note = search.more_splits(limits, seq_length, multiple, max(ks),
+                                          min_segment_length, max_splits)
+        raise _budget_error(search.smallest(candidates), budgets, memory_budget,
+                            memory_budget_bytes, memory_budget_total_bytes, limits, note)
+    chosen = _pick(sorted(feasible, key=_rank_key), tie_tolerance)
+    untimed = [c for c in candidates if c.plan is None and not c.refused]
+    return PlanChoice(chosen, ranked, explain(ranked, chosen, tie_tolerance, budgets,
+                                              complete=not untimed),
+                      calibration.source, len(untimed),
+                      sum(1 for c in untimed if search.over(c) or (
+                          search.budgeted and c.memory is not None
+                          and not search.fits(c.memory))))
 
 
-def _budget_error(ranked, budgets, microbatches, activation_bytes, total_bytes, max_splits,
-                  min_segment_length) -> BudgetError:
+class _Search:
+    """Times candidates cheapest-bound first until the answer cannot change (module doc)."""
+
+    def __init__(self, calibration, p, m, v, timing, micro_batch_size, memory_model, documents,
+                 bytes_per_unit, budgets):
+        self.calibration, self.p, self.m, self.v, self.timing = calibration, p, m, v, timing
+        self.micro_batch_size, self.memory_model, self.documents = (micro_batch_size,
+                                                                    memory_model, documents)
+        self.bytes_per_unit = bytes_per_unit  # bytes of one micro-batch of a stage
+        self.budgets = budgets
+        self.budgeted = any(b is not None for b in budgets)
+
+    # ---------------------------------------------------------------- memory
+
+    def _memory_of(self, c: _Candidate, name: str, costs) -> tuple:
+        k = len(c.lengths)
+        actions = memory_schedule(self.p, self.m, k, self.v, name, costs)
+        peak = activation_peak(actions, c.lengths, self.v)
+        stages = None
+        if self.memory_model is not None:
+            stages = tuple(self.memory_model.stage_bytes(
+                actions, c.lengths, self.v, self.micro_batch_size,
+                documents=None if self.documents is None else [self.documents]))
+        peak_bytes = peak * self.bytes_per_unit if self.bytes_per_unit else None
+        return peak, peak_bytes, stages
+
+    def memory(self, c: _Candidate) -> tuple:
+        if c.memory is None:
+            c.memory = self._memory_of(c, c.schedule, c.costs)
+        return c.memory
+
+    def floor(self, c: _Candidate) -> tuple:
+        """Memory no less than the candidate's: its own, or (zero bubble) 1F1B's."""
+        if c.memory is not None:
+            return c.memory
+        if c.floor is None:
+            c.floor = self._memory_of(c, "1f1b", None) if c.zero_bubble else self.memory(c)
+        return c.floor
+
+    def fits(self, memory: tuple) -> bool | None:
+        if not self.budgeted:
+            return None
+        peak, peak_bytes, stages = memory
+        micro, by_bytes, total = self.budgets
+        return ((micro is None or peak <= micro + 1e-9)
+                and (by_bytes is None or peak_bytes <= by_bytes)
+                and (total is None or max(s["total"] for s in stages) <= total))
+
+    def over(self, c: _Candidate) -> bool:
+        """Known to exceed the budget (from its memory, or its floor)."""
+        return self.budgeted and not self.fits(c.memory or self.floor(c))
+
+    # ---------------------------------------------------------------- time
+
+    def time(self, c: _Candidate) -> Plan | None:
+        """Time the candidate (its plan, also kept on it); None if the executor refuses it."""
+        if c.plan is not None or c.refused:
+            return c.plan
+        k = len(c.lengths)
+        latency = self.calibration.message_latency(c.lengths)
+        time = predict_time(self.p, self.m, k, self.v, c.schedule, c.costs,
+                            table_cost(c.table, self.p), latency, self.timing)
+        if time is None:
+            c.refused = True
+            return None
+        busy = sum(busy_time(c.table, self.p, self.m))
+        total = time * self.p
+        peak, peak_bytes, stages = self.memory(c)
+        c.plan = Plan(k, c.partition, c.lengths, c.schedule, time,
+                      1.0 - busy / total if total else 0.0, peak, peak_bytes,
+                      self.fits(c.memory), unit=self.calibration.unit,
+                      segment_costs=c.costs, stages=stages)
+        return c.plan
+
+    def run(self, candidates: list[_Candidate], tolerance: float, top: int,
+            exhaustive: bool) -> list[Plan]:
+        """Time what the answer needs (module doc); the feasible plans timed."""
+        if exhaustive:
+            for c in candidates:
+                self.time(c)
+            return [c.plan for c in candidates if c.plan is not None and c.plan.within_budget
+                    is not False]
+        by_bound = sorted(candidates, key=lambda c: (c.bound, c.order))
+        feasible: list[Plan] = []
+
+        def nth(n: int) -> float:
+            times = sorted(plan.time for plan in feasible)
+            return times[n - 1] if len(times) >= n else math.inf
+
+        def fits(c: _Candidate) -> bool:  # its memory first: over the budget, never timed
+            return not self.over(c) and (not self.budgeted or self.fits(self.memory(c)))
+
+        untimed = [c for c in by_bound]
+
+        def refine() -> bool:
+            """Time the untimed candidate with the least bound (False: none left)."""
+            while untimed:
+                c = untimed.pop(0)
+                if c.plan is not None or c.refused or not fits(c):
+                    continue
+                plan = self.time(c)
+                if plan is not None:
+                    feasible.append(plan)
+                return True
+            return False
+
+        # the ``top`` fastest (without a tie tolerance, the fastest is the choice): cheapest
+        # bound first, until no bound could beat the top-th
+        if top > 1 or tolerance == 0:
+            while untimed and untimed[0].bound <= nth(max(top, 1)) * (1 + 1e-8):
+                refine()
+        # the tie rule's choice: the most robust plan within the tolerance of the fastest,
+        # visited robust first. A timed plan X is in if no plan can be faster than
+        # T_X / (1 + tolerance) (every other bound and time at least that), out if one timed
+        # is; in between, the plans whose bound is below it are timed, 1F1B's first (cheap,
+        # and often enough to put X out), then the rest, least bound first
+        if tolerance > 0:
+            for c in sorted(candidates, key=_robust_order):
+                if c.refused or (c.plan is None and not fits(c)):
+                    continue
+                if c.plan is None:
+                    upper = min((plan.time for plan in feasible), default=math.inf)
+                    if c.bound > upper * (1 + tolerance) * (1 + 1e-8):
+                        continue  # cannot be within the tolerance of a plan already timed
+                    plan = self.time(c)
+                    if plan is None:
+                        continue
+                    feasible.append(plan)
+                threshold = c.plan.time / (1 + tolerance)
+                while True:
+                    if min(plan.time for plan in feasible) < threshold * (1 - 1e-9):
+                        break  # out
+                    below = [d for d in untimed if d.plan is None and not d.refused
+                             and d.bound < threshold * (1 + 1e-9)]
+                    if not below:
+                        break
+                    cheap = [d for d in below if not d.zero_bubble]
+                    d = (cheap or below)[0]
+                    untimed.remove(d)
+                    if fits(d):
+                        plan = self.time(d)
+                        if plan is not None:
+                            feasible.append(plan)
+                if min(plan.time for plan in feasible) >= threshold * (1 - 1e-9):
+                    break  # in (or a tie to the last digits, which the tie rule settles)
+        # the choice over what was timed is the choice over all: the tie rule needs the
+        # fastest only to within the tolerance. Then the fastest plan over the budget, if
+        # faster than the chosen one: the reason names it
+        if feasible and self.budgeted:
+            chosen = _pick(sorted(feasible, key=_rank_key), tolerance)
+            best = chosen.time
+            for c in by_bound:
+                if c.bound > best * (1 + 1e-8):
+                    break
+                if c.plan is None and not c.refused and not fits(c):
+                    plan = self.time(c)
+                    if plan is not None:
+                        best = min(best, plan.time)
+        return feasible
+
+    def more_splits(self, limits: dict, seq_length: int, multiple: int, tried: int,
+                    min_segment_length: int, max_splits: int) -> tuple[dict, str]:
+        """Nothing fits and ``limits`` (:func:`_split_limits`) kept the search from more
+        splits: the fewest more uniform 1F1B segments that would fit, as the limits' values
+        that allow them (never those in force), or none and a note where even the most the
+        limits allow would not fit."""
+        if not limits:
+            return {}, ""
+        most = min(limits.get("max_splits", max_splits),
+                   seq_length // limits.get("min_segment_length", min_segment_length),
+                   seq_length // multiple)
+        counts = sorted({min(tried * 2 ** i, most) for i in range(1, 12)} - {tried})
+        memory = None
+        for k in counts:
+            lengths = tuple(split_sequence(seq_length, k, "uniform", multiple_of=multiple))
+            trial = _Candidate(-1, "uniform", lengths, "1f1b", None, {}, 0.0)
+            memory = self.memory(trial)
+            if self.fits(memory):
+                found = {}
+                if k > max_splits:
+                    found["max_splits"] = k
+                if min(lengths) < min_segment_length:
+                    found["min_segment_length"] = min(lengths)
+                return found, ""
+        if memory is None:
+            return {}, ""
+        return {}, (f"; even {counts[-1]} segments (k={counts[-1]} uniform 1f1b) would need "
+                    f"{memory[0]:.2f} micro-batches of activations"
+                    + (f" and {bytes_text(max(s['total'] for s in memory[2]))} on the busiest "
+                       "stage" if memory[2] else "") + ": more splits cannot make it fit")
+
+    def smallest(self, candidates: list[_Candidate]) -> Plan:
+        """Nothing fits: the plan nearest to the budgets (the least activations, or with only
+        a total budget the least total on the busiest stage), timed for its ties."""
+        total_only = self.budgets[0] is None and self.budgets[1] is None
+
+        def need(memory: tuple) -> tuple:
+            peak, _, stages = memory
+            main = (_q(peak),)
+            return ((_q(max(s["total"] for s in stages)),) + main) if total_only else main
+
+        remaining = [c for c in candidates if not c.refused]
+        while remaining:
+            least = min(need(self.floor(c)) for c in remaining)
+            at = [c for c in remaining if need(self.floor(c)) == least]
+            exact = [c for c in at if need(self.memory(c)) == least]
+            plans = [p for p in (self.time(c) for c in exact) if p is not None]
+            if plans:
+                key = _memory_key if not total_only else \
+                    (lambda plan: (plan.peak_stage_bytes,) + _memory_key(plan))
+                return min(plans, key=key)
+            remaining = [c for c in remaining if c not in exact]
+        raise ValueError("no candidate plan: the executor would refuse every one")
+
+
+def _robust_order(c: _Candidate) -> tuple:
+    """The tie rule's preference (:func:`~megatron_seq1f1b.planner.choice._pick`) before the
+    time: 1F1B first, then the partition, then the fewest splits."""
+    return (SCHEDULES.index(c.schedule),
+            PREFERRED_PARTITIONS.index(c.partition) if len(c.lengths) > 1 else 0,
+            len(c.lengths), c.order)
+
+
+def _budget_error(smallest: Plan, budgets, microbatches, activation_bytes, total_bytes,
+                  limits: dict, note: str = "") -> BudgetError:
     """Nothing fits: the budgets and the nearest plan, in the budgets' own units (the least
-    activations, or with only a total budget the least total on the busiest stage)."""
+    activations, or with only a total budget the least total on the busiest stage); ``limits``:
+    the search's bounds worth raising, with values that would allow more splits."""
     activations = (([f"{microbatches:.2f} micro-batches"] if microbatches is not None else [])
                    + ([bytes_text(activation_bytes)] if activation_bytes is not None else []))
     words = ([f"activation-memory budget of {' and '.join(activations)} per stage"]
@@ -209,13 +497,37 @@ def _budget_error(ranked, budgets, microbatches, activation_bytes, total_bytes, 
     if total_bytes is not None:
         words.append(f"memory budget of {bytes_text(total_bytes)} per GPU (the busiest stage's "
                      "weights, gradients, optimizer states and activations)")
-    smallest = min(ranked, key=_memory_key if activations else
-                   lambda plan: (plan.peak_stage_bytes,) + _memory_key(plan))
+    static = ""
+    if total_bytes is not None and smallest.stages:
+        fixed = max(s["total"] - s["activations"] for s in smallest.stages)
+        if fixed >= total_bytes:
+            static = (f"; the busiest stage's weights, gradients and optimizer states alone need "
+                      f"{bytes_text(fixed)}, so no number of splits fits: more stages, "
+                      "a distributed optimizer or more memory")
+            limits = {}
     return BudgetError(
         f"no plan fits the {' and the '.join(words)}: the smallest reachable is "
         f"{need_text(smallest, budgets)}, by {smallest.describe()} (lengths "
-        f"{list(smallest.lengths)})", smallest,
-        {"max_splits": max_splits, "min_segment_length": min_segment_length})
+        f"{list(smallest.lengths)}){static or note}", smallest, limits)
+
+
+def _split_limits(seq_length: int, multiple: int, min_segment_length: int, max_splits: int,
+                  splits) -> dict:
+    """The search's bounds that kept it from more splits, each with a value that allows more
+    (never the one in force): ``max_splits`` where ``min_segment_length`` allows more
+    segments, ``min_segment_length`` where it stopped ``k`` below ``max_splits``."""
+    if splits:  # the caller chose the segment counts
+        return {}
+    most = seq_length // multiple  # segments of one multiple each
+    by_length = seq_length // max(min_segment_length, 1)
+    limits = {}
+    if max_splits < min(by_length, most):
+        limits["max_splits"] = min(by_length, most)
+    if by_length < min(max_splits, most):
+        shorter = max(multiple, seq_length // min(max_splits, most) // multiple * multiple)
+        if shorter < min_segment_length:
+            limits["min_segment_length"] = shorter
+    return limits
 
 
 def _options(partitions, schedules, have_flops: bool, chunks: int,
@@ -235,27 +547,3 @@ def _options(partitions, schedules, have_flops: bool, chunks: int,
                              f"choose from {allowed}")
     return ([x for x in METHODS if x in (partitions or available)],
             [s for s in SCHEDULES if s in (schedules or allowed)])
-
-
-def _evaluate(calibration: Calibration, p: int, m: int, v: int, partition: str,
-              lengths: tuple[int, ...], name: str, send_slack: int,
-              memory_model: MemoryModel | None = None, micro_batch_size: int = 1,
-              documents=None) -> Plan | None:
-    """One candidate's predicted time, bubble and memory; None if the executor would
-    refuse its steps (deadlock, link order)."""
-    zero_bubble = name != "1f1b"
-    costs = placement_costs(calibration, lengths, p * v) if zero_bubble else None
-    schedule = build_schedule(p, m, len(lengths), v, schedule=name, costs=costs)
-    try:
-        time, bubble = predict(schedule, v, action_cost(calibration, lengths, p, v, zero_bubble),
-                               costs, send_slack, calibration.message_latency(lengths))
-    except ScheduleError:
-        return None
-    stages = (tuple(memory_model.stage_bytes(
-        schedule, lengths, v, micro_batch_size,
-        documents=None if documents is None else [documents]))
-        if memory_model is not None else None)
-    return Plan(len(lengths), partition, lengths, name, time, bubble,
-                activation_peak(schedule, lengths, v), unit=calibration.unit,
-                segment_costs=costs, stages=stages)
-

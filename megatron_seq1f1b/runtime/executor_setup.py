@@ -32,6 +32,7 @@ import torch
 from megatron_seq1f1b.base.checks import (
     raise_if, rounding_multiple, rounding_multiple_of, segment_multiple_problems,
 )
+from megatron_seq1f1b.base.collection import collection_paused
 from megatron_seq1f1b.base.checks import segment_multiple as segment_multiple_of
 from megatron_seq1f1b.runtime import te_wgrad, wgrad
 from megatron_seq1f1b.runtime.executor_checks import executor_problems
@@ -41,13 +42,12 @@ from megatron_seq1f1b.runtime.model_hooks import (
 from megatron_seq1f1b.runtime.p2p import Peers
 from megatron_seq1f1b.schedules import plan as plan_mod
 from megatron_seq1f1b.schedules.partition import METHODS, CostModel, split_documents, split_sequence
+from megatron_seq1f1b.schedules.schedule import SCHEDULES, Action
+from megatron_seq1f1b.schedules.steady import executor_plan, whole_plan
 from megatron_seq1f1b.schedules.variable import (
     cut_microbatch, length_problems, segment_count, segment_tokens_problems,
 )
-from megatron_seq1f1b.schedules.replay import replay
-from megatron_seq1f1b.schedules.schedule import SCHEDULES, Action, build_schedule
-from megatron_seq1f1b.schedules.validate import check_link_order
-from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn, segment_cost_problems
+from megatron_seq1f1b.schedules.zero_bubble import segment_cost_problems
 from megatron_seq1f1b.segments.cp_group import StandInGroup, is_stand_in
 from megatron_seq1f1b.segments.document_plan import source_problems
 
@@ -60,20 +60,29 @@ def pipeline_steps(
     """Every rank's steps (a pure function of the sizes; cached across iterations).
 
     ``costs``: per-segment (F, B, W) estimates that place zero-bubble W actions and
-    the receives; a plan built from them is replayed (validated) before use.
+    the receives; a plan built from them is replayed (validated) before use. Many
+    micro-batches cost what a few do: the steps of a few small counts give every rank's
+    warm-up, repeated steady state and cool-down, which are repeated out
+    (:func:`~megatron_seq1f1b.schedules.steady.executor_plan`, which says what is checked).
     """
-    actions = build_schedule(num_stages, num_microbatches, num_splits, num_chunks,
-                             forward_only=forward_only, schedule=schedule, costs=costs)
-    cost = segment_cost_fn(costs) if costs is not None and not forward_only else None
-    steps = plan_mod.plan_steps(actions, num_chunks, cost=cost)
-    if cost is not None:
-        check_link_order(steps)
-        replay(steps)
+    periodic = executor_plan(num_stages, num_microbatches, num_splits, num_chunks, schedule,
+                             costs, forward_only)
+    if periodic is not None:
+        copies = periodic.copies(num_microbatches)
+        return tuple(tuple(periodic.rank_items(rank, copies)) for rank in range(num_stages))
+    steps = whole_plan(num_stages, num_microbatches, num_splits, num_chunks, schedule, costs,
+                       forward_only)
     return tuple(tuple(rank) for rank in steps)
 
 
+@functools.lru_cache(maxsize=64)
 def rank_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only, rank,
                schedule: str = "1f1b", costs: tuple | None = None) -> tuple:
+    """This rank's steps of :func:`pipeline_steps` (only this rank's are repeated out)."""
+    periodic = executor_plan(num_stages, num_microbatches, num_splits, num_chunks, schedule,
+                             costs, forward_only)
+    if periodic is not None:
+        return tuple(periodic.rank_items(rank, periodic.copies(num_microbatches)))
     return pipeline_steps(num_stages, num_microbatches, num_splits, num_chunks, forward_only,
                           schedule, costs)[rank]
 
@@ -372,15 +381,22 @@ class StepPlan:
     first_backward: int  # index of this rank's first backward action (or the action count)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def step_plan(pp_size: int, pp_rank: int, num_microbatches: int, counts: tuple[int, ...],
               num_chunks: int, forward_only: bool, schedule: str = "1f1b",
               costs: tuple | None = None) -> StepPlan:
     """This rank's steps, units and grad-sync actions for ``counts`` segments per micro-batch
-    (a pure function of its arguments; cached, so variable-length iterations with the same
-    counts reuse it)."""
-    steps = rank_steps(pp_size, num_microbatches, counts if len(set(counts)) > 1 else counts[0],
-                       num_chunks, forward_only, pp_rank, schedule, costs)
+    (a pure function of its arguments; cached, so iterations of one configuration, or
+    variable-length ones with the same counts, reuse it). Counts that differ between
+    micro-batches have no steady state to repeat: every rank's steps are built whole, once,
+    with the collector paused, and only this rank's kept."""
+    if len(set(counts)) > 1:
+        with collection_paused():
+            steps = whole_plan(pp_size, num_microbatches, counts, num_chunks, schedule, costs,
+                               forward_only)[pp_rank]
+    else:
+        steps = rank_steps(pp_size, num_microbatches, counts[0], num_chunks, forward_only,
+                           pp_rank, schedule, costs)
     topology = plan_mod.Topology(pp_size, num_chunks)
     last_virtual = topology.last_virtual_stage
     units = tuple(

@@ -138,6 +138,20 @@ def send_slack_of_runtime() -> int:
         torch.cuda.is_available() else 1
 
 
+def replay_timing(group) -> str:
+    """How the executor's transport on this pipeline group posts and waits, as the replay's
+    timing (:data:`~megatron_seq1f1b.schedules.replay.TIMINGS`; docs/design.md): ``"nccl"``
+    for the links transport (a step posts once the previous step's sends completed),
+    ``"gloo"`` for the batch transport with a work per operation (receives posted a step
+    ahead), ``"rendezvous"`` where one work covers the step (NCCL's batch: it waits for its
+    sends too)."""
+    if group is None or group.size() < 2:
+        return "rendezvous"  # no messages: every timing is the same
+    if transport(group) == LINKS:
+        return "nccl"
+    return "rendezvous" if _coalesces(group) else "gloo"
+
+
 # ------------------------------------------------------------------ link groups
 
 _LINK_GROUPS: dict[tuple, dict[tuple[int, int], object]] = {}

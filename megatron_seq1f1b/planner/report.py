@@ -1,0 +1,94 @@
+"""What the planner's command line says beside its choice: Megatron-Core's own schedules on
+the same costs (speed and memory ratios), and whether memory was checked against the GPU.
+
+A plan is only worth its flags next to what it replaces: Megatron-Core 1F1B (``k = 1``
+without interleaving) and, where interleaving is planned, its interleaved 1F1B (``k = 1``
+over the chunks), predicted by the same replay, costs and memory model
+(``planner/cli.py`` plans them). Without ``--gpu-memory-gib`` nothing was checked against
+a GPU's memory: the report says so and sets the chosen plan's busiest stage against common
+sizes.
+"""
+
+from __future__ import annotations
+
+from megatron_seq1f1b.planner.choice import Plan, _q
+from megatron_seq1f1b.planner.costs import Calibration
+from megatron_seq1f1b.planner.memory_model import GIB
+from megatron_seq1f1b.planner.search import choose_plan
+
+__all__ = ["GPU_SIZES_GIB", "MEGATRON_1F1B", "MEGATRON_INTERLEAVED", "megatron_baselines",
+           "baseline_lines", "memory_lines"]
+
+#: GPU memory sizes (GiB) the chosen plan's busiest stage is set against when no
+#: --gpu-memory-gib is given: A100 40 GB, A100/H100 80 GB, H200 141 GB.
+GPU_SIZES_GIB = (40, 80, 141)
+MEGATRON_1F1B = "Megatron-Core 1F1B"
+MEGATRON_INTERLEAVED = "Megatron-Core interleaved 1F1B"
+
+
+def megatron_baselines(seq_length: int, num_stages: int, num_microbatches: int,
+                       num_model_chunks: int, calibration: Calibration,
+                       plain: Calibration | None, **common) -> dict[str, Plan | None]:
+    """Megatron-Core's own schedules on the same costs, as plans: 1F1B (``k = 1`` without
+    interleaving; with ``num_model_chunks > 1`` from ``plain``, the costs of that layout's
+    stages, None where there are none: a calibration measured on the interleaved layout's
+    virtual stages) and, with chunks, its interleaved 1F1B (``k = 1`` over them).
+    ``common``: :func:`~megatron_seq1f1b.planner.search.choose_plan`'s other arguments."""
+    layouts = [(MEGATRON_1F1B, 1, calibration if num_model_chunks == 1 else plain)]
+    if num_model_chunks > 1:
+        layouts.append((MEGATRON_INTERLEAVED, num_model_chunks, calibration))
+    found: dict[str, Plan | None] = {}
+    for name, chunks, costs in layouts:
+        if costs is None:
+            found[name] = None
+            continue
+        try:
+            found[name] = choose_plan(
+                seq_length, num_stages, num_microbatches, num_model_chunks=chunks,
+                calibration=costs, splits=[1], schedules=["1f1b"], partitions=["uniform"],
+                **common).plan
+        except ValueError:
+            found[name] = None
+    return found
+
+
+def baseline_lines(plan: Plan, baselines: dict) -> list[str]:
+    """The chosen plan against Megatron-Core's own schedules: speed and memory ratios."""
+    lines = ["against Megatron-Core's own schedules (same costs and model, predicted):"]
+    for name, base in baselines.items():
+        if base is None:
+            lines.append(f"  {name}: not predicted (the calibration's costs are those of the "
+                         "interleaved layout's virtual stages)")
+            continue
+        memory = f"activations {plan.memory / base.memory:.2f}x ({plan.memory:.2f} vs " \
+                 f"{base.memory:.2f} micro-batches of a stage)"
+        if plan.peak_stage_bytes and base.peak_stage_bytes:
+            memory += (f", busiest stage {plan.peak_stage_bytes / base.peak_stage_bytes:.2f}x "
+                       f"({plan.peak_stage_bytes / GIB:.2f} vs "
+                       f"{base.peak_stage_bytes / GIB:.2f} GiB)")
+        same = (plan.num_splits, plan.schedule, plan.lengths) == \
+            (base.num_splits, base.schedule, base.lengths) and _q(plan.time) == _q(base.time)
+        lines.append(f"  vs {name}: {base.time / plan.time:.2f}x its speed "
+                     f"({_seconds(plan)} vs {_seconds(base)} per iteration), {memory}"
+                     + ("; the chosen plan is this schedule" if same else ""))
+    return lines
+
+
+def _seconds(plan: Plan) -> str:
+    return f"{plan.time:.4g} s" if plan.unit == "s" else f"{plan.time:.4g} {plan.unit}"
+
+
+def memory_lines(plan: Plan, gpu_memory_gib: float | None) -> list[str]:
+    """Whether memory was checked; without --gpu-memory-gib, the chosen plan's busiest stage
+    against common GPU sizes (or what the check needs)."""
+    if gpu_memory_gib is not None:
+        return [f"memory checked: the busiest stage needs {plan.peak_stage_bytes / GIB:.2f} GiB "
+                f"of the {gpu_memory_gib:g} GiB per GPU (--gpu-memory-gib)"]
+    if not plan.stages:
+        return ["memory not checked (no --gpu-memory-gib): give the model's sizes with "
+                "--vocab-size, and --gpu-memory-gib, to check the busiest stage's weights, "
+                "gradients, optimizer states and activations against the GPU"]
+    need = plan.peak_stage_bytes / GIB
+    fits = [f"{size} GiB {'fits' if need <= size else 'too small'}" for size in GPU_SIZES_GIB]
+    return [f"memory not checked (no --gpu-memory-gib): the chosen plan's busiest stage needs "
+            f"{need:.2f} GiB (predicted); against common GPUs: {', '.join(fits)}"]
