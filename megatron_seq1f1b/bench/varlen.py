@@ -44,7 +44,7 @@ KEYS = ("1f1b", "1f1b-regrouped")
 
 def add_arguments(parser) -> None:
     """The variable-length flags of scripts/benchmark.py."""
-    from megatron_seq1f1b.base.flags import positive_float, positive_int
+    from megatron_seq1f1b.base.flags import number, positive_float, positive_int
 
     group = parser.add_argument_group(
         "variable-length micro-batches (--variable-lengths; docs/variable_lengths.md)")
@@ -56,7 +56,7 @@ def add_arguments(parser) -> None:
     group.add_argument("--length-range", type=positive_int, nargs=2, default=[256, 4096],
                        metavar=("MIN", "MAX"), help="clip sequence lengths to [MIN, MAX] "
                                                     "(default 256 4096)")
-    group.add_argument("--length-mu", type=float, default=7.0,
+    group.add_argument("--length-mu", type=number(), default=7.0,
                        help="log-normal mu of the sequence lengths (default 7.0: median ~1100)")
     group.add_argument("--length-sigma", type=positive_float, default=0.8,
                        help="log-normal sigma (default 0.8)")

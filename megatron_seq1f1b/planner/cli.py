@@ -58,7 +58,7 @@ OFFLINE_FLOP_RATE = 400e12
 #: ... and the host time one unit pays per transformer layer of its stage, forward and
 #: backward together (half each): Megatron-Core's Python dispatch of the local layer spec, the
 #: GPU idle meanwhile, measured on an H200 with torch 2.11 (17-23 ms for a 4-layer chunk
-#: whatever the segment length up to ~2k tokens; ../shared/notes/gpu-device.md).
+#: whatever the segment length up to ~2k tokens; one H200, bf16, 2026-12-04: docs/gpu.md).
 OFFLINE_HOST_SECONDS_PER_LAYER = 4.75e-3
 #: Default bus bandwidth (GB/s, as nccl-tests reports busbw) of a tensor-parallel group's
 #: all-reduces: a conservative figure for NVLink inside one node (measure yours with
