@@ -315,3 +315,30 @@ def test_operator_profile_side_by_side():
     assert lines[2] == "| `aten::fill_` | 1 | 1.0 | 9 | 6.0 |"
     assert lines[3] == "| `KVAppend` | 0 | 0.0 | 8 | 2.0 |"
     assert lines[4] == "| **all operators** | 5 | 11.0 | 33 | 19.0 |"
+
+
+def test_benchmark_variable_lengths(tmp_path):
+    """--variable-lengths: Megatron's 1F1B as the micro-batches come and regrouped to equal
+    tokens, Seq1F1B with a fixed k and a token budget, on the same sequences; every row the
+    same loss, ratios against both baselines with their parts, predictions and peaks."""
+    out = tmp_path / "varlen"
+    done = run_benchmark(2, "--pp", "2", "--microbatches", "4", "--splits", "2",
+                         "--hidden-size", "16", "--num-layers", "2", "--num-attention-heads", "2",
+                         "--vocab-size", "64", "--attention-backend", "flash",
+                         "--variable-lengths", "lognormal", "--length-min", "16",
+                         "--length-max", "96", "--length-mu", "3.5", "--segment-tokens", "16",
+                         "--iters", "2", "--warmup", "1", "--timeline-runs", "1",
+                         "--calib-reps", "1", "--calib-mode", "concurrent", "--out", str(out))
+    assert "OK" in done.stdout, done.stdout[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    rows = {row["key"]: row for row in result["schedules"]}
+    assert set(rows) == {"1f1b", "1f1b-regrouped", "seq1f1b-k2", "seq1f1b-16tok"}
+    meta = result["meta"]
+    assert sum(meta["microbatch_tokens"]) == sum(meta["regrouped_tokens"]) == \
+        meta["tokens_per_iteration"] == sum(meta["sequence_lengths"])
+    for key, row in rows.items():
+        assert row["paired_vs_1f1b"] > 0 and row["paired_vs_1f1b-regrouped"] > 0, key
+        assert row["predicted_s"] > 0 and row["predicted_vs_1f1b"] > 0, key
+        assert row["parts_vs_1f1b"] is not None, key
+    assert rows["1f1b"]["paired_vs_1f1b"] == 1.0
+    assert "vs Megatron regrouped" in (out / "results.md").read_text()

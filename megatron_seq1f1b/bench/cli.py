@@ -208,6 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--variable-lengths packs THD micro-batches: it runs --attention-backend "
                     "flash, --micro-batch-size 1, a fixed --splits, without --vpp and "
                     "--document-length")
+        if args.length_min > args.length_max:
+            p.error(f"--length-min {args.length_min} exceeds --length-max {args.length_max}")
         return args
     if args.schedules is None:
         args.schedules = [s for s in ALL_SCHEDULES

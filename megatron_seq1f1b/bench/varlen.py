@@ -1,7 +1,7 @@
 """``scripts/benchmark.py --variable-lengths``: micro-batches of different lengths, framed honestly.
 
 The iteration's global batch is ``m x g`` sequences with seeded log-normal lengths
-(``--length-mu``, ``--length-sigma``, clipped to ``--length-range``; ``g`` =
+(``--length-mu``, ``--length-sigma``, clipped to ``--length-min`` .. ``--length-max``; ``g`` =
 ``--sequences-per-microbatch``), each a packed THD micro-batch (flash attention) with
 one document per sequence, and ``config.variable_seq_lengths=True`` for every row:
 
@@ -44,7 +44,7 @@ KEYS = ("1f1b", "1f1b-regrouped")
 
 def add_arguments(parser) -> None:
     """The variable-length flags of scripts/benchmark.py."""
-    from megatron_seq1f1b.base.flags import number, positive_float, positive_int
+    from megatron_seq1f1b.base.flags import positive_float, positive_int
 
     group = parser.add_argument_group(
         "variable-length micro-batches (--variable-lengths; docs/variable_lengths.md)")
@@ -53,10 +53,11 @@ def add_arguments(parser) -> None:
                             "lengths, packed g per micro-batch; rows: Megatron's 1F1B as they "
                             "come and regrouped to equal tokens, Seq1F1B with --splits and with "
                             "each --segment-tokens")
-    group.add_argument("--length-range", type=positive_int, nargs=2, default=[256, 4096],
-                       metavar=("MIN", "MAX"), help="clip sequence lengths to [MIN, MAX] "
-                                                    "(default 256 4096)")
-    group.add_argument("--length-mu", type=number(), default=7.0,
+    group.add_argument("--length-min", type=positive_int, default=256,
+                       help="shortest sequence: lengths are clipped to [MIN, MAX] (default 256)")
+    group.add_argument("--length-max", type=positive_int, default=4096,
+                       help="longest sequence (default 4096; --seq-length is raised to it)")
+    group.add_argument("--length-mu", type=positive_float, default=7.0,
                        help="log-normal mu of the sequence lengths (default 7.0: median ~1100)")
     group.add_argument("--length-sigma", type=positive_float, default=0.8,
                        help="log-normal sigma (default 0.8)")
@@ -71,7 +72,7 @@ def add_arguments(parser) -> None:
 
 def sequence_lengths(args: argparse.Namespace, multiple: int = 16) -> list[int]:
     """The iteration's sequence lengths (seeded; multiples of ``multiple``)."""
-    low, high = args.length_range
+    low, high = args.length_min, args.length_max
     rng = random.Random(args.seed)
     count = args.microbatches * args.sequences_per_microbatch
     return [max(low, min(high, int(rng.lognormvariate(args.length_mu, args.length_sigma))
@@ -120,7 +121,7 @@ def main(args: argparse.Namespace, *, model_provider: Callable, forward_step: Ca
     from megatron_seq1f1b.trainer import arguments, data, setup
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    args.seq_length = max(args.seq_length, args.length_range[1])
+    args.seq_length = max(args.seq_length, args.length_max)
     plain_args = arguments.parse(trainer_argv(args, False), world)
     data.quiet_logs()
     device = setup.init_distributed(plain_args)
@@ -175,7 +176,7 @@ def main(args: argparse.Namespace, *, model_provider: Callable, forward_step: Ca
     tokens_per_iter = sum(seqs)
     say(f"> variable lengths: p={args.pp}, m={m} micro-batches of {g} sequence(s), lengths "
         f"log-normal(mu {args.length_mu}, sigma {args.length_sigma}) in "
-        f"{args.length_range[0]}..{args.length_range[1]}, seed {args.seed}: {seqs}")
+        f"{args.length_min}..{args.length_max}, seed {args.seed}: {seqs}")
     say("> micro-batch tokens as they come: " + str([sum(r) for r in rows_of(came)])
         + "; regrouped: " + str([sum(r) for r in rows_of(regrouped)]))
     if not measure_rounds(schedules, batches, args, forward_step, memory, tokens_per_iter):
@@ -283,7 +284,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, meta: dict) -> str:
         f"each on {meta['cpu_count']} cores)", "",
         f"p={args.pp}, m={args.microbatches} micro-batches of {args.sequences_per_microbatch} "
         f"sequence(s); lengths log-normal(mu {args.length_mu}, sigma {args.length_sigma}) "
-        f"clipped to {args.length_range[0]}..{args.length_range[1]}, seed {args.seed}; "
+        f"clipped to {args.length_min}..{args.length_max}, seed {args.seed}; "
         f"{args.num_layers} layers, hidden {args.hidden_size}.", "",
         f"Micro-batch tokens as they come {meta['microbatch_tokens']} "
         f"(spread {max(meta['microbatch_tokens']) / min(meta['microbatch_tokens']):.1f}x); "
