@@ -322,20 +322,28 @@ def zero_bubble_with_costs(pp: int, k: int, costs, model: ModelSpec, data: DataS
 
 
 def auto_plan(pp: int, model: ModelSpec, data: DataSpec, vpp: int | None = None,
-              cp: int = 1, **budget) -> dict:
+              cp: int = 1, time_every_candidate: bool = False, **budget) -> dict:
     """The auto forward-backward function (what Megatron-LM's --seq1f1b-splits auto installs):
-    planned on its first call, then exact; or the error a budget nothing fits gives."""
+    planned on its first call, then exact; or the error a budget nothing fits gives.
+    ``time_every_candidate``: the search times (and logs) every candidate, as the planner's
+    ``--top 0`` does, instead of leaving those its bounds rule out untimed."""
     from megatron_seq1f1b.base.checks import ConfigError
+    from megatron_seq1f1b.planner import search
     from megatron_seq1f1b.planner.auto import auto_forward_backward_func
     from gpt import run_layout
 
     logged = []
     func = auto_forward_backward_func(min_segment_length=4, log=logged.append, **budget)
+    choose = search.choose_plan
+    if time_every_candidate:  # the ranks' processes serve later cases: put it back after
+        search.choose_plan = lambda *args, **kwargs: choose(*args, exhaustive=True, **kwargs)
     try:
         result = run_layout(model=model, data=data, pp=pp, vpp=vpp, forward_backward=func,
                             prepare=s1.enable, slicer=s1.slice_batch, cp=cp)
     except ConfigError as exc:
         return {"error": str(exc)}
+    finally:
+        search.choose_plan = choose
     plan = func.choice.plan
     return dict(result, plan=[plan.num_splits, plan.partition, list(plan.lengths),
                               plan.schedule], logged=logged,

@@ -213,8 +213,11 @@ def test_planner_prints_gb_per_stage_and_budgets_the_total(tmp_path, capsys):
             "--json", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "predicted memory per stage" in printed and "stage 3:" in printed
+    assert "predicted memory of the busiest stage" in printed and "stage 0 of 4:" in printed
     assert "max stage" in printed
+    assert main(args + ["--top", "0"]) == 0  # every candidate timed, every stage listed
+    printed = capsys.readouterr().out
+    assert "predicted memory per stage" in printed and "stage 3:" in printed
     data = json.loads(out.read_text())
     by_k = {c["num_splits"]: c for c in data["candidates"]}
     assert by_k[1]["within_budget"] is False and by_k[4]["within_budget"] is True  # k=1: >40 GiB
