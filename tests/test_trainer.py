@@ -16,7 +16,9 @@ SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
 FULL = os.environ.get("SEQ1F1B_FULL") == "1"
 # Runs whose features CI covers elsewhere (pp4 and MLA in test_pipeline / test_segments,
 # checkpoints in the resume test, TP + SP and MoE in test_pipeline / test_moe, indexed data
-# in the documents tests): SEQ1F1B_FULL=1 runs them too.
+# in the documents tests, HybridModel in test_hybrid / test_recurrent and examples/, MTP in
+# test_mtp, CP in test_context_parallel and the trainer's CP documents test, the trainer's
+# document route in that test and the variable-length one): SEQ1F1B_FULL=1 runs them too.
 full_only = pytest.mark.skipif(not FULL, reason="SEQ1F1B_FULL=1 runs it (CI covers its parts "
                                "elsewhere)")
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -87,6 +89,7 @@ def test_tensor_parallel_sequence_parallel_moe_and_eval(tmp_path):
     assert "load_balancing_loss:" in stdout
 
 
+@full_only
 @pytest.mark.skipif(importlib.util.find_spec("megatron.core.models.hybrid") is None,
                     reason="HybridModel is in megatron-core 0.18 and later")
 def test_hybrid_pattern_pipeline_2_equals_megatrons_schedule(tmp_path):
@@ -150,6 +153,7 @@ def test_hybrid_multi_latent_attention_equals_megatrons_schedule(tmp_path):
     _same(ours["summary"]["losses"], theirs["summary"]["losses"])
 
 
+@full_only
 def test_mtp_two_layers_pipeline_2_equals_megatrons_schedule(tmp_path):
     """--mtp-num-layers 2 (Megatron's MTP block on the last stage, per-token loss): Seq1F1B
     k=3 trains as Megatron's 1F1B does; the logged MTP losses agree too."""
@@ -268,13 +272,13 @@ CONTEXT_PARALLEL = {
 if importlib.util.find_spec("megatron.core.models.hybrid") is not None:  # 0.18+: HybridModel
     CONTEXT_PARALLEL["hybrid-local"] = ["--hybrid-layer-pattern", "*-*-|*-*-",
                                         "--position-embedding-type", "rope"]
-# CI runs the flash backend (the one long-context training uses; the local backend's CP path
-# is the same code with a mask, proven against one rank in tests/test_context_parallel.py);
-# SEQ1F1B_FULL=1 runs both.
+# SEQ1F1B_FULL=1 runs both backends (CI: neither; CP against one rank is proven in
+# tests/test_context_parallel.py, and the trainer's CP path by the CP documents test below).
 CONTEXT_PARALLEL_RUN = (list(CONTEXT_PARALLEL) if FULL
                         else ["flash"])
 
 
+@full_only
 @pytest.mark.parametrize("backend", CONTEXT_PARALLEL_RUN)
 def test_context_parallel_2_equals_the_same_model_without_it(tmp_path, backend):
     """Issue 32's trainer line, fp32, losses within 1e-5 (training and validation):
@@ -374,8 +378,10 @@ DOCUMENTS = {
 }
 
 
-# CI: the end-of-document route (flash, THD); SEQ1F1B_FULL=1 adds the dataset's cu_seqlens
-# (both backends; its Seq1F1B side is the same documents code, tested in test_documents).
+# SEQ1F1B_FULL=1: the end-of-document route (flash, THD) and the dataset's cu_seqlens (both
+# backends; its Seq1F1B side is the same documents code, tested in test_documents; CI runs the
+# route in the CP documents test and the variable-length test).
+@full_only
 @pytest.mark.parametrize("mode", list(DOCUMENTS) if FULL else ["reset-attention-mask"])
 def test_documents_pipeline_2_seq1f1b_equals_megatrons_schedule(tmp_path, mode):
     """Packed documents at pipeline 2, fp32: Seq1F1B k=3 (and k=1: documents without
