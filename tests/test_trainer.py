@@ -168,6 +168,7 @@ def test_mtp_two_layers_pipeline_2_equals_megatrons_schedule(tmp_path):
     assert "mtp_2 loss:" in stdout
 
 
+@full_only  # CI's quick start (scripts/demo.sh --quick) draws the timelines and the summary
 def test_timelines_and_the_side_by_side_summary(tmp_path):
     """--timeline-dir draws the last iteration; compare_runs prints the demo's summary.
 
