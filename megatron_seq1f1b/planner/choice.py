@@ -76,12 +76,13 @@ class PlanChoice:
     source: str = ""  # where the costs came from (the calibration's source)
     untimed: int = 0  # candidates not timed: their bounds could not change the answer
     untimed_over_budget: int = 0  # of which over the memory budget
+    untimed_kinds: str = ""  # their partitions and schedules, so the table names what was weighed
 
     def table(self, top: int = 0) -> str:
         """The candidates (``top``: only the fastest ``top`` and the chosen one), why the
         winner won and its memory per stage (only the busiest where candidates were cut)."""
         text = format_table(self.candidates, self.plan, self.reason, top,
-                            self.untimed, self.untimed_over_budget)
+                            self.untimed, self.untimed_over_budget, self.untimed_kinds)
         cut = (len(_shown(self.candidates, self.plan, top)) < len(self.candidates)
                or self.untimed > 0)
         return text + ("\n" + self.plan.stages_text(cut) if self.plan.stages else "")
@@ -253,7 +254,8 @@ def _shown(candidates: Sequence[Plan], chosen: Plan, top: int) -> list[Plan]:
 
 
 def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = None,
-                 top: int = 0, untimed: int = 0, untimed_over_budget: int = 0) -> str:
+                 top: int = 0, untimed: int = 0, untimed_over_budget: int = 0,
+                 untimed_kinds: str = "") -> str:
     """All candidates, fastest first (``*`` = chosen), then why the winner won; ``top``:
     only the fastest ``top`` and the chosen one, and a line counting the others;
     ``untimed``: a line counting the candidates the search did not time."""
@@ -282,8 +284,9 @@ def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = 
     if untimed:
         over = (f", {untimed_over_budget} of them over the memory budget"
                 if untimed_over_budget else "")
-        lines.append(f"  ... {untimed} more candidates not timed: their lower bounds cannot "
-                     f"change this answer{over} (--top 0 times them all)")
+        kinds = f" ({untimed_kinds})" if untimed_kinds else ""
+        lines.append(f"  ... {untimed} more candidates not timed{kinds}: their lower bounds "
+                     f"cannot change this answer{over} (--top 0 times them all)")
     lines.append(reason or explain(ranked, chosen))
     return "\n".join(lines)
 

@@ -259,7 +259,19 @@ def choose_plan(
                       calibration.source, len(untimed),
                       sum(1 for c in untimed if search.over(c) or (
                           search.budgeted and c.memory is not None
-                          and not search.fits(c.memory))))
+                          and not search.fits(c.memory))),
+                      _kinds(untimed))
+
+
+def _kinds(candidates: Sequence[_Candidate]) -> str:
+    """'k 2-8; partitions uniform, balanced; schedules 1f1b, zb-h1' (first seen first)."""
+    if not candidates:
+        return ""
+    ks = sorted({len(c.lengths) for c in candidates})
+    k = f"k {ks[0]}" if len(ks) == 1 else f"k {ks[0]}-{ks[-1]}"
+    partitions = ", ".join(dict.fromkeys(c.partition for c in candidates))
+    schedules = ", ".join(dict.fromkeys(c.schedule for c in candidates))
+    return f"{k}; partitions {partitions}; schedules {schedules}"
 
 
 class _Search:
