@@ -766,7 +766,8 @@ def test_packed_documents_make_the_planner_cut_by_them():
     from megatron_seq1f1b.segments.documents import long_tailed
 
     model = CostModel(per_token=2 * 12 * 1024 * 1024 * 4 * 12, per_pair=4 * 1024 * 12)
-    plain = choose_plan(32768, 4, 8, cost_model=model, splits=[1, 4, 8], schedules=["1f1b"])
+    plain = choose_plan(32768, 4, 8, cost_model=model, splits=[1, 4, 8], schedules=["1f1b"],
+                        exhaustive=True)
     assert {c.partition for c in plain.candidates} == {"uniform", "balanced"}
     packed = choose_plan(32768, 4, 8, cost_model=model, splits=[1, 4, 8], schedules=["1f1b"],
                          documents=long_tailed(32768, 2000, seed=1), exhaustive=True)

@@ -320,6 +320,41 @@ def test_planner_answers_as_full_simulation(p, m, v, max_k, attention, budget, m
     assert pruned.plan == tolerant.plan and pruned.untimed > 0
 
 
+
+BOUND_GRID = [(p, m, k, v, name) for p, m, v in ((2, 5, 1), (4, 9, 1), (4, 30, 2), (8, 12, 1))
+              for k in (1, 3, 4) for name in ("1f1b", "zb-h1", "zb-h2")
+              if not (v > 1 and name == "zb-h2")]
+
+
+@pytest.mark.parametrize("p,m,k,v,name", BOUND_GRID)
+def test_lower_bounds_hold_and_the_orders_bound_is_tighter(p, m, k, v, name):
+    """The search skips a candidate whose bound loses, so no bound may exceed the time it
+    predicts (every transport's timing, messages free or not); the orders' bound sees the
+    stalls of uneven segments (a uniform cut of attention-heavy work) that the first one
+    misses."""
+    from megatron_seq1f1b.planner.costs import (
+        Calibration, action_cost_table, placement_costs,
+    )
+    from megatron_seq1f1b.schedules.partition import CostModel, split_sequence
+
+    calibration = Calibration.from_cost_model(CostModel(1.0, 0.002), p * v)
+    lengths = tuple(split_sequence(2048, k, "uniform"))
+    zero_bubble = name != "1f1b"
+    table = action_cost_table(calibration, lengths, p, v, zero_bubble)
+    costs = placement_costs(calibration, lengths, p * v) if zero_bubble else None
+    first = cand.time_lower_bound(table, p, m, zero_bubble)
+    orders = cand.schedule_orders(p, m, k, v, name)
+    sharp = cand.order_lower_bound(orders, table, p)
+    assert sharp >= first * (1 - 1e-12)
+    for timing in TIMINGS:
+        for latency in (0.0, 30.0):
+            time = cand.predict_time(p, m, k, v, name, costs, cand.table_cost(table, p),
+                                     latency, timing)
+            assert time is not None and sharp <= time * (1 + 1e-12), (timing, latency)
+    if v == 1 and k > 1:
+        assert sharp > 1.02 * first
+
+
 def test_planner_shortcut_is_used_and_its_cost_does_not_grow_with_m(monkeypatch):
     """At many micro-batches no schedule of that many is built: only a few small counts."""
     counts = []

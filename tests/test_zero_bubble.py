@@ -4,6 +4,7 @@ gradients against no-pipelining training."""
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 
@@ -125,6 +126,94 @@ def test_pending_weight_gradients_count_as_in_flight():
     assert delayed.peak_inflight == [2]
     prompt = simulate([[F(0), B(0), W(0), F(1), B(1), W(1)]])
     assert prompt.peak_inflight == [1]
+
+
+
+def _list_scheduler(orders, caps, num_model_chunks, cost):
+    """The placement rule of schedules/zero_bubble.py written the plain way: at every event
+    every rank's next action is worked out afresh and the earliest runs (ties to the lower
+    rank). The builder keeps each rank's next event and recomputes only a rank and its
+    neighbours after an action; both must give the same schedule."""
+    p, last_stage = len(orders), len(orders) * num_model_chunks - 1
+    last_segment = {}
+    for a in orders[0]:
+        if a.kind == "F":
+            last_segment[a.microbatch] = max(a.segment, last_segment.get(a.microbatch, 0))
+    position, pending, out = [0] * p, [[] for _ in orders], [[] for _ in orders]
+    free, held, done = [0.0] * p, [0] * p, {}
+
+    def producer(a, r):
+        stage = a.chunk * p + r
+        if a.kind == "F":
+            return None if stage == 0 else (a._replace(chunk=(stage - 1) // p), (stage - 1) % p)
+        if stage == last_stage:
+            return F(a.microbatch, last_segment[a.microbatch], a.chunk), r
+        return a._replace(chunk=(stage + 1) // p), (stage + 1) % p
+
+    def next_event(r):
+        weight = pending[r][0] if pending[r] else None
+        if position[r] == len(orders[r]):
+            return (free[r], weight) if weight else None
+        a = orders[r][position[r]]
+        source = producer(a, r)
+        ready = earliest = 0.0 if source is None else done.get(source)
+        if source is not None and ready is None:
+            earliest = free[source[1]] + cost(*source)
+        full = a.kind == "F" and held[r] >= caps[r]
+        if ready is not None and ready <= free[r] and not full:
+            return free[r], a
+        if weight and (full or earliest >= free[r] + cost(weight, r)):
+            return free[r], weight
+        return None if ready is None or full else (ready, a)
+
+    while any(position[r] < len(orders[r]) or pending[r] for r in range(p)):
+        events = [(e, r) for r in range(p) for e in [next_event(r)] if e is not None]
+        if not events:
+            return "deadlock"
+        (start, a), r = min(events, key=lambda item: (item[0][0], item[1]))
+        done[a, r] = free[r] = start + cost(a, r)
+        out[r].append(a)
+        if a.kind == "W":
+            pending[r].pop(0)
+            held[r] -= 1
+        else:
+            position[r] += 1
+            held[r] += a.kind == "F"
+            if a.kind == "B":
+                pending[r].append(W(a.microbatch, a.segment, a.chunk))
+    return out
+
+
+def test_the_builder_places_w_as_the_plain_list_scheduler_does():
+    """Random per-segment costs, interleaving, per-micro-batch segment counts and caps that
+    deadlock: the same actions, or the same refusal."""
+    from megatron_seq1f1b.schedules.schedule import forward_backward_orders
+    from megatron_seq1f1b.schedules.zero_bubble import DeadlockError, build_zero_bubble
+
+    rng = random.Random(5)
+    compared = deadlocks = 0
+    for _ in range(150 if FULL else 40):
+        p, v = rng.choice((1, 2, 3, 4, 6)), rng.choice((1, 1, 2, 3))
+        v = 1 if p == 1 else v
+        m = rng.randint(1, 6)
+        counts = rng.choice((rng.randint(1, 4), tuple(rng.randint(1, 4) for _ in range(m))))
+        name = "zb-h2" if v == 1 and rng.random() < 0.3 else "zb-h1"
+        orders, cap = forward_backward_orders(p, m, counts, v, name)
+        table = {(a.microbatch, a.segment, r): (rng.choice((0.5, 1.0, 1.5, 2.25)),
+                                                rng.choice((1.0, 2.0, 3.5)),
+                                                rng.choice((0.25, 1.0, 1.75)))
+                 for r, order in enumerate(orders) for a in order}
+        cost = lambda a, r: table[a.microbatch, a.segment, r]["FBW".index(a.kind)]  # noqa: E731
+        caps = [cap] * p if rng.random() < 0.8 else [rng.choice((cap, 1, 0)) for _ in range(p)]
+        want = _list_scheduler(orders, caps, v, cost)
+        if want == "deadlock":
+            deadlocks += 1
+            with pytest.raises(DeadlockError, match="cannot proceed"):
+                build_zero_bubble(orders, caps, v, cost)
+        else:
+            assert build_zero_bubble(orders, caps, v, cost) == want
+            compared += 1
+    assert compared >= 20 and deadlocks >= 3
 
 
 # ------------------------------------------------------------ the runtime, against no pipelining

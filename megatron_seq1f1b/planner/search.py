@@ -28,13 +28,15 @@ tested against it); the candidates left untimed are counted in :class:`PlanChoic
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_seq1f1b.base.checks import segment_multiple
 from megatron_seq1f1b.planner.candidates import (
-    memory_schedule, predict_time, table_cost, time_lower_bound, busy_time,
+    busy_time, memory_schedule, order_lower_bound, predict_time, schedule_orders, table_cost,
+    time_lower_bound,
 )
 from megatron_seq1f1b.planner.choice import (
     PREFERRED_PARTITIONS, Plan, PlanChoice, BudgetError, _memory_key, _pick, _q, _rank_key,
@@ -80,6 +82,10 @@ def predict(schedule: Schedule, num_model_chunks: int, cost: CostFn,
 
 
 MAX_SPLITS = 16  # the most segments a plan tries (and the start-up measurement times)
+#: Candidates with more forwards and backwards than this (over all ranks) keep their first
+#: bound: their orders' (:func:`order_lower_bound`) costs about 3 us per action here, and
+#: such long runs have little bubble for it to see.
+ORDER_BOUND_ACTIONS = 100_000
 
 
 def split_counts(seq_length: int, multiple_of: int, min_segment_length: int,
@@ -100,6 +106,7 @@ class _Candidate:
     costs: tuple | None  # zero bubble: placement costs
     table: dict
     bound: float  # no prediction of it can be faster
+    sharpened: bool = False  # bound raised to its orders' (:func:`order_lower_bound`)
     memory: tuple | None = None  # (activations in micro-batches, bytes, stages), exact
     floor: tuple | None = None  # the same, a lower bound (zero bubble: 1F1B's)
     plan: Plan | None = None
@@ -328,6 +335,22 @@ class _Search:
 
     # ---------------------------------------------------------------- time
 
+    def sharpen(self, c: _Candidate) -> bool:
+        """Raise the candidate's bound to its orders' (once, where that costs less than
+        timing it); whether it rose."""
+        if c.sharpened:
+            return False
+        c.sharpened = True
+        k = len(c.lengths)
+        if 2 * self.p * self.m * k * self.v > ORDER_BOUND_ACTIONS:
+            return False
+        bound = order_lower_bound(schedule_orders(self.p, self.m, k, self.v, c.schedule),
+                                  c.table, self.p)
+        if bound <= c.bound:
+            return False
+        c.bound = bound
+        return True
+
     def time(self, c: _Candidate) -> Plan | None:
         """Time the candidate (its plan, also kept on it); None if the executor refuses it."""
         if c.plan is not None or c.refused:
@@ -356,7 +379,7 @@ class _Search:
                 self.time(c)
             return [c.plan for c in candidates if c.plan is not None and c.plan.within_budget
                     is not False]
-        by_bound = sorted(candidates, key=lambda c: (c.bound, c.order))
+        by_bound = sorted(candidates, key=_bound_order)
         feasible: list[Plan] = []
 
         def nth(n: int) -> float:
@@ -366,14 +389,23 @@ class _Search:
         def fits(c: _Candidate) -> bool:  # its memory first: over the budget, never timed
             return not self.over(c) and (not self.budgeted or self.fits(self.memory(c)))
 
-        untimed = [c for c in by_bound]
+        untimed = [c for c in by_bound]  # least bound first, as bounds sharpen too
+
+        def resort(c: _Candidate) -> None:  # its bound rose: its place in untimed moves
+            if c in untimed:
+                untimed.remove(c)
+                bisect.insort(untimed, c, key=_bound_order)
 
         def refine() -> bool:
-            """Time the untimed candidate with the least bound (False: none left)."""
+            """Sharpen or time the untimed candidate with the least bound (False: none
+            left)."""
             while untimed:
                 c = untimed.pop(0)
                 if c.plan is not None or c.refused or not fits(c):
                     continue
+                if self.sharpen(c):
+                    bisect.insort(untimed, c, key=_bound_order)
+                    return True
                 plan = self.time(c)
                 if plan is not None:
                     feasible.append(plan)
@@ -396,6 +428,8 @@ class _Search:
                     continue
                 if c.plan is None:
                     upper = min((plan.time for plan in feasible), default=math.inf)
+                    if c.bound <= upper * (1 + tolerance) * (1 + 1e-8) and self.sharpen(c):
+                        resort(c)
                     if c.bound > upper * (1 + tolerance) * (1 + 1e-8):
                         continue  # cannot be within the tolerance of a plan already timed
                     plan = self.time(c)
@@ -412,6 +446,9 @@ class _Search:
                         break
                     cheap = [d for d in below if not d.zero_bubble]
                     d = (cheap or below)[0]
+                    if fits(d) and self.sharpen(d):
+                        resort(d)
+                        continue  # its bound rose: is it still below?
                     untimed.remove(d)
                     if fits(d):
                         plan = self.time(d)
@@ -425,10 +462,12 @@ class _Search:
         if feasible and self.budgeted:
             chosen = _pick(sorted(feasible, key=_rank_key), tolerance)
             best = chosen.time
-            for c in by_bound:
+            for c in sorted(candidates, key=_bound_order):
                 if c.bound > best * (1 + 1e-8):
                     break
                 if c.plan is None and not c.refused and not fits(c):
+                    if self.sharpen(c) and c.bound > best * (1 + 1e-8):
+                        continue
                     plan = self.time(c)
                     if plan is not None:
                         best = min(best, plan.time)
@@ -487,6 +526,10 @@ class _Search:
                 return min(plans, key=key)
             remaining = [c for c in remaining if c not in exact]
         raise ValueError("no candidate plan: the executor would refuse every one")
+
+
+def _bound_order(c: _Candidate) -> tuple:
+    return c.bound, c.order
 
 
 def _robust_order(c: _Candidate) -> tuple:

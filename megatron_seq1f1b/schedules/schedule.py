@@ -67,7 +67,7 @@ __all__ = [
     "DeadlockError", "format_actions", "format_schedule", "parse_schedule", "schedule_shape",
     "splits_backward",
     "one_forward_one_backward", "forward_units", "backward_units", "warmup_forwards",
-    "build_schedule", "SCHEDULES",
+    "build_schedule", "forward_backward_orders", "SCHEDULES",
 ]
 
 
@@ -129,12 +129,34 @@ def build_schedule(
     for all.
     """
     _check_sizes(num_stages, num_microbatches, num_model_chunks)
-    counts = segment_counts(num_microbatches, num_splits)
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-    if schedule == "zb-h2" and num_model_chunks > 1 and not forward_only:
+    if forward_only:
+        p, m, v = num_stages, num_microbatches, num_model_chunks
+        counts = segment_counts(m, num_splits)
+        forwards = interleaved_orders(p, m, counts, v)[0] if v > 1 else _orders(m, counts)[0]
+        return [list(forwards) for _ in range(p)]
+    orders, cap = forward_backward_orders(num_stages, num_microbatches, num_splits,
+                                          num_model_chunks, schedule)
+    if schedule == "1f1b":
+        return orders
+    cost = segment_cost_fn(costs) if costs is not None else None
+    return build_zero_bubble(orders, [cap] * num_stages, num_model_chunks, cost)
+
+
+def forward_backward_orders(num_stages: int, num_microbatches: int,
+                            num_splits: SegmentCounts, num_model_chunks: int = 1,
+                            schedule: str = "1f1b") -> tuple[Schedule, int]:
+    """Every rank's forwards and backwards in ``schedule``'s order, before any ``W`` is
+    placed (Seq1F1B's schedule itself for ``"1f1b"``), and how many units a zero-bubble
+    variant lets each rank hold (the first stage's most in flight)."""
+    _check_sizes(num_stages, num_microbatches, num_model_chunks)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    if schedule == "zb-h2" and num_model_chunks > 1:
         raise ValueError(ZB_H2_PROBLEM)
     p, m, v = num_stages, num_microbatches, num_model_chunks
+    counts = segment_counts(m, num_splits)
     extra = 1 if schedule == "zb-h2" else 0  # ZB-H2: p-r-1 more forwards ahead on rank r
     if v > 1:
         forwards, backwards = interleaved_orders(p, m, counts, v)
@@ -144,12 +166,6 @@ def build_schedule(
         needs = forward_needs(forwards, backwards)
         before = [forwards_before(needs, (p - rank - 1) * (1 + extra), len(forwards))
                   for rank in range(p)]
-    if forward_only:
-        return [list(forwards) for _ in range(p)]
     orders = [interleave(forwards, backwards, rank_before) for rank_before in before]
-    if schedule == "1f1b":
-        return orders
     # Every rank may hold as many units as the first stage (zero_bubble's docstring).
-    cap = peak_in_flight(before[0])
-    cost = segment_cost_fn(costs) if costs is not None else None
-    return build_zero_bubble(orders, [cap] * p, v, cost)
+    return orders, peak_in_flight(before[0])

@@ -41,6 +41,7 @@ one executor. Pure Python; no torch.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from typing import Callable, Sequence, Union
 
@@ -129,6 +130,39 @@ class _Rank:
             self.pending.append(Action(WEIGHT, *action[1:]))
 
 
+Producer = Union[tuple[Action, int], None]  # (action, rank) whose result an action needs
+
+
+def _producers(orders: Sequence[Sequence[Action]], num_model_chunks: int) -> list[list[Producer]]:
+    """For every action of every rank's order, the action (and its rank) whose result it
+    needs: a forward the previous stage's forward, a backward the next stage's backward, the
+    last stage's backward its micro-batch's last forward (the loss); None for the pipeline's
+    first input."""
+    p = len(orders)
+    last_stage = p * num_model_chunks - 1
+    last_segment: dict[int, int] = {}  # per micro-batch
+    for action in orders[0]:
+        if action.kind == FORWARD:
+            last_segment[action.microbatch] = max(action.segment,
+                                                  last_segment.get(action.microbatch, 0))
+    producers: list[list[Producer]] = []
+    for rank, order in enumerate(orders):
+        row: list[Producer] = []
+        for kind, microbatch, segment, chunk in order:
+            stage = chunk * p + rank
+            if kind == FORWARD:
+                src = stage - 1
+                row.append(None if stage == 0
+                           else (Action(kind, microbatch, segment, src // p), src % p))
+            elif stage == last_stage:
+                row.append((Action(FORWARD, microbatch, last_segment[microbatch], chunk), rank))
+            else:
+                dst = stage + 1
+                row.append((Action(kind, microbatch, segment, dst // p), dst % p))
+        producers.append(row)
+    return producers
+
+
 def build_zero_bubble(
     orders: Sequence[Sequence[Action]],
     caps: Sequence[int],
@@ -140,49 +174,33 @@ def build_zero_bubble(
     ``orders[r]``: rank ``r``'s forwards and backwards in Seq1F1B's order (the variant's
     warm-up); ``caps[r]``: most units in flight there. Raises :class:`DeadlockError`
     if a rank can never proceed.
+
+    The clock advances event by event: the earliest next action of any rank runs (ties to
+    the lower rank). A rank's next action depends only on its own state and on its
+    neighbours' (its inputs come from the stages before and after it), so each rank's next
+    event is kept in a heap and recomputed only when it or a neighbour acted: the cost
+    grows with the number of actions, not with actions times ranks.
     """
     cost = cost or unit_cost
     p = len(orders)
-    last_stage = p * num_model_chunks - 1
-    last_segment: dict[int, int] = {}  # per micro-batch
-    for action in orders[0]:
-        if action.kind == FORWARD:
-            last_segment[action.microbatch] = max(action.segment,
-                                                  last_segment.get(action.microbatch, 0))
+    producers = _producers(orders, num_model_chunks)
     ranks = [_Rank(order, cap) for order, cap in zip(orders, caps)]
     done: dict[tuple[Action, int], float] = {}  # (action, rank) -> end time
 
-    def producer(action: Action, rank: int) -> tuple[Action, int] | None:
-        """The action whose result `action` needs (None: the pipeline's first input)."""
-        stage = action.chunk * p + rank
-        if action.kind == FORWARD:
-            if stage == 0:
-                return None
-            src = stage - 1
-            return action._replace(chunk=src // p), src % p
-        if stage == last_stage:  # the loss needs the micro-batch's last segment forwarded
-            return (Action(FORWARD, action.microbatch, last_segment[action.microbatch],
-                           action.chunk), rank)
-        dst = stage + 1
-        return action._replace(chunk=dst // p), dst % p
-
-    def arrival(action: Action, rank: int) -> tuple[float | None, float]:
-        """(when `action`'s input exists or None if not scheduled yet, earliest it can)."""
-        source = producer(action, rank)
-        if source is None:
-            return 0.0, 0.0
-        if source in done:
-            return done[source], done[source]
-        src_action, src_rank = source
-        return None, ranks[src_rank].free_at + cost(src_action, src_rank)
-
-    def next_event(state: _Rank, rank: int) -> tuple[float, Action] | None:
+    def next_event(rank: int) -> tuple[float, Action] | None:
+        state = ranks[rank]
         now = state.free_at
         weight = state.pending[0] if state.pending else None
         if state.position == len(state.order):
             return (now, weight) if weight else None
         action = state.order[state.position]
-        ready, earliest = arrival(action, rank)
+        source = producers[rank][state.position]
+        if source is None:
+            ready = earliest = 0.0
+        elif source in done:
+            ready = earliest = done[source]
+        else:  # not scheduled yet: the earliest its producer could end
+            ready, earliest = None, ranks[source[1]].free_at + cost(*source)
         full = action.kind == FORWARD and state.forwarded - state.weighted >= state.cap
         if ready is not None and ready <= now and not full:
             return now, action
@@ -194,17 +212,31 @@ def build_zero_bubble(
             return None
         return ready, action
 
-    while not all(state.finished for state in ranks):
-        events = [(event, r) for r, state in enumerate(ranks) if not state.finished
-                  for event in [next_event(state, r)] if event is not None]
-        if not events:
-            stuck = "; ".join(
-                f"rank {r} before {s.order[s.position] if s.position < len(s.order) else 'W'}"
-                for r, s in enumerate(ranks) if not s.finished)
-            raise DeadlockError(f"zero-bubble schedule cannot proceed: {stuck}")
-        (start, action), r = min(events, key=lambda item: (item[0][0], item[1]))
+    # (start, rank, version, action): the earliest first; a rank's newest version is its
+    # next event (the versions of a rank differ, so actions are never compared)
+    events: list[tuple[float, int, int, Action]] = []
+    version = [0] * p
+
+    def refresh(rank: int) -> None:
+        version[rank] += 1
+        event = next_event(rank)
+        if event is not None:
+            heapq.heappush(events, (event[0], rank, version[rank], event[1]))
+
+    for r in range(p):
+        refresh(r)
+    while events:
+        start, r, seen, action = heapq.heappop(events)
+        if seen != version[r]:
+            continue  # superseded by a newer event of the rank
         done[(action, r)] = ranks[r].free_at = start + cost(action, r)
         ranks[r].record(action)
+        for neighbour in {r, (r - 1) % p, (r + 1) % p}:
+            refresh(neighbour)
+    stuck = [f"rank {r} before {s.order[s.position] if s.position < len(s.order) else 'W'}"
+             for r, s in enumerate(ranks) if not s.finished]
+    if stuck:
+        raise DeadlockError(f"zero-bubble schedule cannot proceed: {'; '.join(stuck)}")
     return [state.actions for state in ranks]
 
 
