@@ -331,11 +331,13 @@ def test_lower_bounds_hold_and_the_orders_bound_is_tighter(p, m, k, v, name):
     """The search skips a candidate whose bound loses, so no bound may exceed the time it
     predicts (every transport's timing, messages free or not); the orders' bound sees the
     stalls of uneven segments (a uniform cut of attention-heavy work) that the first one
-    misses."""
+    misses, and with zero bubble's cap the forwards that wait for a W."""
     from megatron_seq1f1b.planner.costs import (
         Calibration, action_cost_table, placement_costs,
     )
+    from megatron_seq1f1b.planner.order_bound import order_lower_bound
     from megatron_seq1f1b.schedules.partition import CostModel, split_sequence
+    from megatron_seq1f1b.schedules.schedule import forward_backward_orders
 
     calibration = Calibration.from_cost_model(CostModel(1.0, 0.002), p * v)
     lengths = tuple(split_sequence(2048, k, "uniform"))
@@ -343,9 +345,11 @@ def test_lower_bounds_hold_and_the_orders_bound_is_tighter(p, m, k, v, name):
     table = action_cost_table(calibration, lengths, p, v, zero_bubble)
     costs = placement_costs(calibration, lengths, p * v) if zero_bubble else None
     first = cand.time_lower_bound(table, p, m, zero_bubble)
-    orders = cand.schedule_orders(p, m, k, v, name)
-    sharp = cand.order_lower_bound(orders, table, p)
-    assert sharp >= first * (1 - 1e-12)
+    orders, cap = forward_backward_orders(p, m, k, v, name)
+    sharp = cand.order_graph(p, m, k, v, name).bound(table)
+    uncapped = order_lower_bound(orders, table, p)
+    assert sharp == order_lower_bound(orders, table, p, cap if zero_bubble else None)
+    assert sharp >= uncapped >= first * (1 - 1e-12)
     for timing in TIMINGS:
         for latency in (0.0, 30.0):
             time = cand.predict_time(p, m, k, v, name, costs, cand.table_cost(table, p),
@@ -353,6 +357,8 @@ def test_lower_bounds_hold_and_the_orders_bound_is_tighter(p, m, k, v, name):
             assert time is not None and sharp <= time * (1 + 1e-12), (timing, latency)
     if v == 1 and k > 1:
         assert sharp > 1.02 * first
+    if name == "zb-h1" and (p, k) in ((2, 3), (4, 4)):  # the cap: a forward waits for a W
+        assert sharp > 1.01 * uncapped
 
 
 def test_planner_shortcut_is_used_and_its_cost_does_not_grow_with_m(monkeypatch):

@@ -20,9 +20,8 @@ their configuration (the sizes, the schedule and its placement costs): a search 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
 
-from megatron_seq1f1b.schedules.actions import FORWARD
+from megatron_seq1f1b.planner.order_bound import OrderGraph
 from megatron_seq1f1b.schedules.replay import ScheduleError, replay
 from megatron_seq1f1b.schedules.schedule import (
     Action, Schedule, build_schedule, forward_backward_orders,
@@ -31,8 +30,8 @@ from megatron_seq1f1b.schedules.steady import (
     Periodic, executor_plan, periodic_actions, steady_makespan, whole_plan,
 )
 
-__all__ = ["CostTable", "time_lower_bound", "order_lower_bound", "busy_time", "memory_schedule",
-           "predict_time", "schedule_orders", "clear_caches"]
+__all__ = ["CostTable", "time_lower_bound", "busy_time", "memory_schedule",
+           "predict_time", "order_graph", "clear_caches"]
 
 #: ``{(virtual stage, segment): {"F": .., "B": .., "W": ..}}`` (:func:`~.costs.action_cost_table`)
 CostTable = dict
@@ -65,57 +64,6 @@ def time_lower_bound(table: CostTable, num_stages: int, num_microbatches: int,
     return bound
 
 
-def order_lower_bound(orders: Sequence[Sequence[Action]], table: CostTable,
-                      num_stages: int) -> float:
-    """A tighter bound than :func:`time_lower_bound`, from every rank's order of forwards
-    and backwards (``W`` not placed yet): no schedule keeping these orders ends sooner.
-
-    Each forward and backward starts no earlier than in the orders replayed as pure dataflow
-    (messages free, every ``W`` left out: adding work and waits only delays), and after its
-    ``i``-th action a rank still runs the rest of its order and the ``W`` of every backward
-    in it. The latest such end over ranks and ``i`` is the bound (``i = 0`` is
-    :func:`time_lower_bound`'s without the tail). It sees the stalls that uneven segment
-    costs cause in a 1F1B order, which zero bubble's ``W`` fills only in part. One pass
-    over the actions."""
-    p = num_stages
-    last_stage = p * (1 + max(a.chunk for order in orders for a in order)) - 1
-    end: dict[tuple, float] = {}  # (kind, micro-batch, segment, virtual stage) -> end time
-    starts: list[list[float]] = [[] for _ in orders]
-    clocks = [0.0] * p
-    left = sum(len(order) for order in orders)
-    while left:
-        before = left
-        for r, order in enumerate(orders):  # each rank as far as its inputs allow
-            begun, clock = starts[r], clocks[r]
-            for i in range(len(begun), len(order)):
-                kind, mb, segment, chunk = order[i]
-                stage = chunk * p + r
-                source = ((kind, mb, segment, stage - 1) if kind == FORWARD and stage
-                          else (kind, mb, segment, stage + 1) if kind != FORWARD
-                          and stage < last_stage else None)
-                if source is not None:
-                    if source not in end:
-                        break
-                    clock = max(clock, end[source])
-                begun.append(clock)
-                clock += table[stage, segment][kind]
-                end[kind, mb, segment, stage] = clock
-                left -= 1
-            clocks[r] = clock
-        if left == before:
-            raise ValueError("the orders cannot proceed (a rank waits for an input that "
-                             "never comes)")
-    bound = 0.0
-    for r, order in enumerate(orders):
-        rest = 0.0  # the rank's work from action i on, with the W of its backwards
-        for i in range(len(order) - 1, -1, -1):
-            kind, _, segment, chunk = order[i]
-            cost = table[chunk * p + r, segment]
-            rest += cost[kind] + (cost["W"] if kind != FORWARD else 0.0)
-            bound = max(bound, starts[r][i] + rest)
-    return bound
-
-
 # ------------------------------------------------------------------ schedules, cached
 
 
@@ -131,10 +79,11 @@ def full_steps(p: int, m: int, k: int, v: int, name: str, costs: Costs) -> list:
 
 
 @functools.lru_cache(maxsize=8)
-def schedule_orders(p: int, m: int, k: int, v: int, name: str) -> Schedule:
-    """Every rank's forwards and backwards in ``name``'s order (no ``W`` placed): what
-    :func:`order_lower_bound` reads, the same for every partition of a ``k``."""
-    return forward_backward_orders(p, m, k, v, name)[0]
+def order_graph(p: int, m: int, k: int, v: int, name: str) -> OrderGraph:
+    """The dataflow of ``name``'s forward/backward orders (with zero bubble's cap): what
+    the orders' bound reads, the same for every partition of a ``k``."""
+    orders, cap = forward_backward_orders(p, m, k, v, name)
+    return OrderGraph(orders, p, cap if name != "1f1b" else None)
 
 
 def periodic_schedule_steps(p: int, m: int, k: int, v: int, name: str,
@@ -174,6 +123,12 @@ def memory_schedule(p: int, m: int, k: int, v: int, name: str, costs: Costs) -> 
         periodic = _periodic_schedule_steps(p, m, k, v, name, costs)
         if isinstance(periodic, Periodic):
             return [[a for step in rank for a in step.actions] for rank in periodic.items(1)]
+        if periodic is None:  # built whole, as its timing builds it: not twice
+            try:
+                return [[a for step in rank for a in step.actions]
+                        for rank in full_steps(p, m, k, v, name, costs)]
+            except ScheduleError:
+                pass
     return full_schedule(p, m, k, v, name, costs)
 
 
@@ -192,7 +147,7 @@ def predict_time(p: int, m: int, k: int, v: int, name: str, costs: Costs,
         return None
 
 
-_CACHES = (schedule_orders, full_schedule, full_steps, _periodic_schedule_steps,
+_CACHES = (order_graph, full_schedule, full_steps, _periodic_schedule_steps,
            _periodic_actions, memory_schedule, executor_plan)
 
 

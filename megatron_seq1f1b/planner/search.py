@@ -35,8 +35,7 @@ from typing import Sequence
 
 from megatron_seq1f1b.base.checks import segment_multiple
 from megatron_seq1f1b.planner.candidates import (
-    busy_time, memory_schedule, order_lower_bound, predict_time, schedule_orders, table_cost,
-    time_lower_bound,
+    busy_time, memory_schedule, order_graph, predict_time, table_cost, time_lower_bound,
 )
 from megatron_seq1f1b.planner.choice import (
     PREFERRED_PARTITIONS, Plan, PlanChoice, BudgetError, _memory_key, _pick, _q, _rank_key,
@@ -83,8 +82,9 @@ def predict(schedule: Schedule, num_model_chunks: int, cost: CostFn,
 
 MAX_SPLITS = 16  # the most segments a plan tries (and the start-up measurement times)
 #: Candidates with more forwards and backwards than this (over all ranks) keep their first
-#: bound: their orders' (:func:`order_lower_bound`) costs about 3 us per action here, and
-#: such long runs have little bubble for it to see.
+#: bound: their orders' (:mod:`~megatron_seq1f1b.planner.order_bound`) costs 1-2 us per
+#: action here (its dataflow compiled once per k and schedule), and such long runs have
+#: little bubble for it to see.
 ORDER_BOUND_ACTIONS = 100_000
 
 
@@ -106,7 +106,7 @@ class _Candidate:
     costs: tuple | None  # zero bubble: placement costs
     table: dict
     bound: float  # no prediction of it can be faster
-    sharpened: bool = False  # bound raised to its orders' (:func:`order_lower_bound`)
+    sharpened: bool = False  # bound raised to its orders' (planner.order_bound)
     memory: tuple | None = None  # (activations in micro-batches, bytes, stages), exact
     floor: tuple | None = None  # the same, a lower bound (zero bubble: 1F1B's)
     plan: Plan | None = None
@@ -344,8 +344,7 @@ class _Search:
         k = len(c.lengths)
         if 2 * self.p * self.m * k * self.v > ORDER_BOUND_ACTIONS:
             return False
-        bound = order_lower_bound(schedule_orders(self.p, self.m, k, self.v, c.schedule),
-                                  c.table, self.p)
+        bound = order_graph(self.p, self.m, k, self.v, c.schedule).bound(c.table)
         if bound <= c.bound:
             return False
         c.bound = bound
