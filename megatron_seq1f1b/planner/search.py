@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_seq1f1b.base.checks import segment_multiple
@@ -111,6 +111,10 @@ class _Candidate:
     floor: tuple | None = None  # the same, a lower bound (zero bubble: 1F1B's)
     plan: Plan | None = None
     refused: bool = False
+    first_bound: float = field(init=False)  # the bound it was made with: ranks alike
+
+    def __post_init__(self):
+        self.first_bound = self.bound
 
     @property
     def zero_bubble(self) -> bool:
@@ -443,8 +447,11 @@ class _Search:
                              and d.bound < threshold * (1 + 1e-9)]
                     if not below:
                         break
+                    # the likeliest to be faster first: 1F1B's, then by the first bound,
+                    # which ranks alike what the sharpened one ranks unlike (a loose
+                    # zero-bubble bound would go before a tight, faster one)
                     cheap = [d for d in below if not d.zero_bubble]
-                    d = (cheap or below)[0]
+                    d = min(cheap or below, key=lambda d: (d.first_bound, d.order))
                     if fits(d) and self.sharpen(d):
                         resort(d)
                         continue  # its bound rose: is it still below?
