@@ -323,6 +323,17 @@ def test_operator_profile_side_by_side():
     assert lines[4] == "| **all operators** | 5 | 11.0 | 33 | 19.0 |"
 
 
+@pytest.mark.parametrize("flag", [["--schedules", "1f1b"], ["--sweep-splits", "2"],
+                                  ["--confirm-rounds", "2"], ["--memory-budget", "2"]])
+def test_variable_lengths_refuses_the_flags_it_would_ignore(flag, capsys):
+    from megatron_seq1f1b.bench.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--attention-backend", "flash", "--variable-lengths", "lognormal", *flag])
+    assert f"{flag[0] if flag[0] != '--memory-budget' else '--memory-budget-microbatches'} "\
+        "would be ignored" in capsys.readouterr().err
+
+
 def test_benchmark_variable_lengths(tmp_path):
     """--variable-lengths: Megatron's 1F1B as the micro-batches come and regrouped to equal
     tokens, Seq1F1B with a fixed k and a token budget, on the same sequences; every row the
@@ -334,11 +345,14 @@ def test_benchmark_variable_lengths(tmp_path):
                          "--variable-lengths", "lognormal", "--length-min", "16",
                          "--length-max", "96", "--length-mu", "3.5", "--segment-tokens", "16",
                          "--iters", "2", "--warmup", "1", "--timeline-runs", "1",
-                         "--calib-reps", "1", "--calib-mode", "concurrent", "--out", str(out))
+                         "--calib-reps", "1", "--calib-mode", "concurrent", "--count-saved",
+                         "--out", str(out))
     assert "OK" in done.stdout, done.stdout[-3000:]
     result = json.loads((out / "results.json").read_text())
     rows = {row["key"]: row for row in result["schedules"]}
     assert set(rows) == {"1f1b", "1f1b-regrouped", "seq1f1b-k2", "seq1f1b-16tok"}
+    assert all(len(row["saved_bytes_per_stage"]) == 2 and min(row["saved_bytes_per_stage"]) > 0
+               for row in rows.values())  # --count-saved: what autograd kept, per stage
     meta = result["meta"]
     assert sum(meta["microbatch_tokens"]) == sum(meta["regrouped_tokens"]) == \
         meta["tokens_per_iteration"] == sum(meta["sequence_lengths"])

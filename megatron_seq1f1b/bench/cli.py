@@ -210,6 +210,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "--document-length")
         if args.length_min > args.length_max:
             p.error(f"--length-min {args.length_min} exceeds --length-max {args.length_max}")
+        ignored = [flag for flag, value in (
+            ("--schedules", args.schedules), ("--sweep-splits", args.sweep_splits),
+            ("--confirm-rounds", args.confirm_rounds),
+            ("--memory-budget-microbatches", args.memory_budget_microbatches))
+            if value is not None]
+        if ignored:
+            p.error(f"--variable-lengths runs its own rows (Megatron as they come and regrouped, "
+                    f"Seq1F1B with --splits and each --segment-tokens): {', '.join(ignored)} "
+                    "would be ignored")
         return args
     if args.schedules is None:
         args.schedules = [s for s in ALL_SCHEDULES
