@@ -15,8 +15,10 @@ The search costs the same for any number of micro-batches: a candidate is replay
 a few copies of its steady state (:mod:`megatron_seq1f1b.schedules.steady`), its memory
 counted on one; and it times only what its answer needs (:mod:`~.candidates` gives every
 candidate a lower bound on its time, from its busiest rank's work and the pipeline's fill
-and drain). Candidates over the memory budget are not timed (unless they might be faster
-than the chosen plan: the reason names the fastest of them). Without a tie tolerance the
+and drain; before timing one, the search raises it to the bound of the candidate's orders,
+:mod:`~megatron_seq1f1b.planner.order_bound`, and skips it where that already loses).
+Candidates over the memory budget are not timed (unless they might be faster than the chosen
+plan: the reason names the fastest of them). Without a tie tolerance the
 fastest is the choice: candidates are timed least bound first until no bound can beat it.
 With one, they are visited in the tie rule's order (1F1B first, then the partition, then
 fewer splits): a plan is chosen once no other plan can be faster than its time over
