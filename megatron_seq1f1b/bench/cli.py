@@ -42,9 +42,7 @@ from megatron_seq1f1b.bench.predict import (
     backend_is_dense, calibrated_predictions, shared_cores_per_pipeline,
 )
 from megatron_seq1f1b.bench.ranks import rank0, say
-from megatron_seq1f1b.bench.runner import (
-    confirm_rounds, count_saved_runs, measure_rounds, op_profile_runs, profile_runs,
-)
+from megatron_seq1f1b.bench.runner import confirm_rounds, diagnostic_runs, measure_rounds
 from megatron_seq1f1b.bench.summary import auto_vs_sweep, reference_key, summarize
 from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm.arguments import AUTO, splits_value
@@ -404,12 +402,7 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         times = confirm_rounds(auto_row, ([twin] if twin else []) + rivals, race,
                                batches, args, forward_step, memory, tokens_per_iter)
         confirmed = confirmation(times, race)
-    if args.count_saved:
-        count_saved_runs(schedules, batches, args, forward_step, memory)
-    if args.profile:
-        profile_runs(schedules, batches, args, forward_step, memory, out)
-    if args.profile_ops:
-        op_profile_runs(schedules, batches, args, forward_step, memory, out)
+    diagnostic_runs(schedules, batches, args, forward_step, memory, out)
     if not args.no_timelines:
         measured = record_timelines(schedules, batches, args, forward_step, memory)
         if rank0():

@@ -210,6 +210,18 @@ def count_saved_runs(schedules: list[BenchSchedule], batches: list, args: argpar
             + " ".join(fmt_mib(x) for x in s.saved_peaks))
 
 
+def diagnostic_runs(schedules: list[BenchSchedule], batches: list, args: argparse.Namespace,
+                    forward_step: Callable, memory: PeakMemory, out: Path) -> None:
+    """The untimed extra runs the flags ask for: ``--count-saved``, ``--profile``,
+    ``--profile-ops`` (every benchmark mode runs them after its timed rounds)."""
+    if args.count_saved:
+        count_saved_runs(schedules, batches, args, forward_step, memory)
+    if args.profile:
+        profile_runs(schedules, batches, args, forward_step, memory, out)
+    if args.profile_ops:
+        op_profile_runs(schedules, batches, args, forward_step, memory, out)
+
+
 def confirm_rounds(auto: BenchSchedule, rivals: list[BenchSchedule], race: Race,
                    batches: list, args: argparse.Namespace, forward_step: Callable,
                    memory: PeakMemory, tokens_per_iter: int) -> dict[str, list[float]]:

@@ -113,9 +113,7 @@ def main(args: argparse.Namespace, *, model_provider: Callable, forward_step: Ca
 
     from megatron_seq1f1b.base.compat import megatron_core_version
     from megatron_seq1f1b.bench.layouts import build_layouts, trainer_argv
-    from megatron_seq1f1b.bench.runner import (
-        count_saved_runs, measure_rounds, op_profile_runs, profile_runs,
-    )
+    from megatron_seq1f1b.bench.runner import diagnostic_runs, measure_rounds
     from megatron_seq1f1b.bench.summary import summarize
     from megatron_seq1f1b.bench.timelines import record_timelines
     from megatron_seq1f1b.planner.peak_memory import PeakMemory
@@ -183,12 +181,7 @@ def main(args: argparse.Namespace, *, model_provider: Callable, forward_step: Ca
         + "; regrouped: " + str([sum(r) for r in rows_of(regrouped)]))
     if not measure_rounds(schedules, batches, args, forward_step, memory, tokens_per_iter):
         return 2
-    if args.count_saved:
-        count_saved_runs(schedules, batches, args, forward_step, memory)
-    if args.profile:
-        profile_runs(schedules, batches, args, forward_step, memory, out)
-    if args.profile_ops:
-        op_profile_runs(schedules, batches, args, forward_step, memory, out)
+    diagnostic_runs(schedules, batches, args, forward_step, memory, out)
     if not args.no_timelines:
         record_timelines(schedules, batches, args, forward_step, memory)
     rows = summarize(schedules, tokens_per_iter, args.attention_backend)
