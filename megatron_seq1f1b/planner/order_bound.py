@@ -50,9 +50,11 @@ class OrderGraph:
                 ids[kind, mb, segment, stage] = len(self.keys)
                 self.keys.append(((stage, segment), kind))
             self.rank_ids.append(range(first, len(self.keys)))
-        # (action, previous on its rank, source, backward whose W it waits for); -1: none
-        edges: list[tuple[int, int, int, int]] = []
+        # per rank: (action, previous on its rank, source, backward whose W it waits for);
+        # -1: none
+        edges: list[list[tuple[int, int, int, int]]] = []
         for r, order in enumerate(orders):
+            rank_edges: list[tuple[int, int, int, int]] = []
             backwards: list[int] = []
             forwards = 0
             for i, ((kind, mb, segment, chunk), me) in enumerate(zip(order, self.rank_ids[r])):
@@ -66,14 +68,14 @@ class OrderGraph:
                     source = ids[kind, mb, segment, stage + 1] if stage < last_stage else -1
                     held = -1
                     backwards.append(me)
-                edges.append((me, me - 1 if i else -1, source, held))
+                rank_edges.append((me, me - 1 if i else -1, source, held))
+            edges.append(rank_edges)
         self.flow = _dataflow_order(edges, len(self.keys))
 
     def bound(self, table: CostTable) -> float:
         """No schedule keeping these orders ends sooner than this, with ``table``'s costs."""
-        costs = {key: table[key] for key, _ in dict.fromkeys(self.keys)}
-        cost = [costs[key][kind] for key, kind in self.keys]
-        weight = [costs[key]["W"] if kind != FORWARD else 0.0 for key, kind in self.keys]
+        cost = [table[key][kind] for key, kind in self.keys]
+        weight = [table[key]["W"] if kind != FORWARD else 0.0 for key, kind in self.keys]
         start = [0.0] * len(cost)
         end = [0.0] * len(cost)
         for me, previous, source, held in self.flow:
@@ -94,15 +96,10 @@ class OrderGraph:
         return bound
 
 
-def _dataflow_order(edges: list[tuple[int, int, int, int]], count: int) -> list:
-    """The edges reordered so that each action comes after its three dependencies (ranks
-    advanced in turn as far as their inputs allow); ValueError where none can."""
+def _dataflow_order(by_rank: list[list[tuple[int, int, int, int]]], count: int) -> list:
+    """Every rank's edges in one list where each action comes after its three dependencies
+    (ranks advanced in turn as far as their inputs allow); ValueError where none can."""
     ready = [False] * count
-    by_rank: list[list] = []
-    for edge in edges:
-        if edge[1] < 0:
-            by_rank.append([])
-        by_rank[-1].append(edge)
     position = [0] * len(by_rank)
     flow: list = []
     while len(flow) < count:
