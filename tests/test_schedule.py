@@ -128,3 +128,27 @@ def test_link_order_check_catches_reordered_receives():
 def test_build_rejects_bad_sizes(bad):
     with pytest.raises(ValueError, match="positive integer"):
         build_schedule(*bad)
+
+
+@pytest.mark.parametrize("p,m,k,v,name", [(4, 6, 3, 1, "zb-h2"), (3, 6, 2, 2, "1f1b"),
+                                          (2, 4, 2, 2, "zb-h1"), (1, 2, 3, 1, "1f1b")])
+def test_every_step_receives_and_sends_what_its_actions_need_and_make(p, m, k, v, name):
+    """The plan derives its messages inline (its hot spot); they must be the ones
+    input_message and output_message name, each sent in the step after its producer's and
+    received no later than its consumer's."""
+    from megatron_seq1f1b.schedules.plan import Topology, input_message, output_message
+
+    schedule = build_schedule(p, m, k, v, schedule=name)
+    topo = Topology(p, v)
+    steps = plan_steps(schedule, v)
+    for rank, rank_steps in enumerate(steps):
+        received, previous_outputs = set(), ()
+        for step in rank_steps:
+            assert step.sends == previous_outputs
+            received.update(step.recvs)
+            assert {input_message(a, rank, topo) for a in step.actions} - {None} <= received
+            previous_outputs = tuple(o for o in (output_message(a, rank, topo)
+                                                 for a in step.actions) if o)
+        assert [a for step in rank_steps for a in step.actions] == schedule[rank]
+        assert received == {msg for a in schedule[rank]
+                            for msg in [input_message(a, rank, topo)] if msg}

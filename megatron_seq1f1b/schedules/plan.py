@@ -23,9 +23,11 @@ receive, as with NCCL), so a plan that validates cannot deadlock on GPUs.
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
+from megatron_seq1f1b.schedules.actions import BACKWARD, FORWARD
 from megatron_seq1f1b.schedules.order import counts_of
 from megatron_seq1f1b.schedules.schedule import Action, DeadlockError, schedule_shape, splits_backward
 
@@ -150,11 +152,37 @@ def _split_unit_cost(action: Action) -> float:
 
 
 def _slot_messages(slots, topo):
-    """Inputs and outputs of every slot, computed once."""
-    inputs = [[[m for m in (input_message(a, r, topo) for a in slot) if m] for slot in rank]
-              for r, rank in enumerate(slots)]
-    outputs = [[[m for m in (output_message(a, r, topo) for a in slot) if m] for slot in rank]
-               for r, rank in enumerate(slots)]
+    """Inputs and outputs of every slot, computed once (what :func:`input_message` and
+    :func:`output_message` give, inlined: this is the plan's hot spot)."""
+    num_stages, last = topo.num_stages, topo.last_virtual_stage
+    new = tuple.__new__
+    inputs, outputs = [], []
+    for rank, rank_slots in enumerate(slots):
+        rank_inputs, rank_outputs = [], []
+        for slot in rank_slots:
+            needed, made = [], []
+            for kind, microbatch, segment, chunk in slot:
+                stage = chunk * num_stages + rank
+                if kind == FORWARD:
+                    if stage:
+                        needed.append(new(Message, (ACTIVATION, microbatch, segment, chunk,
+                                                    (stage - 1) % num_stages, rank)))
+                    if stage < last:
+                        made.append(new(Message, (ACTIVATION, microbatch, segment,
+                                                  (stage + 1) // num_stages, rank,
+                                                  (stage + 1) % num_stages)))
+                elif kind == BACKWARD:
+                    if stage < last:
+                        needed.append(new(Message, (GRADIENT, microbatch, segment, chunk,
+                                                    (stage + 1) % num_stages, rank)))
+                    if stage:
+                        made.append(new(Message, (GRADIENT, microbatch, segment,
+                                                  (stage - 1) // num_stages, rank,
+                                                  (stage - 1) % num_stages)))
+            rank_inputs.append(needed)
+            rank_outputs.append(made)
+        inputs.append(rank_inputs)
+        outputs.append(rank_outputs)
     return inputs, outputs
 
 
@@ -171,27 +199,38 @@ def dataflow_timing(
     inputs, outputs = messages if messages is not None else _slot_messages(slots, topo)
     produced: dict[Message, float] = {}
     starts: list[list[float]] = [[] for _ in slots]
+    durations = [[cost(slot[0]) if len(slot) == 1 else sum(cost(a) for a in slot)
+                  for slot in rank_slots] for rank_slots in slots]
     clock = [0.0] * len(slots)
     position = [0] * len(slots)
     remaining = sum(len(s) for s in slots)
     while remaining:
         progressed = False
         for rank, rank_slots in enumerate(slots):
-            t = position[rank]
-            while t < len(rank_slots):
-                needed = inputs[rank][t]
-                if any(m not in produced for m in needed):
-                    break
-                start = max([clock[rank]] + [produced[m] for m in needed])
-                end = start + sum(cost(a) for a in rank_slots[t])
-                for out in outputs[rank][t]:
-                    produced[out] = end
-                starts[rank].append(start)
-                clock[rank] = end
-                t += 1
-                remaining -= 1
+            t, n = position[rank], len(rank_slots)
+            rank_inputs, rank_outputs = inputs[rank], outputs[rank]
+            rank_durations, rank_starts = durations[rank], starts[rank]
+            now = clock[rank]
+            while t < n:
+                start = now
+                for message in rank_inputs[t]:
+                    sent = produced.get(message)
+                    if sent is None:
+                        break
+                    if sent > start:
+                        start = sent
+                else:
+                    now = start + rank_durations[t]
+                    for message in rank_outputs[t]:
+                        produced[message] = now
+                    rank_starts.append(start)
+                    t += 1
+                    continue
+                break
+            if t != position[rank]:
+                remaining -= t - position[rank]
                 progressed = True
-            position[rank] = t
+                position[rank], clock[rank] = t, now
         if not progressed:
             raise DeadlockError(_stuck_report(slots, position, produced, topo))
     return starts, produced
@@ -218,17 +257,26 @@ def plan_slots(slots: Sequence[Sequence[Slot]], topo: Topology,
     starts, produced = dataflow_timing(slots, topo, cost, (inputs, outputs))
     consumer: dict[Message, int] = {msg: t for rank in inputs
                                     for t, needed in enumerate(rank) for msg in needed}
-    recvs: list[list[list[Message]]] = [[[] for _ in s] for s in slots]
+    recvs: list[dict[int, list[Message]]] = [{} for _ in slots]  # per rank: step -> receives
     # In send-time order, so every link's receives stay in its sends' order.
     for msg, sent_at in _keyed(produced):
-        step = min(bisect.bisect_left(starts[msg.dst], sent_at), consumer[msg])
-        recvs[msg.dst][step].append(msg)
+        dst = msg[5]
+        step = bisect.bisect_left(starts[dst], sent_at)
+        last = consumer[msg]
+        if last < step:
+            step = last
+        at = recvs[dst].get(step)
+        if at is None:
+            recvs[dst][step] = [msg]
+        else:
+            at.append(msg)
     steps = []
     for rank, rank_slots in enumerate(slots):
         rank_steps, pending = [], ()
+        rank_recvs, rank_outputs = recvs[rank], outputs[rank]
         for t, slot in enumerate(rank_slots):
-            rank_steps.append(Step(pending, tuple(recvs[rank][t]), slot))
-            pending = tuple(outputs[rank][t])
+            rank_steps.append(Step(pending, tuple(rank_recvs.get(t, ())), slot))
+            pending = tuple(rank_outputs[t])
         if pending:
             rank_steps.append(Step(pending, (), ()))
         steps.append(rank_steps)
@@ -237,7 +285,10 @@ def plan_slots(slots: Sequence[Sequence[Slot]], topo: Topology,
 
 def _keyed(produced: dict[Message, float]):
     """(message, time) pairs in time order, ties broken the same way in every process."""
-    return sorted(produced.items(), key=lambda item: (item[1], item[0]))
+    return sorted(produced.items(), key=_time_then_message)
+
+
+_time_then_message = operator.itemgetter(1, 0)
 
 
 def plan_steps(
