@@ -103,33 +103,6 @@ def segment_cost_fn(costs: CostTable) -> CostFn:
     return lambda action, rank: costs[action.segment][index[action.kind]]
 
 
-class _Rank:
-    """One rank's progress through its F/B order and its pending weight gradients."""
-
-    def __init__(self, order: Sequence[Action], cap: int):
-        self.order, self.cap = order, cap
-        self.position = self.forwarded = self.weighted = 0
-        self.pending: deque[Action] = deque()
-        self.free_at = 0.0
-        self.actions: list[Action] = []
-
-    @property
-    def finished(self) -> bool:
-        return self.position == len(self.order) and not self.pending
-
-    def record(self, action: Action) -> None:
-        self.actions.append(action)
-        if action.kind == WEIGHT:
-            self.pending.popleft()
-            self.weighted += 1
-            return
-        self.position += 1
-        if action.kind == FORWARD:
-            self.forwarded += 1
-        else:
-            self.pending.append(Action(WEIGHT, *action[1:]))
-
-
 Producer = Union[tuple[Action, int], None]  # (action, rank) whose result an action needs
 
 
@@ -183,31 +156,45 @@ def build_zero_bubble(
     """
     cost = cost or unit_cost
     p = len(orders)
-    producers = _producers(orders, num_model_chunks)
-    ranks = [_Rank(order, cap) for order, cap in zip(orders, caps)]
-    done: dict[tuple[Action, int], float] = {}  # (action, rank) -> end time
+    # Per rank and position in its order: the action's cost, its W's cost (backwards), and
+    # where its input comes from as (rank, position): numbers, not actions, in the loop
+    where = [{action: i for i, action in enumerate(order)} for order in orders]
+    sources = [[None if source is None else (source[1], where[source[1]][source[0]])
+                for source in row] for row in _producers(orders, num_model_chunks)]
+    durations = [[cost(action, r) for action in order] for r, order in enumerate(orders)]
+    weights = [[None if action.kind == FORWARD else Action(WEIGHT, *action[1:])
+                for action in order] for order in orders]
+    weight_costs = [[0.0 if w is None else cost(w, r) for w in row]
+                    for r, row in enumerate(weights)]
+    ends: list[list[float | None]] = [[None] * len(order) for order in orders]
+    position, forwarded, weighted = [0] * p, [0] * p, [0] * p
+    free_at = [0.0] * p
+    pending: list[deque[int]] = [deque() for _ in range(p)]  # positions of backwards owing W
+    actions: list[list[Action]] = [[] for _ in range(p)]
 
     def next_event(rank: int) -> tuple[float, Action] | None:
-        state = ranks[rank]
-        now = state.free_at
-        weight = state.pending[0] if state.pending else None
-        if state.position == len(state.order):
-            return (now, weight) if weight else None
-        action = state.order[state.position]
-        source = producers[rank][state.position]
+        now = free_at[rank]
+        owed = pending[rank]
+        weight = owed[0] if owed else None
+        i, order = position[rank], orders[rank]
+        if i == len(order):
+            return (now, weights[rank][weight]) if weight is not None else None
+        action = order[i]
+        source = sources[rank][i]
         if source is None:
             ready = earliest = 0.0
-        elif source in done:
-            ready = earliest = done[source]
-        else:  # not scheduled yet: the earliest its producer could end
-            ready, earliest = None, ranks[source[1]].free_at + cost(*source)
-        full = action.kind == FORWARD and state.forwarded - state.weighted >= state.cap
+        else:
+            q, j = source
+            ready = ends[q][j]
+            # not scheduled yet: the earliest its producer could end
+            earliest = ready if ready is not None else free_at[q] + durations[q][j]
+        full = action.kind == FORWARD and forwarded[rank] - weighted[rank] >= caps[rank]
         if ready is not None and ready <= now and not full:
             return now, action
         # A W runs when memory demands it or when it surely ends before the input arrives:
         # a W that overlaps the arrival would delay the critical path.
-        if weight and (full or earliest >= now + cost(weight, rank)):
-            return now, weight
+        if weight is not None and (full or earliest >= now + weight_costs[rank][weight]):
+            return now, weights[rank][weight]
         if ready is None or full:
             return None
         return ready, action
@@ -216,6 +203,7 @@ def build_zero_bubble(
     # next event (the versions of a rank differ, so actions are never compared)
     events: list[tuple[float, int, int, Action]] = []
     version = [0] * p
+    neighbours = [tuple(dict.fromkeys((r, (r - 1) % p, (r + 1) % p))) for r in range(p)]
 
     def refresh(rank: int) -> None:
         version[rank] += 1
@@ -229,15 +217,25 @@ def build_zero_bubble(
         start, r, seen, action = heapq.heappop(events)
         if seen != version[r]:
             continue  # superseded by a newer event of the rank
-        done[(action, r)] = ranks[r].free_at = start + cost(action, r)
-        ranks[r].record(action)
-        for neighbour in {r, (r - 1) % p, (r + 1) % p}:
+        actions[r].append(action)
+        if action.kind == WEIGHT:
+            free_at[r] = start + weight_costs[r][pending[r].popleft()]
+            weighted[r] += 1
+        else:
+            i = position[r]
+            ends[r][i] = free_at[r] = start + durations[r][i]
+            position[r] = i + 1
+            if action.kind == FORWARD:
+                forwarded[r] += 1
+            else:
+                pending[r].append(i)
+        for neighbour in neighbours[r]:
             refresh(neighbour)
-    stuck = [f"rank {r} before {s.order[s.position] if s.position < len(s.order) else 'W'}"
-             for r, s in enumerate(ranks) if not s.finished]
+    stuck = [f"rank {r} before {orders[r][position[r]] if position[r] < len(orders[r]) else 'W'}"
+             for r in range(p) if position[r] < len(orders[r]) or pending[r]]
     if stuck:
         raise DeadlockError(f"zero-bubble schedule cannot proceed: {'; '.join(stuck)}")
-    return [state.actions for state in ranks]
+    return actions
 
 
 __all__ = ["VARIANTS", "build_zero_bubble", "unit_cost", "segment_cost_fn", "CostTable"]
