@@ -580,24 +580,26 @@ def _inserted(periodic: Periodic, base, more, copies: int, stride: int, window: 
     for r, (cut, block) in enumerate(zip(periodic.prefix, periodic.blocks)):
         size, n = len(block), len(base.start[r])
         shift = stride * size
-        first_moved = n  # from here on this rank's steps moved (as far as checked)
-        for i in range(n - 1, -1, -1):
-            step = [getattr(more, q)[r][i + shift] - getattr(base, q)[r][i] for q in quantities]
-            if lam is None:
-                lam = more.end[r] - base.end[r]
-            if any(abs(x - lam) > tolerance for x in step):
-                break
-            first_moved = i
+        if lam is None:
+            lam = more.end[r] - base.end[r]
         if abs(more.end[r] - base.end[r] - lam) > tolerance:
             return None
-        first_changed = n
-        for i in range(n):
-            if any(abs(getattr(more, q)[r][i] - getattr(base, q)[r][i]) > tolerance
-                   for q in quantities):
-                first_changed = i
-                break
+        # from first_moved on this rank's steps moved by lam, before first_changed they kept
+        # their times (each quantity scanned only as far as the others left open)
+        last_deviation, first_changed = -1, n
+        for q in quantities:
+            before, after = getattr(base, q)[r], getattr(more, q)[r]
+            for i in range(n - 1, last_deviation, -1):
+                if abs(after[i + shift] - before[i] - lam) > tolerance:
+                    last_deviation = i
+                    break
+            for i in range(first_changed):
+                if abs(after[i] - before[i]) > tolerance:
+                    first_changed = i
+                    break
         if first_changed < cut:
             return None
+        first_moved = last_deviation + 1
         move_from = max(move_from, -(-(first_moved - cut) // size))
         keep_until = min(keep_until, (first_changed - cut) // size)
     return lam if keep_until - move_from >= window else None
