@@ -164,13 +164,13 @@ def test_executor_steps_repeat_and_are_built_on_small_counts(monkeypatch):
     """pipeline_steps gives the executor's plan, builds no count near m, and rank_steps gives
     its rank's part."""
     built = []
-    original = steady.whole_plan
+    original, build = steady.whole_plan, steady.build_schedule
 
     def recording(num_stages, num_microbatches, *rest, **kw):
         built.append(num_microbatches)
-        return original(num_stages, num_microbatches, *rest, **kw)
+        return build(num_stages, num_microbatches, *rest, **kw)
 
-    monkeypatch.setattr(steady, "whole_plan", recording)
+    monkeypatch.setattr(steady, "build_schedule", recording)
     steady.executor_plan.cache_clear()
     for args in [(4, 37, 3, 1, False, "1f1b", None), (4, 38, 3, 2, False, "1f1b", None),
                  (3, 25, 2, 1, False, "zb-h2", UNEVEN[2]), (4, 21, 2, 1, True, "1f1b", None)]:

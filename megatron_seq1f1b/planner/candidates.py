@@ -22,12 +22,12 @@ from __future__ import annotations
 import functools
 
 from megatron_seq1f1b.planner.order_bound import OrderGraph
-from megatron_seq1f1b.schedules.replay import ScheduleError, replay
+from megatron_seq1f1b.schedules.replay import ScheduleError, message_partners, replay_times
 from megatron_seq1f1b.schedules.schedule import (
     Action, Schedule, build_schedule, forward_backward_orders,
 )
 from megatron_seq1f1b.schedules.steady import (
-    Periodic, executor_plan, periodic_actions, steady_makespan, whole_plan,
+    Periodic, check_plan, executor_plan, periodic_actions, steady_makespan, whole_plan,
 )
 
 __all__ = ["CostTable", "time_lower_bound", "busy_time", "memory_schedule",
@@ -73,9 +73,14 @@ def full_schedule(p: int, m: int, k: int, v: int, name: str, costs: Costs) -> Sc
 
 
 @functools.lru_cache(maxsize=8)
-def full_steps(p: int, m: int, k: int, v: int, name: str, costs: Costs) -> list:
-    """The executor's steps built whole (checked as it checks them)."""
-    return whole_plan(p, m, k, v, name, costs)
+def full_steps(p: int, m: int, k: int, v: int, name: str, costs: Costs) -> tuple[list, tuple]:
+    """The executor's steps built whole (checked as it checks them), and their messages'
+    partners (:func:`message_partners`: the check and the timing share them)."""
+    steps = whole_plan(p, m, k, v, name, costs, check=False)
+    partners = message_partners(steps)
+    if costs is not None:
+        check_plan(steps, partners)
+    return steps, partners
 
 
 @functools.lru_cache(maxsize=8)
@@ -126,7 +131,7 @@ def memory_schedule(p: int, m: int, k: int, v: int, name: str, costs: Costs) -> 
         if periodic is None:  # built whole, as its timing builds it: not twice
             try:
                 return [[a for step in rank for a in step.actions]
-                        for rank in full_steps(p, m, k, v, name, costs)]
+                        for rank in full_steps(p, m, k, v, name, costs)[0]]
             except ScheduleError:
                 pass
     return full_schedule(p, m, k, v, name, costs)
@@ -141,8 +146,9 @@ def predict_time(p: int, m: int, k: int, v: int, name: str, costs: Costs,
         periodic = periodic_schedule_steps(p, m, k, v, name, costs)
         if periodic is not None:
             return steady_makespan(periodic, m, action_cost, comm_latency, timing)
-        steps = full_steps(p, m, k, v, name, costs)
-        return replay(steps, action_cost, comm_latency, timing=timing).makespan
+        steps, partners = full_steps(p, m, k, v, name, costs)
+        return max(replay_times(steps, action_cost, comm_latency, timing=timing,
+                                partners=partners).end)
     except ScheduleError:
         return None
 

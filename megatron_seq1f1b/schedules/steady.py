@@ -64,7 +64,7 @@ from megatron_seq1f1b.base.collection import collection_paused
 from megatron_seq1f1b.schedules.actions import Action
 from megatron_seq1f1b.schedules.plan import Message, Step, plan_steps
 from megatron_seq1f1b.schedules.replay import message_partners, replay_times
-from megatron_seq1f1b.schedules.schedule import build_schedule
+from megatron_seq1f1b.schedules.schedule import Schedule, build_schedule
 from megatron_seq1f1b.schedules.validate import check_link_order, check_units
 from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn
 
@@ -356,8 +356,13 @@ TIMED_MULTIPLES = (1, 2, 3, 4)
 
 
 def _periodic(build: Build, shift: Callable, p: int, m: int, k: int, v: int, schedule: str,
-              tries: int, check: Callable | None) -> Periodic | None:
-    """The cut of ``build``'s small counts (see :func:`periodic_steps`)."""
+              tries: int, check: Callable | None,
+              actions: Callable[[int], Sequence[Sequence[Action]]] | None = None
+              ) -> Periodic | None:
+    """The cut of ``build``'s small counts (see :func:`periodic_steps`). ``actions(count)``:
+    the action lists ``build(count)``'s steps run; a pair of counts whose actions have no cut
+    has none in steps either (a step cut is one of its actions), so the steps are built only
+    for pairs whose actions cut (zero bubble's placement can take many tries to settle)."""
     base = _base_count(p, m, k, v, schedule)
     if base is None:
         return None
@@ -385,6 +390,10 @@ def _periodic(build: Build, shift: Callable, p: int, m: int, k: int, v: int, sch
                 m0 += (m - m0) % per  # m's remainder: m is m0 + a whole number of copies
                 if m0 + 3 * per > m:
                     break
+                if actions is not None and any(
+                        _cut(s, o, per, shift_action) is None
+                        for s, o in zip(actions(m0), actions(m0 + per))):
+                    continue
                 cuts = [_cut(s, o, per, shift) for s, o in zip(at(m0), at(m0 + per))]
                 if any(c is None for c in cuts):
                     continue
@@ -446,11 +455,12 @@ def whole_plan(num_stages: int, num_microbatches: int, num_splits: int,
     return steps
 
 
-def check_plan(steps: Sequence[Sequence[Step]]) -> None:
+def check_plan(steps: Sequence[Sequence[Step]], partners: tuple | None = None) -> None:
     """What the executor checks of a zero-bubble plan before it runs it: link order, and a
-    rendezvous replay (no deadlock)."""
+    rendezvous replay (no deadlock; ``partners``: the steps' :func:`message_partners`, where
+    the caller has them)."""
     check_link_order(steps)
-    replay_times(steps)  # the times alone: a deadlock raises, no timeline is needed
+    replay_times(steps, partners=partners)  # the times alone: a deadlock raises
 
 
 @functools.lru_cache(maxsize=64)
@@ -473,17 +483,25 @@ def executor_plan(num_stages: int, num_microbatches: int, num_splits: int,
     if not isinstance(num_splits, int):  # a count per micro-batch: no period to repeat
         return None
     zero_bubble = costs is not None and not forward_only
+    place = segment_cost_fn(costs) if zero_bubble else None
+    built: dict[int, Schedule] = {}
+
+    def actions(count: int) -> Schedule:
+        if count not in built:
+            built[count] = build_schedule(num_stages, count, num_splits, num_model_chunks,
+                                          forward_only=forward_only, schedule=schedule,
+                                          costs=costs)
+        return built[count]
 
     def check(steps, count):
         check_units([[a for step in rank for a in step.actions] for rank in steps], count,
                     num_splits, num_model_chunks)
         check_plan(steps)
 
-    return periodic_steps(
-        lambda count: whole_plan(num_stages, count, num_splits, num_model_chunks, schedule,
-                                 costs, forward_only, check=False),
-        num_stages, num_microbatches, num_splits, num_model_chunks,
-        schedule if zero_bubble else "1f1b", check=check if zero_bubble else None)
+    return _periodic(lambda count: plan_steps(actions(count), num_model_chunks, cost=place),
+                     shift_step, num_stages, num_microbatches, num_splits, num_model_chunks,
+                     schedule if zero_bubble else "1f1b", 3, check if zero_bubble else None,
+                     actions)
 
 
 # ------------------------------------------------------------------ timing
