@@ -55,34 +55,34 @@ def check_units(
         backward_order: list = []
         weighted: list = []
         for position, action in enumerate(actions):
-            where = f"rank {rank}, action {position} ({action})"
+            here = (rank, position, action)  # named only in an error
             unit = action.unit
             if unit not in expected:
-                raise ScheduleError(f"{where}: unit outside m={num_microbatches}, "
+                raise ScheduleError(f"{_at(*here)}: unit outside m={num_microbatches}, "
                                     f"k={counts[action.microbatch] if action.microbatch < num_microbatches else '?'}, "
                                     f"v={num_model_chunks}")
             key = (action.microbatch, action.chunk)
             if action.is_forward:
                 if unit in forwarded:
-                    raise ScheduleError(f"{where}: forwarded twice")
+                    raise ScheduleError(f"{_at(*here)}: forwarded twice")
                 if action.segment != last_forward_seg[key] + 1:
                     raise ScheduleError(
-                        f"{where}: segment {action.segment} forwarded before segment "
+                        f"{_at(*here)}: segment {action.segment} forwarded before segment "
                         f"{last_forward_seg[key] + 1} of the same micro-batch and chunk"
                     )
                 last_forward_seg[key] = action.segment
                 forwarded.add(unit)
             elif action.is_backward:
                 if forward_only:
-                    raise ScheduleError(f"{where}: backward in a forward-only schedule")
+                    raise ScheduleError(f"{_at(*here)}: backward in a forward-only schedule")
                 if unit not in forwarded:
-                    raise ScheduleError(f"{where}: backward before its forward")
+                    raise ScheduleError(f"{_at(*here)}: backward before its forward")
                 if unit in backwarded:
-                    raise ScheduleError(f"{where}: backwarded twice")
+                    raise ScheduleError(f"{_at(*here)}: backwarded twice")
                 want = last_backward_seg.get(key, counts[action.microbatch]) - 1
                 if action.segment != want:
                     raise ScheduleError(
-                        f"{where}: segments must be backwarded in reverse order; expected "
+                        f"{_at(*here)}: segments must be backwarded in reverse order; expected "
                         f"segment {want}"
                     )
                 last_backward_seg[key] = action.segment
@@ -90,12 +90,14 @@ def check_units(
                 backward_order.append(unit)
             else:
                 if forward_only:
-                    raise ScheduleError(f"{where}: weight gradients in a forward-only schedule")
+                    raise ScheduleError(
+                        f"{_at(*here)}: weight gradients in a forward-only schedule")
                 if unit not in backwarded:
-                    raise ScheduleError(f"{where}: weight gradients before the unit's backward")
+                    raise ScheduleError(
+                        f"{_at(*here)}: weight gradients before the unit's backward")
                 if len(weighted) == len(backward_order) or backward_order[len(weighted)] != unit:
                     raise ScheduleError(
-                        f"{where}: weight gradients must follow the order of the backwards "
+                        f"{_at(*here)}: weight gradients must follow the order of the backwards "
                         f"(next: {backward_order[len(weighted)] if len(weighted) < len(backward_order) else 'none pending'})"
                     )
                 weighted.append(unit)
@@ -108,6 +110,12 @@ def check_units(
         if split and len(weighted) != len(expected):
             missing = sorted(expected - set(weighted))[:3]
             raise ScheduleError(f"rank {rank}: weight gradients (W) missing for units {missing} ...")
+
+
+def _at(rank: int, position: int, action: Action) -> str:
+    """How an error names an action (made only for the error: check_units visits every
+    action of every plan the planner times)."""
+    return f"rank {rank}, action {position} ({action})"
 
 
 def check_link_order(
