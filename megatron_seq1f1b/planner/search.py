@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_seq1f1b.base.checks import segment_multiple
+from megatron_seq1f1b.base.collection import collection_paused
 from megatron_seq1f1b.planner.candidates import (
     busy_time, memory_schedule, order_graph, predict_time, table_cost, time_lower_bound,
 )
@@ -256,7 +257,8 @@ def choose_plan(
                      seq_length / context_parallel_size * micro_batch_size * bytes_per_token
                      if bytes_per_token else None,
                      (memory_budget, memory_budget_bytes, memory_budget_total_bytes))
-    feasible = search.run(candidates, tie_tolerance, top, exhaustive)
+    with collection_paused():  # the search makes only acyclic garbage: one pass at the end
+        feasible = search.run(candidates, tie_tolerance, top, exhaustive)
     timed = [c.plan for c in candidates if c.plan is not None]
     ranked = tuple(sorted(timed, key=_rank_key))
     if not feasible:
