@@ -426,3 +426,19 @@ def test_auto_plans_pp8_m256_in_under_two_seconds():
                 min_segment_length=128, tie_tolerance=TIE_TOLERANCE, timing="nccl")
     assert time.process_time() - start < 2.0
     cand.clear_caches()
+
+
+def test_transport_gap_separates_the_bounds_from_every_transport(capsys):
+    """bench/transport_gap (docs/benchmarks.md, "Third pass"): the orders' bound is at most the
+    placed plan's dataflow, which no transport's replay beats."""
+    from megatron_seq1f1b.bench import transport_gap
+
+    results = transport_gap.main(["--pp", "4", "--microbatches", "8", "--splits", "3",
+                                  "--schedules", "zb-h2", "1f1b"])
+    assert [r["schedule"] for r in results] == ["zb-h2", "1f1b"]
+    out = capsys.readouterr().out
+    for result in results:
+        bound, dataflow, *times = result["values"]
+        assert bound <= dataflow * (1 + 1e-9) and dataflow <= min(times) * (1 + 1e-9)
+        assert transport_gap.row(result) in out
+    assert results[1]["values"][0] == pytest.approx(results[1]["values"][-1])  # 1F1B: exact
