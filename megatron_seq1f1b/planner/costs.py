@@ -318,15 +318,20 @@ def action_cost_table(calibration: Calibration, lengths: Sequence[int], num_stag
     reads (B is the whole backward and W 0 unless W is split off)."""
     stages = calibration.stage_costs(num_stages * num_model_chunks)
     ends = list(itertools.accumulate(lengths))
+    rows: dict[StageCosts, list[tuple[float, float, float]]] = {}  # stages alike: one row
     table = {}
     for vs, stage in enumerate(stages):
-        for j, (length, end) in enumerate(zip(lengths, ends)):
+        row = rows.get(stage)
+        if row is None:
             if split_backward:
-                forward, backward, weight = calibration.zero_bubble_times(stage, length, end)
-                table[vs, j] = {"F": forward, "B": backward, "W": weight}
+                row = [calibration.zero_bubble_times(stage, length, end)
+                       for length, end in zip(lengths, ends)]
             else:
-                forward, backward, _ = calibration.times(stage, length, end)
-                table[vs, j] = {"F": forward, "B": backward, "W": 0.0}
+                row = [calibration.times(stage, length, end)[:2] + (0.0,)
+                       for length, end in zip(lengths, ends)]
+            rows[stage] = row
+        for j, (forward, backward, weight) in enumerate(row):
+            table[vs, j] = {"F": forward, "B": backward, "W": weight}
     return table
 
 
