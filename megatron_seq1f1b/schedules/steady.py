@@ -500,8 +500,8 @@ def executor_plan(num_stages: int, num_microbatches: int, num_splits: int,
 
     return _periodic(lambda count: plan_steps(actions(count), num_model_chunks, cost=place),
                      shift_step, num_stages, num_microbatches, num_splits, num_model_chunks,
-                     schedule if zero_bubble else "1f1b", 3, check if zero_bubble else None,
-                     actions)
+                     schedule if zero_bubble else "1f1b", tries=3,
+                     check=check if zero_bubble else None, actions=actions)
 
 
 # ------------------------------------------------------------------ timing
