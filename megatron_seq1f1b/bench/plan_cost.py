@@ -53,6 +53,16 @@ def _timed(fn):
     return value, time.process_time() - cpu, time.perf_counter() - wall
 
 
+def llama_costs(argv: list[str], stages: int):
+    """(planner arguments, model config, FLOP calibration) of :data:`LLAMA_8B` with ``argv``
+    added, for ``stages`` virtual stages: what the command line plans with."""
+    from megatron_seq1f1b.planner import cli
+
+    args = cli.build_parser().parse_args(LLAMA_8B + argv)
+    config = cli._model_config(args)
+    return args, config, cli._flop_calibration(args, config, stages)
+
+
 def measure(pp: int, microbatches: int, max_splits: int, vpp: int, zero_bubble: bool) -> dict:
     """One configuration: the seconds of choose_plan, the command line and rank_steps."""
     from megatron_seq1f1b.planner import cli
@@ -60,13 +70,11 @@ def measure(pp: int, microbatches: int, max_splits: int, vpp: int, zero_bubble: 
     from megatron_seq1f1b.planner.search import choose_plan
     from megatron_seq1f1b.runtime.executor_setup import rank_steps
 
-    argv = LLAMA_8B + ["--pp", str(pp), "--microbatches", str(microbatches), "--max-splits",
-                       str(max_splits), "--vpp", str(vpp), "--top", "1"]
+    argv = ["--pp", str(pp), "--microbatches", str(microbatches), "--max-splits",
+            str(max_splits), "--vpp", str(vpp), "--top", "1"]
     if not zero_bubble:
         argv += ["--schedules", "1f1b"]
-    args = cli.build_parser().parse_args(argv)
-    config = cli._model_config(args)
-    calibration = cli._flop_calibration(args, config, pp * vpp)
+    args, config, calibration = llama_costs(argv, pp * vpp)
     _clear()
     choice, cpu, wall = _timed(lambda: choose_plan(
         args.seq_length, pp, microbatches, num_model_chunks=vpp, calibration=calibration,
@@ -75,7 +83,7 @@ def measure(pp: int, microbatches: int, max_splits: int, vpp: int, zero_bubble: 
         memory_model=cli._memory_model(args, config)))
     _clear()
     with contextlib.redirect_stdout(io.StringIO()):
-        _, cli_cpu, cli_wall = _timed(lambda: cli.main(argv))
+        _, cli_cpu, cli_wall = _timed(lambda: cli.main(LLAMA_8B + argv))
     _clear()
     plan = choice.plan
     steps, steps_cpu, steps_wall = _timed(lambda: rank_steps(

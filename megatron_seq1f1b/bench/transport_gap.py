@@ -26,19 +26,16 @@ COLUMNS = ("orders' bound", "dataflow, W placed", "gloo", "slack", "nccl", "rend
 
 def gap_row(pp: int, microbatches: int, vpp: int, splits: int, schedule: str) -> dict:
     """The bounds and every transport's time of one balanced candidate (module doc)."""
-    from megatron_seq1f1b.bench.plan_cost import LLAMA_8B
+    from megatron_seq1f1b.bench.plan_cost import llama_costs
     from megatron_seq1f1b.base.checks import segment_multiple
-    from megatron_seq1f1b.planner import cli
     from megatron_seq1f1b.planner.candidates import full_steps, order_graph, table_cost
     from megatron_seq1f1b.planner.costs import action_cost_table, placement_costs
     from megatron_seq1f1b.schedules.partition import CostModel, split_sequence
     from megatron_seq1f1b.schedules.plan import Topology, dataflow_timing
     from megatron_seq1f1b.schedules.replay import TIMINGS, replay_times
 
-    args = cli.build_parser().parse_args(
-        LLAMA_8B + ["--pp", str(pp), "--microbatches", str(microbatches), "--vpp", str(vpp)])
-    config = cli._model_config(args)
-    calibration = cli._flop_calibration(args, config, pp * vpp)
+    args, config, calibration = llama_costs(
+        ["--pp", str(pp), "--microbatches", str(microbatches), "--vpp", str(vpp)], pp * vpp)
     flops = CostModel.from_config(config, args.vocab_size, False)
     lengths = tuple(split_sequence(args.seq_length, splits, "balanced",
                                    multiple_of=segment_multiple(config), cost=flops))

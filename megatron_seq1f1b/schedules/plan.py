@@ -211,7 +211,7 @@ def dataflow_timing(
             rank_inputs, rank_outputs = inputs[rank], outputs[rank]
             rank_durations, rank_starts = durations[rank], starts[rank]
             now = clock[rank]
-            while t < n:
+            while t < n:  # run the rank's slots until one waits for an unsent message
                 start = now
                 for message in rank_inputs[t]:
                     sent = produced.get(message)
@@ -219,7 +219,7 @@ def dataflow_timing(
                         break
                     if sent > start:
                         start = sent
-                else:
+                else:  # every input sent: the slot runs
                     now = start + rank_durations[t]
                     for message in rank_outputs[t]:
                         produced[message] = now

@@ -103,14 +103,14 @@ def segment_cost_fn(costs: CostTable) -> CostFn:
     return lambda action, rank: costs[action.segment][index[action.kind]]
 
 
-Producer = Union[tuple[Action, int], None]  # (action, rank) whose result an action needs
+Producer = Union[tuple[int, int], None]  # (rank, position in its order) of an action's input
 
 
 def _producers(orders: Sequence[Sequence[Action]], num_model_chunks: int) -> list[list[Producer]]:
-    """For every action of every rank's order, the action (and its rank) whose result it
-    needs: a forward the previous stage's forward, a backward the next stage's backward, the
-    last stage's backward its micro-batch's last forward (the loss); None for the pipeline's
-    first input."""
+    """For every action of every rank's order, where the action whose result it needs stands
+    (its rank and its position in that rank's order): a forward the previous stage's forward,
+    a backward the next stage's backward, the last stage's backward its micro-batch's last
+    forward (the loss); None for the pipeline's first input."""
     p = len(orders)
     last_stage = p * num_model_chunks - 1
     last_segment: dict[int, int] = {}  # per micro-batch
@@ -118,6 +118,7 @@ def _producers(orders: Sequence[Sequence[Action]], num_model_chunks: int) -> lis
         if action.kind == FORWARD:
             last_segment[action.microbatch] = max(action.segment,
                                                   last_segment.get(action.microbatch, 0))
+    where = [{action: i for i, action in enumerate(order)} for order in orders]
     producers: list[list[Producer]] = []
     for rank, order in enumerate(orders):
         row: list[Producer] = []
@@ -125,13 +126,14 @@ def _producers(orders: Sequence[Sequence[Action]], num_model_chunks: int) -> lis
             stage = chunk * p + rank
             if kind == FORWARD:
                 src = stage - 1
-                row.append(None if stage == 0
-                           else (Action(kind, microbatch, segment, src // p), src % p))
+                row.append(None if stage == 0 else (
+                    src % p, where[src % p][Action(kind, microbatch, segment, src // p)]))
             elif stage == last_stage:
-                row.append((Action(FORWARD, microbatch, last_segment[microbatch], chunk), rank))
+                row.append((rank, where[rank][Action(FORWARD, microbatch, last_segment[microbatch],
+                                                     chunk)]))
             else:
                 dst = stage + 1
-                row.append((Action(kind, microbatch, segment, dst // p), dst % p))
+                row.append((dst % p, where[dst % p][Action(kind, microbatch, segment, dst // p)]))
         producers.append(row)
     return producers
 
@@ -158,9 +160,7 @@ def build_zero_bubble(
     p = len(orders)
     # Per rank and position in its order: the action's cost, its W's cost (backwards), and
     # where its input comes from as (rank, position): numbers, not actions, in the loop
-    where = [{action: i for i, action in enumerate(order)} for order in orders]
-    sources = [[None if source is None else (source[1], where[source[1]][source[0]])
-                for source in row] for row in _producers(orders, num_model_chunks)]
+    sources = _producers(orders, num_model_chunks)
     durations = [[cost(action, r) for action in order] for r, order in enumerate(orders)]
     weights = [[None if action.kind == FORWARD else Action(WEIGHT, *action[1:])
                 for action in order] for order in orders]
