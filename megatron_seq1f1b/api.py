@@ -28,6 +28,7 @@ def get_forward_backward_func(
     segment_multiple: int | None = None,
     documents=None,
     segment_tokens: int | None = None,
+    backward_by_documents: bool = False,
 ) -> Callable:
     """A function with Megatron-Core's forward-backward signature that runs Seq1F1B.
 
@@ -58,6 +59,12 @@ def get_forward_backward_func(
     micro-batch's length once per iteration, :mod:`megatron_seq1f1b.segments.length_plan`),
     where it makes every unit cost about the same (:mod:`megatron_seq1f1b.schedules.variable`).
 
+    ``backward_by_documents``: with ``documents``, a micro-batch's runs of documents that no cut
+    links (a cut where a document ends) are scheduled as micro-batches of their own, so a run
+    goes backward before the next one comes forward and a stage holds about its longest run
+    instead of its longest micro-batch (:mod:`megatron_seq1f1b.segments.document_runs`; needs
+    ``config.calculate_per_token_loss=True`` and one model chunk).
+
     Drop-in: with one segment (``num_splits=1``, the 1F1B schedule, no recorder, no documents)
     a model that :func:`~megatron_seq1f1b.enable` did not prepare (a reward model, a vision
     encoder, Megatron's mock models), or a call without ``seq_length``, runs Megatron's own
@@ -86,6 +93,9 @@ def get_forward_backward_func(
                         "micro-batch gets, so nothing would be cut; pass the cap you want "
                         "(e.g. 64)")
     problems += source_problems(documents)
+    if backward_by_documents and documents is None:
+        problems.append("backward_by_documents=True runs a micro-batch's documents apart: pass "
+                        "documents='cu_seqlens' or the end-of-document token id")
     if partition == "documents" and split_lengths is None and documents is None:
         problems.append("partition 'documents' cuts each micro-batch by its documents: pass "
                         "documents='cu_seqlens' or the end-of-document token id")
@@ -132,7 +142,7 @@ def get_forward_backward_func(
             **call, num_splits=num_splits, partition=partition, split_lengths=lengths,
             recorder=recorder, schedule=schedule, segment_costs=costs,
             segment_multiple=segment_multiple, documents=documents,
-            segment_tokens=segment_tokens)
+            segment_tokens=segment_tokens, backward_by_documents=backward_by_documents)
 
     forward_backward_func.num_splits = num_splits
     forward_backward_func.partition = partition

@@ -279,3 +279,17 @@ def test_cpu_thd_rope_stand_in_equals_megatrons_per_document_loop():
         (out * weights).sum().backward()
         results.append((out.detach(), t.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_document_runs_cut_where_a_document_starts_in_every_sample():
+    from megatron_seq1f1b.segments.document_runs import document_runs
+
+    rows = [(12, 12, 12, 12), (8, 8), (10, 10, 10, 10)]
+    found = [Documents(((0, 5, 24, 41),), 48), Documents.whole(16),
+             # 20 starts a document in both samples, 10 and 30 in one only
+             Documents(((0, 10, 20), (0, 20, 30)), 40)]
+    runs = document_runs(rows, found)
+    assert runs.rows == ((12, 12), (12, 12), (8, 8), (10, 10), (10, 10))
+    assert runs.owners == ((0, 0), (0, 2), (1, 0), (2, 0), (2, 2))
+    assert runs.last_backward == (2, 0, 2)
+    assert document_runs(rows, [None] * 3).rows == tuple(rows)

@@ -95,6 +95,8 @@ API: dict[str, LocalTrigger] = {
     "api-segment-multiple": lambda: s1.get_forward_backward_func(2, segment_multiple=0),
     "api-segment-tokens": lambda: s1.get_forward_backward_func(2, segment_tokens=0),
     "api-segment-tokens-one-split": lambda: s1.get_forward_backward_func(1, segment_tokens=8),
+    "api-backward-by-documents-without-documents": lambda: s1.get_forward_backward_func(
+        2, backward_by_documents=True),
 }
 
 # Megatron-LM's arguments as its validate_args leaves them: GPT, TP 2 with sequence parallelism.
@@ -351,6 +353,14 @@ def _variable_call(**kwargs: Any) -> RankTrigger:
     return trigger
 
 
+def _documents_apart(**config: Any) -> RankTrigger:
+    """backward_by_documents=True (end-of-document documents) with config options changed."""
+    def trigger(at: Layout) -> None:
+        with _changed(at.config, **config):
+            at.run(_unchecked_getter(2, documents=0, backward_by_documents=True))
+    return trigger
+
+
 def _unchecked_getter(num_splits: int, **kwargs: Any):
     """Seq1F1B's function with arguments the getter's own checks would refuse first (the
     executor's checks are the ones under test)."""
@@ -531,6 +541,9 @@ ON_RANKS: dict[str, dict[str, RankTrigger]] = {
                                                           schedule="zb-h1"),
         "executor-variable-measured": _variable_call(partition="measured",
                                                      split_lengths=None),
+        "executor-backward-by-documents-per-token": _documents_apart(),
+        "executor-backward-by-documents-moe-aux-loss": _documents_apart(
+            calculate_per_token_loss=True, num_moe_experts=4, moe_aux_loss_coeff=0.01),
         "executor-overlap-p2p-without-chunks": _call(config=dict(overlap_p2p_comm=True,
                                                                  batch_p2p_comm=False)),
         "executor-adjust-tensor-shapes": _call(adjust_tensor_shapes_fn=lambda r, s: (r, s)),

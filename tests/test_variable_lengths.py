@@ -88,6 +88,36 @@ def test_variable_lengths_equal_megatron(ranks, name):
     _check(ranks.run(world, run, case=f"varlen-{name}", **arguments))
 
 
+# backward_by_documents: documents start where a cut falls (24 in micro-batch 0, 20 in 2), so
+# each of those micro-batches is two runs of two segments; a document crosses a cut in each run
+RUNS_LENGTHS = [48, 16, 40]
+RUNS_DOCUMENTS = [(0, 5, 24, 41), (0,), (0, 7, 20, 33)]
+RUNS = dict(lengths=RUNS_LENGTHS, documents=RUNS_DOCUMENTS, per_token=True, order=True)
+RUNS_CASES = {
+    "pp2-thd": (2, dict(spec=FLASH, thd=True, **RUNS, seq1f1b=budget(
+        12, documents="cu_seqlens", backward_by_documents=True))),
+    "pp2-eod-zb-h1": (2, dict(spec=ROPE, **RUNS, seq1f1b=budget(
+        12, documents=ROPE.vocab_size - 1, schedule="zb-h1", backward_by_documents=True))),
+}
+if FULL:
+    RUNS_CASES["pp4-thd"] = (4, dict(spec=FLASH, thd=True, pp=4, **RUNS, seq1f1b=budget(
+        12, documents="cu_seqlens", backward_by_documents=True)))
+
+
+@pytest.mark.parametrize("name", list(RUNS_CASES))
+def test_runs_of_documents_go_backward_apart(ranks, name):
+    """Exact against Megatron, and on the last stage a micro-batch's first run goes backward
+    before its second run's last segment comes forward (as a whole micro-batch, nothing goes
+    backward before its last segment's forward; earlier stages run ``p - 1`` units ahead)."""
+    world, arguments = RUNS_CASES[name]
+    results = ranks.run(world, run, case=f"varlen-runs-{name}", **arguments)
+    _check(results)
+    last = max(results, key=lambda result: result["rank"])
+    order = [tuple(event) for event in last["order"]]
+    for microbatch in (0, 2):  # runs of segments 0-1 and 2-3
+        assert order.index(("B", microbatch, 1)) < order.index(("F", microbatch, 3)), order
+
+
 @pytest.mark.parametrize("form", ["mean", "triple"])
 def test_log_probability_pass_returns_one_entry_per_microbatch(ranks, form):
     """forward_only with per-token tensors in the report (Megatron's 2-tuple included): one

@@ -86,9 +86,26 @@ def run(*, spec: ModelSpec, lengths, seq1f1b: dict, pp: int = 2, vpp: int | None
         tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1, documents=None,
         thd: bool = False, per_token: bool = False, forward_only: bool = False,
         config_overrides: dict | None = None, micro_batch_size: int = 1,
-        megatron_seq_length: int | None = None, forward_step=gpt.forward_step) -> dict:
-    """Megatron's schedule, then Seq1F1B, on this rank's chunks; problems found here."""
+        megatron_seq_length: int | None = None, forward_step=gpt.forward_step,
+        order: bool = False) -> dict:
+    """Megatron's schedule, then Seq1F1B, on this rank's chunks; problems found here.
+    ``order``: also return the order in which Seq1F1B ran this rank's (phase, micro-batch,
+    segment) units (a hook on each segment's output marks its backward)."""
     import megatron_seq1f1b as s1
+    from megatron_seq1f1b.segments.run import current_segment
+
+    events = []
+    if order:
+        plain_step = forward_step
+
+        def forward_step(data_iterator, model, slicer=None):
+            info = current_segment()
+            output, loss = plain_step(data_iterator, model, slicer=slicer)
+            if info is not None and output.requires_grad:
+                unit = (info.microbatch, info.index)
+                events.append(("F",) + unit)
+                output.register_hook(lambda grad, unit=unit: events.append(("B",) + unit))
+            return output, loss
 
     overrides = dict(variable_seq_lengths=True, calculate_per_token_loss=per_token,
                      moe_token_dispatcher_type="alltoall",  # Megatron requires it here
@@ -171,7 +188,7 @@ def run(*, spec: ModelSpec, lengths, seq1f1b: dict, pp: int = 2, vpp: int | None
                 ok, rel = _close(got[key].float(), want[key].float())
                 if not ok:
                     problems.append(f"micro-batch {index} report {key}: rel err {rel:.2e}")
-    return {"rank": torch.distributed.get_rank(), "problems": problems}
+    return {"rank": torch.distributed.get_rank(), "problems": problems, "order": events}
 
 
 # ---------------------------------------------------------------- the passes post-training runs

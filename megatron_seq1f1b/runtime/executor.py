@@ -41,20 +41,21 @@ from megatron_seq1f1b.base import compat
 
 from megatron_seq1f1b.segments import moe, mtp
 
-from megatron_seq1f1b.base.checks import ConfigError
+from megatron_seq1f1b.base.checks import ConfigError, raise_if
 from megatron_seq1f1b.runtime import wgrad
 from megatron_seq1f1b.runtime.executor_setup import (  # noqa: F401 - public names kept here too
     Setup, StepPlan, Unit, agree_across_stages, clear_setups, device, document_cut, document_problems,
     length_group, pipeline_steps, process_groups, rank_steps, rehearsal_groups, resolve_lengths,
     setup_for, zero_bubble_costs,
 )
-from megatron_seq1f1b.runtime.model_hooks import chunks_of
+from megatron_seq1f1b.runtime.model_hooks import chunks_of, layer_pattern
 from megatron_seq1f1b.runtime.p2p import EarlyReceives, InFlight, Peers, PipelineCommError, exchange
 from megatron_seq1f1b.schedules import plan as plan_mod
 from megatron_seq1f1b.schedules.partition import split_documents
 from megatron_seq1f1b.schedules.schedule import Action
 from megatron_seq1f1b.segments.cp_group import ContextParallelCommError
 from megatron_seq1f1b.segments.document_plan import gather_documents
+from megatron_seq1f1b.segments.document_runs import Runs, backward_by_documents_problems, document_runs
 from megatron_seq1f1b.segments.length_plan import gather_lengths
 from megatron_seq1f1b.segments.loss import SegmentLosses
 from megatron_seq1f1b.segments.reports import MicrobatchReports
@@ -73,7 +74,7 @@ class _Pipeline:
 
     def __init__(self, setup: Setup, plan: StepPlan, *, config, pg_collection, peers: Peers,
                  forward_step_func, chunks, data, collect_non_loss_data, first_val_step,
-                 recorder, documents=None, microbatch_lengths=None):
+                 recorder, documents=None, microbatch_lengths=None, runs: Runs | None = None):
         self.setup, self.plan = setup, plan
         self.forward_step_func = forward_step_func
         self.chunks = chunks
@@ -81,7 +82,6 @@ class _Pipeline:
         self.data = data
         self.config = config
         self.m = setup.num_microbatches
-        self.counts = plan.counts  # segments per micro-batch
         self.forward_only = setup.forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
@@ -98,9 +98,16 @@ class _Pipeline:
         self.microbatch_lengths = (tuple(tuple(row) for row in microbatch_lengths)
                                    if microbatch_lengths is not None
                                    else (setup.lengths,) * setup.num_microbatches)
-        self.microbatch_shapes = None if microbatch_lengths is None else [
+        self.counts = tuple(len(row) for row in self.microbatch_lengths)  # per micro-batch
+        # backward_by_documents: the schedule's micro-batches are runs of documents; ``owners``
+        # maps one back to its micro-batch and first segment (the data, loss and segment side).
+        self.owners = runs.owners if runs is not None else None
+        self.schedule_lengths = runs.rows if runs is not None else self.microbatch_lengths
+        if runs is not None:
+            self.run.last_backward = runs.last_backward
+        self.microbatch_shapes = None if microbatch_lengths is None and runs is None else [
             [(n // setup.divisor, setup.micro_batch_size, setup.hidden_size) for n in row]
-            for row in microbatch_lengths]
+            for row in self.schedule_lengths]
         self.forward_data_store: list = []
         self.reports = MicrobatchReports(self.microbatch_lengths, setup.micro_batch_size, cp)
         self.losses = SegmentLosses(self.m, self.counts, cp, config.calculate_per_token_loss,
@@ -128,6 +135,13 @@ class _Pipeline:
         self.set_input = [get_attr_wrapped_model(chunk, "set_input_tensor") for chunk in chunks]
 
     # ---------------------------------------------------------------- helpers
+
+    def data_action(self, action: Action) -> Action:
+        """The action on its micro-batch's own segments (a run's, with backward_by_documents)."""
+        if self.owners is None:
+            return action
+        microbatch, first = self.owners[action.microbatch]
+        return Action(action.kind, microbatch, first + action.segment, action.chunk)
 
     def make_buffer(self, message: plan_mod.Message) -> torch.Tensor:
         shapes = (self.setup.shapes if self.microbatch_shapes is None
@@ -161,7 +175,7 @@ class _Pipeline:
     # ---------------------------------------------------------------- compute
 
     def forward(self, unit: Unit, input_tensor):
-        action, config = unit.action, self.config
+        action, config = self.data_action(unit.action), self.config
         chunk = self.chunks[action.chunk]
         if config.timers is not None:
             config.timers("forward-compute", log_level=2).start()
@@ -214,13 +228,13 @@ class _Pipeline:
 
     def backward(self, unit: Unit, input_tensor, output_tensor, output_grad):
         """Megatron's backward step (input gradients only when the schedule splits off W)."""
-        action = unit.action
+        action, own = unit.action, self.data_action(unit.action)
         self._grad_sync_before(action)
         if unit.last_stage:
-            output_tensor = self.losses.scaled(action)
+            output_tensor = self.losses.scaled(own)
         deferred = (self.weight_grads.input_grads_only(action.unit) if self.weight_grads
                     else contextlib.nullcontext())
-        with self.run.backward(action.microbatch, action.segment, action.chunk), deferred:
+        with self.run.backward(own.microbatch, own.segment, own.chunk), deferred:
             grad = compat.backward_step(input_tensor, output_tensor, output_grad, self.config)
         self._grad_sync_after(action)
         return grad
@@ -258,7 +272,7 @@ class _Pipeline:
         recorder = self.recorder
         record = recorder.begin(self.peers.global_rank) if recorder else None
         if record is not None:
-            record.lengths = self.microbatch_lengths
+            record.lengths = self.schedule_lengths
         in_flight = InFlight(
             lambda output: deallocate_output_tensor(output, deallocate))
         sent_outputs = []
@@ -313,7 +327,7 @@ class _Pipeline:
 
     def _failure(self, action: Action, index: int, exc: Exception) -> ActionError:
         """An exception in the user's code or the model, naming this rank, unit and step."""
-        peers = self.peers
+        peers, action = self.peers, self.data_action(action)
         return ActionError(
             f"Seq1F1B: rank {peers.global_rank} (pipeline stage {peers.pp_rank}) failed in "
             f"{action} ({_KINDS[action.kind]} of micro-batch {action.microbatch}, segment "
@@ -357,6 +371,7 @@ def forward_backward(
     rehearse: tuple | None = None,
     documents=None,
     segment_tokens: int | None = None,
+    backward_by_documents: bool = False,
 ) -> list:
     """Seq1F1B forward-backward with Megatron-Core's schedule signature (plus our options).
 
@@ -373,6 +388,8 @@ def forward_backward(
     ``config.variable_seq_lengths`` every micro-batch has its own length: ``seq_length``
     is ignored (as Megatron ignores it), the stages agree on the lengths once per
     iteration (:mod:`megatron_seq1f1b.segments.length_plan`) and cut each micro-batch by its own.
+    ``backward_by_documents``: a micro-batch's runs of documents that no cut links go backward
+    apart, the schedule's micro-batches (:mod:`megatron_seq1f1b.segments.document_runs`).
     """
     from megatron.core.pipeline_parallel.schedules import (
         clear_embedding_activation_buffer,
@@ -391,6 +408,12 @@ def forward_backward(
         peers = Peers.build(p2p_communicator, config, wraparound=len(chunks) > 1)
     else:
         pg_collection, peers = rehearsal_groups(config, *rehearse)
+    runs_apart = backward_by_documents and not forward_only
+    if runs_apart:
+        raise_if(backward_by_documents_problems(
+            config, num_chunks=len(chunks), forward_only=forward_only, documents=documents,
+            cp_size=pg_collection.cp.size() if pg_collection.cp is not None else 1,
+            recurrent=any(kind in (layer_pattern(chunks) or "") for kind in "MG")))
     sequence = decoder_seq_length if decoder_seq_length is not None else seq_length
     setup = setup_for(
         chunks, config, iterators, pg_collection, peers,
@@ -420,11 +443,16 @@ def forward_backward(
         microbatch_lengths = [
             split_documents(docs, len(setup.lengths), setup.document_costs,
                             multiple_of=setup.document_multiple) for docs in found]
+    runs = None
+    if runs_apart:
+        runs = document_runs(microbatch_lengths if microbatch_lengths is not None
+                             else (setup.lengths,) * num_microbatches, found)
+        plan = setup.plan_for(runs.rows)
     pipeline = _Pipeline(
         setup, plan, config=config, pg_collection=pg_collection, peers=peers,
         forward_step_func=forward_step_func, chunks=chunks, data=data,
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-        recorder=recorder, documents=found, microbatch_lengths=microbatch_lengths,
+        recorder=recorder, documents=found, microbatch_lengths=microbatch_lengths, runs=runs,
     )
 
     embedding_module = None

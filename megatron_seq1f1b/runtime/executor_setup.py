@@ -480,13 +480,14 @@ class Setup:
         return tuple(rows)
 
     def plan_for(self, rows: Sequence[Sequence[int]]) -> StepPlan:
-        """Variable lengths: the steps for these segment lengths (cached by their counts, and
-        by the lengths where a zero-bubble schedule places W by their FLOPs)."""
+        """The steps for these segment lengths, one row per micro-batch of the schedule (variable
+        lengths, or runs of documents): cached by their counts, and by the lengths where a
+        zero-bubble schedule places W by their FLOPs."""
         counts = tuple(len(row) for row in rows)
         costs = None
         if self.splits_backward:
             costs = tuple(flop_costs(row, self.cut_costs) for row in rows)
-        return step_plan(self.pp_size, self.pp_rank, self.num_microbatches, counts,
+        return step_plan(self.pp_size, self.pp_rank, len(counts), counts,
                          self.num_chunks, self.forward_only, self.schedule, costs)
 
 

@@ -102,6 +102,9 @@ class SegmentRun:
         self.forward_only = forward_only
         self.kv = KVStore()
         self.states = StateCarry()  # recurrent layers' states across cuts
+        # Per micro-batch, the segment whose backward is its last (None: segment 0); set where a
+        # micro-batch's runs of documents go backward apart (segments/document_runs.py).
+        self.last_backward: Sequence[int] | None = None
         if self.microbatch_lengths is not None:
             for index, row in enumerate(self.microbatch_lengths):
                 known = self.documents_of(index) if self.documents is not None else None
@@ -194,7 +197,7 @@ class SegmentRun:
         with self._enter(info, BACKWARD):
             yield info
         self.states.release(microbatch, chunk, consumer=segment)
-        if segment == 0:
+        if segment == (0 if self.last_backward is None else self.last_backward[microbatch]):
             # Normally already released layer by layer inside the backward pass.
             self.kv.release(microbatch, chunk)
             self.states.release(microbatch, chunk)

@@ -1,0 +1,94 @@
+"""``backward_by_documents``: a micro-batch's independent runs of documents scheduled apart.
+
+A stage holds a micro-batch whole before its first backward, since that backward starts at
+the micro-batch's last segment (later segments read earlier segments' keys and values). A
+packed micro-batch cut where a document ends in every sample has no key/value crossing the
+cut: the segments before it (one *run*) need nothing of the segments after it. Scheduling
+each run as a micro-batch of its own lets a run go backward before the next run comes
+forward, so a stage holds about its longest run, not its longest micro-batch.
+
+The schedule, its validation, its messages and its timing then see runs only (plain data,
+:class:`Runs`); the executor maps a run back to its micro-batch and first segment where it
+touches the data, the loss, the reports and the segment context. Pure functions of host
+integers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from megatron_seq1f1b.segments.documents import Documents
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The schedule's micro-batches (runs) and where each came from."""
+
+    rows: tuple[tuple[int, ...], ...]  # segment lengths per run
+    owners: tuple[tuple[int, int], ...]  # per run: (micro-batch, its first segment)
+    last_backward: tuple[int, ...]  # per micro-batch: the segment backwarded last (its last run's head)
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.rows)
+
+
+def document_runs(rows: Sequence[Sequence[int]],
+                  documents: Sequence[Documents | None]) -> Runs:
+    """Every micro-batch's segments (``rows``) grouped into runs: a run ends before a segment
+    that starts where a document starts in every sample of its micro-batch."""
+    out_rows, owners, last_backward = [], [], []
+    for microbatch, (row, found) in enumerate(zip(rows, documents)):
+        cuts = set(found.ends()) if found is not None else set()
+        head, start = 0, 0
+        for index, length in enumerate(row):
+            if index > head and start in cuts:
+                out_rows.append(tuple(row[head:index]))
+                owners.append((microbatch, head))
+                head = index
+            start += length
+        out_rows.append(tuple(row[head:]))
+        owners.append((microbatch, head))
+        last_backward.append(head)
+    return Runs(tuple(out_rows), tuple(owners), tuple(last_backward))
+
+
+def backward_by_documents_problems(config, *, num_chunks: int, forward_only: bool,
+                                   documents, cp_size: int, recurrent: bool) -> list[str]:
+    """What ``backward_by_documents`` cannot run with, found before any message."""
+    if forward_only:
+        return []
+    name = "backward_by_documents=True"
+    problems = []
+    if documents is None:
+        problems.append(f"{name} needs documents (documents='cu_seqlens' or the end-of-document "
+                        "token id): the runs are cut where documents end")
+    if not config.calculate_per_token_loss:
+        problems.append(
+            f"{name} needs config.calculate_per_token_loss=True: a micro-batch's loss is "
+            "otherwise divided by its token count, known only once its last run is forwarded, "
+            "after its first runs went backward (Megatron then divides by the iteration's "
+            "tokens, known at the end)")
+    if num_chunks > 1:
+        problems.append(f"{name} runs one model chunk per stage: the interleaved schedule "
+                        "groups micro-batches by the pipeline size, and the number of runs "
+                        "changes with every iteration's documents")
+    if cp_size > 1:
+        problems.append(f"{name} with context parallelism is not supported")
+    if getattr(config, "num_moe_experts", None) and _nonzero(
+            getattr(config, "moe_aux_loss_coeff", 0)):
+        problems.append(f"{name} with an MoE load-balancing loss: every token's gradient "
+                        "uses the whole micro-batch's routing counts (set moe_aux_loss_coeff=0)")
+    if getattr(config, "mtp_num_layers", None):
+        problems.append(f"{name} with multi-token prediction is not supported")
+    if recurrent:
+        problems.append(f"{name} with recurrent (Mamba, gated delta net) layers is not "
+                        "supported: their state would have to restart at every run")
+    return problems
+
+
+def _nonzero(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(v for v in value)
+    return bool(value)
