@@ -336,8 +336,8 @@ def test_variable_lengths_refuses_the_flags_it_would_ignore(flag, capsys):
 
 def test_benchmark_variable_lengths(tmp_path):
     """--variable-lengths: Megatron's 1F1B as the micro-batches come and regrouped to equal
-    tokens, Seq1F1B with a fixed k and a token budget, on the same sequences; every row the
-    same loss, ratios against both baselines with their parts, predictions and peaks."""
+    tokens, Seq1F1B with a fixed k and a token budget (and its runs of documents apart), on
+    the same sequences; every row the same loss, ratios against both baselines with their parts, predictions and peaks."""
     out = tmp_path / "varlen"
     done = run_benchmark(2, "--pp", "2", "--microbatches", "4", "--splits", "2",
                          "--hidden-size", "16", "--num-layers", "2", "--num-attention-heads", "2",
@@ -346,11 +346,12 @@ def test_benchmark_variable_lengths(tmp_path):
                          "--length-max", "96", "--length-mu", "3.5", "--segment-tokens", "16",
                          "--iters", "2", "--warmup", "1", "--timeline-runs", "1",
                          "--calib-reps", "1", "--calib-mode", "concurrent", "--count-saved",
-                         "--out", str(out))
+                         "--backward-by-documents", "--out", str(out))
     assert "OK" in done.stdout, done.stdout[-3000:]
     result = json.loads((out / "results.json").read_text())
     rows = {row["key"]: row for row in result["schedules"]}
-    assert set(rows) == {"1f1b", "1f1b-regrouped", "seq1f1b-k2", "seq1f1b-16tok"}
+    assert set(rows) == {"1f1b", "1f1b-regrouped", "seq1f1b-k2", "seq1f1b-16tok",
+                         "seq1f1b-16tok-runs"}
     assert all(len(row["saved_bytes_per_stage"]) == 2 and min(row["saved_bytes_per_stage"]) > 0
                for row in rows.values())  # --count-saved: what autograd kept, per stage
     meta = result["meta"]

@@ -292,4 +292,8 @@ def test_document_runs_cut_where_a_document_starts_in_every_sample():
     assert runs.rows == ((12, 12), (12, 12), (8, 8), (10, 10), (10, 10))
     assert runs.owners == ((0, 0), (0, 2), (1, 0), (2, 0), (2, 2))
     assert runs.last_backward == (2, 0, 2)
+    assert runs.offsets == (0, 24, 0, 0, 20)
+    assert runs.documents(found) == (
+        Documents(((0, 5),), 24), Documents(((0, 17),), 24), Documents.whole(16),
+        Documents(((0, 10), (0,)), 20), Documents(((0,), (0, 10)), 20))
     assert document_runs(rows, [None] * 3).rows == tuple(rows)

@@ -63,6 +63,7 @@ class BenchSchedule:
     document_stats: dict | None = None  # document_stats.row_stats
     saved_peaks: list[float] | None = None  # --count-saved: bytes kept for backward per stage
     segment_tokens: int | None = None  # a token budget per segment (variable lengths)
+    backward_by_documents: bool = False  # a micro-batch's runs of documents scheduled apart
 
     @property
     def split_lengths(self) -> list[int] | None:
@@ -79,7 +80,8 @@ class BenchSchedule:
                                             recorder=recorder, schedule=self.schedule,
                                             segment_costs=self.segment_costs,
                                             documents=self.documents,
-                                            segment_tokens=self.segment_tokens)
+                                            segment_tokens=self.segment_tokens,
+                                            backward_by_documents=self.backward_by_documents)
 
     @contextlib.contextmanager
     def options(self) -> Iterator[None]:

@@ -12,7 +12,10 @@ one document per sequence, and ``config.variable_seq_lengths=True`` for every ro
   what careful users do today against imbalance;
 * ``seq1f1b-k{K}``: Seq1F1B, ``K`` segments per micro-batch (``--splits``), cut at
   document ends (the ``documents`` partition);
-* ``seq1f1b-{T}tok``: Seq1F1B with a token budget per segment (``--segment-tokens``).
+* ``seq1f1b-{T}tok``: Seq1F1B with a token budget per segment (``--segment-tokens``);
+* ``seq1f1b-{T}tok-runs`` (``--backward-by-documents``): the same cuts, each micro-batch's
+  runs of documents going backward apart (:mod:`megatron_seq1f1b.segments.document_runs`).
+  Every row then runs with ``calculate_per_token_loss=True``, which that needs.
 
 Rows alternate run by run (:mod:`~megatron_seq1f1b.bench.runner`); every row's timeline
 splits its speed-up into the bubble part and the busy-time part; stage peaks come from
@@ -66,6 +69,9 @@ def add_arguments(parser) -> None:
     group.add_argument("--segment-tokens", type=positive_int, nargs="+", default=[1024],
                        metavar="T", help="Seq1F1B rows with these token budgets per segment "
                                          "(default 1024)")
+    group.add_argument("--backward-by-documents", action="store_true",
+                       help="add a row per budget whose micro-batches' runs of documents go "
+                            "backward apart; every row then uses per-token loss")
     group.add_argument("--max-splits", type=positive_int, default=64,
                        help="the most segments a budget row gives a micro-batch (default 64)")
 
@@ -131,6 +137,8 @@ def main(args: argparse.Namespace, *, model_provider: Callable, forward_step: Ca
     layouts = build_layouts(args, plain_args, model_provider, world)
     layout = layouts["plain"]
     layout.config.variable_seq_lengths = True  # every row: Megatron's contract
+    if args.backward_by_documents:  # what runs apart need; every row alike
+        layout.config.calculate_per_token_loss = True
     if plain_args.data_parallel_size != 1:
         raise SystemExit("--variable-lengths: run one pipeline (world = tp x pp)")
 
@@ -162,13 +170,17 @@ def main(args: argparse.Namespace, *, model_provider: Callable, forward_step: Ca
         row.fb = megatron_fb
         schedules.append(row)
     seq1f1b_rows = [(f"seq1f1b-k{args.splits}", f"Seq1F1B k={args.splits} documents",
-                     args.splits, None)]
-    seq1f1b_rows += [(f"seq1f1b-{t}tok", f"Seq1F1B {t} tokens/segment", args.max_splits, t)
-                     for t in args.segment_tokens]
-    for key, label, k, tokens in seq1f1b_rows:
+                     args.splits, None, False)]
+    for t in args.segment_tokens:
+        seq1f1b_rows.append((f"seq1f1b-{t}tok", f"Seq1F1B {t} tokens/segment", args.max_splits,
+                             t, False))
+        if args.backward_by_documents:
+            seq1f1b_rows.append((f"seq1f1b-{t}tok-runs", f"Seq1F1B {t} tokens/segment, runs "
+                                 "apart", args.max_splits, t, True))
+    for key, label, k, tokens, apart in seq1f1b_rows:
         row = BenchSchedule(key, label, layout, False, k, "documents", [], documents="cu_seqlens",
                             batches=batches, form="packed")
-        row.segment_tokens = tokens
+        row.segment_tokens, row.backward_by_documents = tokens, apart
         row.fb = row.forward_backward()
         schedules.append(row)
 
@@ -226,6 +238,7 @@ def _predictions(args, layouts, samples, seqs, came, regrouped, schedules,
     )
     from megatron_seq1f1b.planner.variable import cut_rows, predict_rows
     from megatron_seq1f1b.runtime.executor_setup import document_cut
+    from megatron_seq1f1b.segments.document_runs import document_runs
 
     layout = layouts["plain"]
     longest = max(range(len(seqs)), key=lambda j: seqs[j])
@@ -253,6 +266,9 @@ def _predictions(args, layouts, samples, seqs, came, regrouped, schedules,
         else:
             cuts = cut_rows(totals, s.k, "documents", segment_tokens=s.segment_tokens,
                             cost=cost, multiple_of=multiple, documents=documents)
+            if s.backward_by_documents:  # the runs are the schedule's micro-batches
+                runs = document_runs(cuts, documents)
+                cuts, documents = runs.rows, runs.documents(documents)
         time, _, _, _ = predict_rows(calibration, cuts, args.pp, documents=documents)
         predicted[s.key] = time
     return predicted

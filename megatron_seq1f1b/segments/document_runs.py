@@ -27,31 +27,46 @@ class Runs:
 
     rows: tuple[tuple[int, ...], ...]  # segment lengths per run
     owners: tuple[tuple[int, int], ...]  # per run: (micro-batch, its first segment)
+    offsets: tuple[int, ...]  # per run: its first token in its micro-batch
     last_backward: tuple[int, ...]  # per micro-batch: the segment backwarded last (its last run's head)
 
     @property
     def num_runs(self) -> int:
         return len(self.rows)
 
+    def documents(self, documents: Sequence[Documents]) -> tuple[Documents, ...]:
+        """Each run's own documents (its micro-batch's, from the run's first token): what the
+        simulator costs a run's segments by."""
+        out = []
+        for (microbatch, _), offset, row in zip(self.owners, self.offsets, self.rows):
+            length = sum(row)
+            found = documents[microbatch]
+            out.append(Documents(tuple(tuple(s - offset for s in sample
+                                             if offset <= s < offset + length)
+                                       for sample in found.starts), length))
+        return tuple(out)
+
 
 def document_runs(rows: Sequence[Sequence[int]],
                   documents: Sequence[Documents | None]) -> Runs:
     """Every micro-batch's segments (``rows``) grouped into runs: a run ends before a segment
     that starts where a document starts in every sample of its micro-batch."""
-    out_rows, owners, last_backward = [], [], []
+    out_rows, owners, offsets, last_backward = [], [], [], []
     for microbatch, (row, found) in enumerate(zip(rows, documents)):
         cuts = set(found.ends()) if found is not None else set()
-        head, start = 0, 0
+        head, start, head_start = 0, 0, 0
         for index, length in enumerate(row):
             if index > head and start in cuts:
                 out_rows.append(tuple(row[head:index]))
                 owners.append((microbatch, head))
-                head = index
+                offsets.append(head_start)
+                head, head_start = index, start
             start += length
         out_rows.append(tuple(row[head:]))
         owners.append((microbatch, head))
+        offsets.append(head_start)
         last_backward.append(head)
-    return Runs(tuple(out_rows), tuple(owners), tuple(last_backward))
+    return Runs(tuple(out_rows), tuple(owners), tuple(offsets), tuple(last_backward))
 
 
 def backward_by_documents_problems(config, *, num_chunks: int, forward_only: bool,
