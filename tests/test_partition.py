@@ -219,3 +219,23 @@ def test_hybrid_pattern_costs_by_layer_kind():
     mixed = split_sequence(4096, 4, "balanced", config=config(num_layers=7), vocab_size=50257,
                            pattern="M-M-M*-")
     assert mixed[0] > mixed[-1] and mixed[0] - mixed[-1] < attention_first[0] - attention_first[-1]
+
+
+def test_documents_by_budget_cut_where_documents_end():
+    """backward_by_documents' cut: whole documents packed up to the budget, a longer one cut
+    alone (by cost, as a micro-batch of one document); only common ends that are multiples."""
+    from megatron_seq1f1b.schedules.partition import split_documents, split_documents_by_budget
+    from megatron_seq1f1b.segments.documents import Documents
+
+    cost = CostModel(1.0, 0.01)
+    assert split_documents_by_budget(Documents(((0, 5, 24, 41),), 48), 12, cost) == \
+        [5, 10, 9, 9, 8, 7]
+    assert split_documents_by_budget(Documents(((0, 100, 200),), 300), 1024, cost) == [300]
+    # 300 and 500 are no multiples of 16: [0, 3440) is one piece, cut alone like [3440, 7536)
+    found = split_documents_by_budget(Documents(((0, 300, 500, 3440),), 7536), 1024, cost,
+                                      multiple_of=16)
+    assert found == split_documents(Documents.whole(3440), 4, cost, multiple_of=16) + \
+        split_documents(Documents.whole(4096), 4, cost, multiple_of=16)
+    # an end in one sample only is no end
+    assert split_documents_by_budget(Documents(((0, 4), (0, 6)), 12), 5, cost) == \
+        split_documents(Documents.whole(12), 3, cost)

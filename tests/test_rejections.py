@@ -171,6 +171,10 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-segment-multiple": _lm(seq1f1b_segment_multiple=0),
     "lm-segments-segment-multiple": _lm(seq1f1b_segment_multiple=3000),
     "lm-segment-tokens-without-seq1f1b": _lm(seq1f1b=False, seq1f1b_segment_tokens=512),
+    "lm-backward-by-documents-without-seq1f1b": _lm(seq1f1b=False,
+                                                    seq1f1b_backward_by_documents=True),
+    "lm-backward-by-documents-per-token": _lm(seq1f1b_backward_by_documents=True,
+                                              calculate_per_token_loss=False),
     "lm-segment-tokens-positive": _lm(seq1f1b_segment_tokens=0),
     "lm-segment-tokens-one-split": _lm(seq1f1b_splits=1, seq1f1b_segment_tokens=512),
     "lm-segment-tokens-auto": _lm(seq1f1b_splits="auto", seq1f1b_segment_tokens=512),
@@ -214,6 +218,8 @@ _RECURRENT = ("--hybrid-layer-pattern", "MG*-", "--mamba-num-groups", "2", "--sw
 
 TRAINER: dict[str, LocalTrigger] = {
     "trainer-world-size": _trainer("--tensor-model-parallel-size", "2", world_size=3),
+    "trainer-backward-by-documents-per-token": _trainer("--seq1f1b",
+                                                        "--seq1f1b-backward-by-documents"),
     "trainer-layers-per-stage": _trainer("--pipeline-model-parallel-size", "3", world_size=3),
     "trainer-vpp-needs-pipeline": _trainer("--num-layers-per-virtual-pipeline-stage", "1"),
     "trainer-hybrid-symbols": _trainer("--hybrid-layer-pattern", "*D-"),

@@ -99,6 +99,10 @@ RUNS_CASES = {
     "pp2-eod-zb-h1": (2, dict(spec=ROPE, **RUNS, seq1f1b=budget(
         12, documents=ROPE.vocab_size - 1, schedule="zb-h1", backward_by_documents=True))),
 }
+RUNS_CASES["pp2-thd-documents-partition"] = (2, dict(
+    spec=FLASH, thd=True, lengths=[48, 16, 40], documents=[(0, 5, 24, 41), (0,), (0, 7, 20, 33)],
+    per_token=True, order=True, seq1f1b=budget(12, partition="documents", documents="cu_seqlens",
+                                               backward_by_documents=True)))
 if FULL:
     RUNS_CASES["pp4-thd"] = (4, dict(spec=FLASH, thd=True, pp=4, **RUNS, seq1f1b=budget(
         12, documents="cu_seqlens", backward_by_documents=True)))
@@ -107,15 +111,16 @@ if FULL:
 @pytest.mark.parametrize("name", list(RUNS_CASES))
 def test_runs_of_documents_go_backward_apart(ranks, name):
     """Exact against Megatron, and on the last stage a micro-batch's first run goes backward
-    before its second run's last segment comes forward (as a whole micro-batch, nothing goes
-    backward before its last segment's forward; earlier stages run ``p - 1`` units ahead)."""
+    before its last segment comes forward (as a whole micro-batch, its segment 0 goes backward
+    last of all; earlier stages run ``p - 1`` units ahead)."""
     world, arguments = RUNS_CASES[name]
     results = ranks.run(world, run, case=f"varlen-runs-{name}", **arguments)
     _check(results)
     last = max(results, key=lambda result: result["rank"])
     order = [tuple(event) for event in last["order"]]
-    for microbatch in (0, 2):  # runs of segments 0-1 and 2-3
-        assert order.index(("B", microbatch, 1)) < order.index(("F", microbatch, 3)), order
+    for microbatch in (0, 2):  # two runs or more each
+        final = max(segment for phase, mb, segment in order if mb == microbatch)
+        assert order.index(("B", microbatch, 0)) < order.index(("F", microbatch, final)), order
 
 
 @pytest.mark.parametrize("form", ["mean", "triple"])

@@ -265,7 +265,8 @@ def _predictions(args, layouts, samples, seqs, came, regrouped, schedules,
             cuts = tuple((n,) for n in totals)
         else:
             cuts = cut_rows(totals, s.k, "documents", segment_tokens=s.segment_tokens,
-                            cost=cost, multiple_of=multiple, documents=documents)
+                            cost=cost, multiple_of=multiple, documents=documents,
+                            runs_apart=s.backward_by_documents)
             if s.backward_by_documents:  # the runs are the schedule's micro-batches
                 runs = document_runs(cuts, documents)
                 cuts, documents = runs.rows, runs.documents(documents)

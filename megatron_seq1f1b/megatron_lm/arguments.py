@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "costs about the same. --seq1f1b-splits, if given, caps the count.",
     )
     group.add_argument(
+        "--seq1f1b-backward-by-documents", action="store_true",
+        help="With packed documents: a micro-batch's runs of documents that no cut links go "
+             "backward before its later runs come forward, so a stage holds about its longest "
+             "run, not its longest micro-batch (needs --calculate-per-token-loss).",
+    )
+    group.add_argument(
         "--seq1f1b-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
         help="'1f1b': Seq1F1B; 'zb-h1' / 'zb-h2': zero-bubble Seq1F1B, weight gradients as "
              "separate steps in the bubbles (zb-h1 keeps the first stage's memory, zb-h2 "
@@ -176,6 +182,19 @@ def segment_tokens_flag_problems(args: Any) -> list[str]:
     return problems
 
 
+def backward_by_documents_flag_problems(args: Any) -> list[str]:
+    """``--seq1f1b-backward-by-documents``: only with ``--seq1f1b`` and per-token loss (the rest
+    of what it needs the executor checks, before any message)."""
+    if not _flag(args, "seq1f1b_backward_by_documents", False):
+        return []
+    if not _flag(args, "seq1f1b", False):
+        return ["--seq1f1b-backward-by-documents needs --seq1f1b; add it, or leave the flag out"]
+    if not _flag(args, "calculate_per_token_loss", False):
+        return ["--seq1f1b-backward-by-documents needs --calculate-per-token-loss: a "
+                "micro-batch's token count is known only after its first runs went backward"]
+    return []
+
+
 def window_problems(args: Any) -> list[str]:
     """``--window-size (w, r)`` under ``--seq1f1b``: a window may look back, not ahead (the
     patched Megatron-LM scripts and this project's trainer share the rule)."""
@@ -218,9 +237,9 @@ def args_problems(args: Any) -> list[str]:
     messages name the flag to change. Without ``--seq1f1b`` only that no
     ``--seq1f1b-segment-tokens`` is given (it would be ignored).
     """
-    if not _flag(args, "seq1f1b", False):
-        return segment_tokens_flag_problems(args)  # a flag of ours that needs --seq1f1b
-    problems: list[str] = []
+    if not _flag(args, "seq1f1b", False):  # flags of ours that need --seq1f1b
+        return segment_tokens_flag_problems(args) + backward_by_documents_flag_problems(args)
+    problems: list[str] = backward_by_documents_flag_problems(args)
     splits = segment_splits(args)
     budget = _flag(args, "seq1f1b_segment_tokens")
     if segment_tokens_problems(budget):

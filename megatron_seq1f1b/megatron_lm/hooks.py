@@ -247,7 +247,8 @@ def prepare_model(model: Any, args: Any = None) -> Any:
         install(splits, args.seq1f1b_partition,
                 schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE),
                 segment_multiple=_flag(args, "seq1f1b_segment_multiple"), documents=documents,
-                segment_tokens=_flag(args, "seq1f1b_segment_tokens"))
+                segment_tokens=_flag(args, "seq1f1b_segment_tokens"),
+                backward_by_documents=_flag(args, "seq1f1b_backward_by_documents", False))
     return model
 
 

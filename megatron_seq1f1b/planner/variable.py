@@ -24,7 +24,7 @@ from typing import Sequence
 
 from megatron_seq1f1b.planner.costs import Calibration
 from megatron_seq1f1b.planner.memory_model import bytes_text
-from megatron_seq1f1b.schedules.partition import CostModel, split_documents
+from megatron_seq1f1b.schedules.partition import CostModel, split_documents, split_documents_by_budget
 from megatron_seq1f1b.schedules.plan import plan_steps
 from megatron_seq1f1b.schedules.replay import replay
 from megatron_seq1f1b.schedules.schedule import Schedule, ScheduleError, build_schedule
@@ -68,10 +68,15 @@ class VariablePlan:
 
 def cut_rows(seq_lengths: Sequence[int], num_splits: int, partition: str, *,
              segment_tokens: int | None = None, cost: CostModel | None = None,
-             multiple_of: int = 1, documents=None) -> tuple[tuple[int, ...], ...]:
+             multiple_of: int = 1, documents=None,
+             runs_apart: bool = False) -> tuple[tuple[int, ...], ...]:
     """Every micro-batch's segment lengths, as the executor cuts them (``documents``: one
     :class:`~megatron_seq1f1b.segments.documents.Documents` per micro-batch, for the
-    documents partition)."""
+    documents partition; ``runs_apart``: as ``backward_by_documents`` cuts them)."""
+    if partition == "documents" and runs_apart and segment_tokens is not None:
+        return tuple(tuple(split_documents_by_budget(docs, segment_tokens, cost,
+                                                     multiple_of=multiple_of))
+                     for docs in documents)
     if partition == "documents":
         return tuple(tuple(split_documents(
             docs, segment_count(n, num_splits, segment_tokens, multiple_of), cost,

@@ -437,12 +437,15 @@ def forward_backward(
             seq_lengths if seq_lengths is not None else sequence,
             micro_batch_size, pg_collection, peers.pp_rank, rehearsal=rehearse is not None)
     if variable:
-        microbatch_lengths = setup.cut(seq_lengths, found)
+        microbatch_lengths = setup.cut(seq_lengths, found, runs_apart)
         plan = setup.plan_for(microbatch_lengths)
     elif setup.document_costs is not None:
-        microbatch_lengths = [
-            split_documents(docs, len(setup.lengths), setup.document_costs,
-                            multiple_of=setup.document_multiple) for docs in found]
+        if runs_apart and setup.segment_tokens is not None:  # cut where documents end
+            microbatch_lengths = setup.cut([docs.seq_length for docs in found], found, True)
+        else:
+            microbatch_lengths = [
+                split_documents(docs, len(setup.lengths), setup.document_costs,
+                                multiple_of=setup.document_multiple) for docs in found]
     runs = None
     if runs_apart:
         runs = document_runs(microbatch_lengths if microbatch_lengths is not None

@@ -41,7 +41,9 @@ from megatron_seq1f1b.runtime.model_hooks import (
 )
 from megatron_seq1f1b.runtime.p2p import Peers
 from megatron_seq1f1b.schedules import plan as plan_mod
-from megatron_seq1f1b.schedules.partition import METHODS, CostModel, split_documents, split_sequence
+from megatron_seq1f1b.schedules.partition import (
+    METHODS, CostModel, split_documents, split_documents_by_budget, split_sequence,
+)
 from megatron_seq1f1b.schedules.schedule import SCHEDULES, Action
 from megatron_seq1f1b.schedules.steady import executor_plan, whole_plan
 from megatron_seq1f1b.schedules.variable import (
@@ -456,9 +458,12 @@ class Setup:
     def delayed_te_layers(self) -> list:
         return [[(name, ref()) for name, ref in chunk] for chunk in self.te_layers]
 
-    def cut(self, seq_lengths: Sequence[int], documents=None) -> tuple[tuple[int, ...], ...]:
+    def cut(self, seq_lengths: Sequence[int], documents=None,
+            runs_apart: bool = False) -> tuple[tuple[int, ...], ...]:
         """Variable lengths: every micro-batch's segment lengths (uniform, balanced, or by
-        its ``documents``), the same function of the same lengths on every rank."""
+        its ``documents``), the same function of the same lengths on every rank.
+        ``runs_apart`` (backward_by_documents): the documents partition with a budget cuts
+        where documents end wherever it can."""
         raise_if(length_problems(seq_lengths, self.own_multiple))
         by_documents = self.document_costs is not None
         own = self.document_multiple if by_documents else self.own_multiple
@@ -466,6 +471,11 @@ class Setup:
         for index, length in enumerate(seq_lengths):
             count = segment_count(length, self.num_splits, self.segment_tokens, own)
             try:
+                if by_documents and runs_apart and self.segment_tokens is not None:
+                    rows.append(tuple(split_documents_by_budget(
+                        documents[index], self.segment_tokens, self.document_costs,
+                        multiple_of=own)))
+                    continue
                 if by_documents:
                     rows.append(tuple(split_documents(documents[index], count,
                                                       self.document_costs, multiple_of=own)))

@@ -660,3 +660,37 @@ def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of:
         cuts = cuts_for(tol)
     bounds = [0] + cuts + [seq_length]
     return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def split_documents_by_budget(documents, budget: int, cost: CostModel, *,
+                              multiple_of: int = 1) -> list[int]:
+    """Segment lengths of one packed micro-batch whose runs of documents go backward apart
+    (:mod:`megatron_seq1f1b.segments.document_runs`): every cut that can fall where a document
+    ends does. Whole documents are packed into segments of at most ``budget`` tokens; a
+    document longer than the budget gets ``ceil(length / budget)`` segments of its own, cut
+    by cost as a micro-batch of one document. Only ends common to every sample and multiples
+    of ``multiple_of`` count as ends. More segments than ``ceil(S / budget)`` may come out: the
+    price of cuts a run can end at."""
+    from megatron_seq1f1b.segments.documents import Documents
+
+    lengths: list[int] = []
+    start = closed = 0  # the open segment holds [start, closed)
+    seq_length = documents.seq_length
+    ends = [e for e in documents.ends() if e % multiple_of == 0 and e < seq_length]
+    for end in ends + [seq_length]:
+        if end - start <= budget:
+            closed = end
+            continue
+        if closed > start:
+            lengths.append(closed - start)
+            start = closed
+        if end - start <= budget:
+            closed = end
+            continue
+        length = end - start
+        count = max(1, min(math.ceil(length / budget), length // multiple_of))
+        lengths += split_documents(Documents.whole(length), count, cost, multiple_of=multiple_of)
+        start = closed = end
+    if closed > start:
+        lengths.append(closed - start)
+    return lengths

@@ -24,8 +24,8 @@ from megatron_seq1f1b.base.flags import (
     positive_int,
 )
 from megatron_seq1f1b.megatron_lm.arguments import (
-    AUTO, add_arguments, auto_flag_problems, moe_flag_problems, segment_splits,
-    segment_tokens_flag_problems, window_problems,
+    AUTO, add_arguments, auto_flag_problems, backward_by_documents_flag_problems,
+    moe_flag_problems, segment_splits, segment_tokens_flag_problems, window_problems,
 )
 from megatron_seq1f1b.planner.cli import add_recurrent_arguments, recurrent_fields
 from megatron_seq1f1b.planner.footprint import ModelShape
@@ -449,6 +449,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     problems += auto_flag_problems(args)
     problems += document_problems(args, auto)
     problems += segment_tokens_flag_problems(args)
+    problems += backward_by_documents_flag_problems(args)
     problems += lengths.flag_problems(args)
     # unset: 4, or with --seq1f1b-segment-tokens no cap (the longest micro-batch's count)
     args.seq1f1b_splits = segment_splits(args, args.schedule_seq_length)

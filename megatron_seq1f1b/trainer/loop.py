@@ -28,7 +28,8 @@ def _forward_backward_func(args, recorder=None) -> Callable:
             segment_costs=getattr(args, "seq1f1b_segment_costs", None),
             segment_multiple=args.seq1f1b_segment_multiple,
             documents=data.seq1f1b_documents(args, data.make_tokenizer(args).eod),
-            segment_tokens=args.seq1f1b_segment_tokens)
+            segment_tokens=args.seq1f1b_segment_tokens,
+            backward_by_documents=args.seq1f1b_backward_by_documents)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()
