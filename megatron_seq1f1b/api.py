@@ -148,6 +148,7 @@ def get_forward_backward_func(
     forward_backward_func.partition = partition
     forward_backward_func.schedule = schedule
     forward_backward_func.segment_tokens = segment_tokens
+    forward_backward_func.backward_by_documents = backward_by_documents
     forward_backward_func.__qualname__ = (
         f"seq1f1b_forward_backward[k={num_splits},{partition},{schedule}]")
     return forward_backward_func

@@ -1949,6 +1949,27 @@ def test_segment_tokens_flag_installs_a_budget(monkeypatch, splits, cap):
         s1.uninstall()
 
 
+def test_backward_by_documents_flag_installs_it(monkeypatch):
+    """--seq1f1b-backward-by-documents with packed documents and per-token loss: the installed
+    function runs a micro-batch's runs of documents apart."""
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    import megatron_seq1f1b.runtime.model_hooks as model_mod
+
+    monkeypatch.setattr(model_mod, "enable", lambda model: model)
+    parsed = parser_with_seq1f1b().parse_args(["--seq1f1b", "--seq1f1b-backward-by-documents"])
+    assert parsed.seq1f1b_backward_by_documents
+    try:
+        megatron_lm.prepare_model([object()], megatron_args(
+            seq1f1b_backward_by_documents=True, calculate_per_token_loss=True, sft=True,
+            micro_batch_size=1))
+        func = pipeline_parallel.get_forward_backward_func()
+        assert func.backward_by_documents
+    finally:
+        import megatron_seq1f1b as s1
+
+        s1.uninstall()
+
+
 def test_prepare_model_with_auto_installs_the_planning_function(monkeypatch):
     """--seq1f1b-splits auto: the installed function plans on its first call (tested on
     ranks in tests/test_auto.py) with the budget flags given."""

@@ -454,13 +454,20 @@ def test_document_boundaries_before_0_19_equal_megatrons(tmp_path):
 # CI: packed byte documents on flash (THD), each sample cut after its last whole document,
 # as post-training packs them; SEQ1F1B_FULL=1 adds log-normal lengths on mock data (local
 # attention, micro-batches of 2, evaluation; --seq1f1b-splits auto planning a budget on the
-# first global batch, whose measurement leaves training as it was).
+# first global batch, whose measurement leaves training as it was); and the same documents
+# with a micro-batch's runs of documents going backward apart, on per-token loss.
 VARIABLE = {
     "documents-thd": (
         ["--variable-seq-lengths", "documents", "--attention-backend", "flash",
          "--reset-attention-mask", "--reset-position-ids", "--position-embedding-type", "rope"],
         [[], ["--seq1f1b", "--seq1f1b-splits", "3"],
          ["--seq1f1b", "--seq1f1b-segment-tokens", "16", "--seq1f1b-partition", "documents"]]),
+    "documents-thd-runs-apart": (  # --seq1f1b-backward-by-documents needs per-token loss
+        ["--variable-seq-lengths", "documents", "--attention-backend", "flash",
+         "--reset-attention-mask", "--reset-position-ids", "--position-embedding-type", "rope",
+         "--calculate-per-token-loss"],
+        [[], ["--seq1f1b", "--seq1f1b-segment-tokens", "16", "--seq1f1b-partition", "documents",
+              "--seq1f1b-backward-by-documents"]]),
     "lognormal": (
         ["--mock-data", "--variable-seq-lengths", "lognormal", "--variable-seq-lengths-min", "8",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "3",
@@ -470,7 +477,8 @@ VARIABLE = {
 }
 
 
-@pytest.mark.parametrize("mode", list(VARIABLE) if FULL else ["documents-thd"])
+@pytest.mark.parametrize("mode", list(VARIABLE) if FULL else ["documents-thd",
+                                                               "documents-thd-runs-apart"])
 def test_variable_lengths_seq1f1b_equals_megatrons_schedule(tmp_path, mode):
     """--variable-seq-lengths at pipeline 2, fp32: Seq1F1B with a fixed k and with a token
     budget per segment gives the losses of Megatron's 1F1B (variable_seq_lengths=True) on the

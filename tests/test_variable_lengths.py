@@ -103,6 +103,10 @@ RUNS_CASES["pp2-thd-documents-partition"] = (2, dict(
     spec=FLASH, thd=True, lengths=[48, 16, 40], documents=[(0, 5, 24, 41), (0,), (0, 7, 20, 33)],
     per_token=True, order=True, seq1f1b=budget(12, partition="documents", documents="cu_seqlens",
                                                backward_by_documents=True)))
+RUNS_CASES["pp2-fixed-length-eod"] = (2, dict(  # every micro-batch seq_length long
+    spec=ROPE, lengths=[48, 48, 48], documents=[(0, 5, 24, 41), (0, 20), (0, 7, 24, 33)],
+    per_token=True, order=True, config_overrides=dict(variable_seq_lengths=False),
+    seq1f1b=budget(12, documents=ROPE.vocab_size - 1, backward_by_documents=True)))
 if FULL:
     RUNS_CASES["pp4-thd"] = (4, dict(spec=FLASH, thd=True, pp=4, **RUNS, seq1f1b=budget(
         12, documents="cu_seqlens", backward_by_documents=True)))
@@ -110,17 +114,17 @@ if FULL:
 
 @pytest.mark.parametrize("name", list(RUNS_CASES))
 def test_runs_of_documents_go_backward_apart(ranks, name):
-    """Exact against Megatron, and on the last stage a micro-batch's first run goes backward
-    before its last segment comes forward (as a whole micro-batch, its segment 0 goes backward
-    last of all; earlier stages run ``p - 1`` units ahead)."""
+    """Exact against Megatron, and on every stage a micro-batch's first run goes backward
+    before its last run (as a whole micro-batch its segment 0 goes backward last of all)."""
     world, arguments = RUNS_CASES[name]
     results = ranks.run(world, run, case=f"varlen-runs-{name}", **arguments)
     _check(results)
-    last = max(results, key=lambda result: result["rank"])
-    order = [tuple(event) for event in last["order"]]
-    for microbatch in (0, 2):  # two runs or more each
-        final = max(segment for phase, mb, segment in order if mb == microbatch)
-        assert order.index(("B", microbatch, 0)) < order.index(("F", microbatch, final)), order
+    for result in results:
+        order = [tuple(event) for event in result["order"]]
+        for microbatch in (0, 2):  # two runs or more each
+            final = max(segment for phase, mb, segment in order if mb == microbatch)
+            assert order.index(("B", microbatch, 0)) < order.index(("B", microbatch, final)), \
+                (result["rank"], order)
 
 
 @pytest.mark.parametrize("form", ["mean", "triple"])

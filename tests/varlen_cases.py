@@ -107,9 +107,9 @@ def run(*, spec: ModelSpec, lengths, seq1f1b: dict, pp: int = 2, vpp: int | None
                 output.register_hook(lambda grad, unit=unit: events.append(("B",) + unit))
             return output, loss
 
-    overrides = dict(variable_seq_lengths=True, calculate_per_token_loss=per_token,
-                     moe_token_dispatcher_type="alltoall",  # Megatron requires it here
-                     **(config_overrides or {}))
+    overrides = {**dict(variable_seq_lengths=True, calculate_per_token_loss=per_token,
+                        moe_token_dispatcher_type="alltoall"),  # Megatron requires it here
+                 **(config_overrides or {})}  # variable_seq_lengths=False: equal lengths
     if vpp:  # Megatron's interleaved schedule on pp 2: see notes (batched p2p pairs wrongly)
         overrides.setdefault("overlap_p2p_comm", pp == 2)
         overrides.setdefault("batch_p2p_comm", pp != 2)

@@ -411,7 +411,7 @@ def forward_backward(
     runs_apart = backward_by_documents and not forward_only
     if runs_apart:
         raise_if(backward_by_documents_problems(
-            config, num_chunks=len(chunks), forward_only=forward_only, documents=documents,
+            config, num_chunks=len(chunks), documents=documents,
             cp_size=pg_collection.cp.size() if pg_collection.cp is not None else 1,
             recurrent=any(kind in (layer_pattern(chunks) or "") for kind in "MG")))
     sequence = decoder_seq_length if decoder_seq_length is not None else seq_length

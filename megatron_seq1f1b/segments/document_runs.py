@@ -69,11 +69,10 @@ def document_runs(rows: Sequence[Sequence[int]],
     return Runs(tuple(out_rows), tuple(owners), tuple(offsets), tuple(last_backward))
 
 
-def backward_by_documents_problems(config, *, num_chunks: int, forward_only: bool,
-                                   documents, cp_size: int, recurrent: bool) -> list[str]:
-    """What ``backward_by_documents`` cannot run with, found before any message."""
-    if forward_only:
-        return []
+def backward_by_documents_problems(config, *, num_chunks: int, documents, cp_size: int,
+                                   recurrent: bool) -> list[str]:
+    """What ``backward_by_documents`` cannot train with, found before any message (a
+    forward-only pass has no backward to move, and runs its micro-batches whole)."""
     name = "backward_by_documents=True"
     problems = []
     if documents is None:
