@@ -175,6 +175,8 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
                                                     seq1f1b_backward_by_documents=True),
     "lm-backward-by-documents-per-token": _lm(seq1f1b_backward_by_documents=True,
                                               calculate_per_token_loss=False),
+    "lm-backward-by-documents-auto": _lm(seq1f1b_backward_by_documents=True,
+                                         calculate_per_token_loss=True, seq1f1b_splits="auto"),
     "lm-segment-tokens-positive": _lm(seq1f1b_segment_tokens=0),
     "lm-segment-tokens-one-split": _lm(seq1f1b_splits=1, seq1f1b_segment_tokens=512),
     "lm-segment-tokens-auto": _lm(seq1f1b_splits="auto", seq1f1b_segment_tokens=512),

@@ -189,10 +189,16 @@ def backward_by_documents_flag_problems(args: Any) -> list[str]:
         return []
     if not _flag(args, "seq1f1b", False):
         return ["--seq1f1b-backward-by-documents needs --seq1f1b; add it, or leave the flag out"]
+    problems = []
     if not _flag(args, "calculate_per_token_loss", False):
-        return ["--seq1f1b-backward-by-documents needs --calculate-per-token-loss: a "
-                "micro-batch's token count is known only after its first runs went backward"]
-    return []
+        problems.append("--seq1f1b-backward-by-documents needs --calculate-per-token-loss: a "
+                        "micro-batch's token count is known only after its first runs went "
+                        "backward")
+    if _flag(args, "seq1f1b_splits") == AUTO:
+        problems.append("--seq1f1b-backward-by-documents with --seq1f1b-splits auto: the planner "
+                        "plans whole micro-batches; give --seq1f1b-segment-tokens (and "
+                        "--seq1f1b-partition documents) instead of auto")
+    return problems
 
 
 def window_problems(args: Any) -> list[str]:
