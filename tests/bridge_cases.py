@@ -434,6 +434,10 @@ def refusals() -> list[str]:
     refused(lambda: s1b.Seq1F1B(4, "documents"), "documents")
     refused(lambda: s1b.Seq1F1B(4, segment_tokens=0), "segment_tokens")
     refused(lambda: s1b.Seq1F1B(1, segment_tokens=16), "num_splits=1")
+    refused(lambda: s1b.Seq1F1B(4, backward_by_documents=True), "backward_by_documents")
+    if not s1b.Seq1F1B(4, documents="packed", backward_by_documents=True).function \
+            .backward_by_documents:
+        problems.append("backward_by_documents not passed to the forward-backward function")
     full_graphs = types.SimpleNamespace(**vars(cfg))
     full_graphs.model = types.SimpleNamespace(cuda_graph_impl="full_iteration")
     if not any("full_iteration" in p for p in s1b.bridge_problems(full_graphs, in_batch)):

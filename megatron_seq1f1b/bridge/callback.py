@@ -78,14 +78,16 @@ class Seq1F1B(Callback):
     reads the documents of Bridge's packed batches (:func:`~.step.packed_documents`).
     ``segment_tokens``: a token budget per segment (``num_splits`` is then the most segments a
     micro-batch gets), for Bridge's in-batch packing, whose micro-batches have their own
-    lengths (:func:`variable_lengths`; docs/variable_lengths.md).
+    lengths (:func:`variable_lengths`; docs/variable_lengths.md). ``backward_by_documents``:
+    a micro-batch's runs of documents go backward apart (with ``documents``; per-token loss).
     Use with :func:`megatron_seq1f1b.bridge.step`, which cuts each micro-batch into its
     segment. The arguments are checked here, before Bridge starts.
     """
 
     def __init__(self, num_splits: int, partition: str = "uniform", *, schedule: str = "1f1b",
                  split_lengths: Sequence[int] | None = None, segment_multiple: int | None = None,
-                 documents=None, segment_tokens: int | None = None):
+                 documents=None, segment_tokens: int | None = None,
+                 backward_by_documents: bool = False):
         kwargs = dict(split_lengths=split_lengths, schedule=schedule,
                       segment_multiple=segment_multiple)
         if documents == "packed":
@@ -95,6 +97,8 @@ class Seq1F1B(Callback):
         kwargs["documents"] = documents
         if segment_tokens is not None:
             kwargs["segment_tokens"] = segment_tokens
+        if backward_by_documents:
+            kwargs["backward_by_documents"] = True
         self.function = get_forward_backward_func(num_splits, partition, **kwargs)
         self._replaced: dict[str, Callable] = {}
 
