@@ -107,6 +107,9 @@ RUNS_CASES["pp2-fixed-length-eod"] = (2, dict(  # every micro-batch seq_length l
     spec=ROPE, lengths=[48, 48, 48], documents=[(0, 5, 24, 41), (0, 20), (0, 7, 24, 33)],
     per_token=True, order=True, config_overrides=dict(variable_seq_lengths=False),
     seq1f1b=budget(12, documents=ROPE.vocab_size - 1, backward_by_documents=True)))
+RUNS_CASES["pp2-eod-mbs2-documents-partition"] = (2, dict(  # two samples, the same documents
+    spec=ROPE, micro_batch_size=2, **RUNS, seq1f1b=budget(
+        12, partition="documents", documents=ROPE.vocab_size - 1, backward_by_documents=True)))
 if FULL:
     RUNS_CASES["pp4-thd"] = (4, dict(spec=FLASH, thd=True, pp=4, **RUNS, seq1f1b=budget(
         12, documents="cu_seqlens", backward_by_documents=True)))
