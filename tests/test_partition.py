@@ -236,6 +236,11 @@ def test_documents_by_budget_cut_where_documents_end():
                                       multiple_of=16)
     assert found == split_documents(Documents.whole(3440), 4, cost, multiple_of=16) + \
         split_documents(Documents.whole(4096), 4, cost, multiple_of=16)
+    # more segments than the cap: cut as the documents partition cuts into the capped count
+    seventeen = Documents((tuple(range(0, 204, 17)),), 204)
+    assert len(split_documents_by_budget(seventeen, 16, cost)) == 24
+    assert split_documents_by_budget(seventeen, 16, cost, max_splits=16) == \
+        split_documents(seventeen, 13, cost)
     # an end in one sample only is no end
     assert split_documents_by_budget(Documents(((0, 4), (0, 6)), 12), 5, cost) == \
         split_documents(Documents.whole(12), 3, cost)

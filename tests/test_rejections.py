@@ -552,6 +552,12 @@ ON_RANKS: dict[str, dict[str, RankTrigger]] = {
         "executor-backward-by-documents-per-token": _documents_apart(),
         "executor-backward-by-documents-moe-aux-loss": _documents_apart(
             calculate_per_token_loss=True, num_moe_experts=4, moe_aux_loss_coeff=0.01),
+        "executor-backward-by-documents-mtp": _documents_apart(calculate_per_token_loss=True,
+                                                               mtp_num_layers=1),
+        "executor-backward-by-documents-recurrent": _documents_apart(
+            calculate_per_token_loss=True, experimental_attention_variant="gated_delta_net"),
+        "executor-backward-by-documents-context-parallel": _documents_apart(
+            calculate_per_token_loss=True, context_parallel_size=2),
         "executor-overlap-p2p-without-chunks": _call(config=dict(overlap_p2p_comm=True,
                                                                  batch_p2p_comm=False)),
         "executor-adjust-tensor-shapes": _call(adjust_tensor_shapes_fn=lambda r, s: (r, s)),
@@ -602,6 +608,7 @@ ON_RANKS: dict[str, dict[str, RankTrigger]] = {
         "executor-overlap-and-batch-p2p": _call(config=dict(overlap_p2p_comm=True,
                                                             batch_p2p_comm=True)),
         "executor-zb-h2-interleaved": _call(2, schedule="zb-h2"),
+        "executor-backward-by-documents-chunks": _documents_apart(calculate_per_token_loss=True),
     },
     "tp2-sp": {
         "executor-chunks-need-pipeline": lambda at: at.run(s1.get_forward_backward_func(1),

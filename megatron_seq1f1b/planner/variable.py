@@ -75,7 +75,8 @@ def cut_rows(seq_lengths: Sequence[int], num_splits: int, partition: str, *,
     documents partition; ``runs_apart``: as ``backward_by_documents`` cuts them)."""
     if partition == "documents" and runs_apart and segment_tokens is not None:
         return tuple(tuple(split_documents_by_budget(docs, segment_tokens, cost,
-                                                     multiple_of=multiple_of))
+                                                     multiple_of=multiple_of,
+                                                     max_splits=num_splits))
                      for docs in documents)
     if partition == "documents":
         return tuple(tuple(split_documents(

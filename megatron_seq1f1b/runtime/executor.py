@@ -410,10 +410,9 @@ def forward_backward(
         pg_collection, peers = rehearsal_groups(config, *rehearse)
     runs_apart = backward_by_documents and not forward_only
     if runs_apart:
-        raise_if(backward_by_documents_problems(
-            config, num_chunks=len(chunks), documents=documents,
-            cp_size=pg_collection.cp.size() if pg_collection.cp is not None else 1,
-            recurrent=any(kind in (layer_pattern(chunks) or "") for kind in "MG")))
+        raise_if(backward_by_documents_problems(config, num_chunks=len(chunks),
+                                                documents=documents,
+                                                layer_pattern=layer_pattern(chunks)))
     sequence = decoder_seq_length if decoder_seq_length is not None else seq_length
     setup = setup_for(
         chunks, config, iterators, pg_collection, peers,
@@ -438,7 +437,8 @@ def forward_backward(
             micro_batch_size, pg_collection, peers.pp_rank, rehearsal=rehearse is not None)
     if variable:
         microbatch_lengths = setup.cut(seq_lengths, found, runs_apart)
-        plan = setup.plan_for(microbatch_lengths)
+        if not runs_apart:  # else the runs' plan, below
+            plan = setup.plan_for(microbatch_lengths)
     elif setup.document_costs is not None:
         if runs_apart and setup.segment_tokens is not None:  # cut where documents end
             microbatch_lengths = setup.cut([docs.seq_length for docs in found], found, True)

@@ -474,7 +474,7 @@ class Setup:
                 if by_documents and runs_apart and self.segment_tokens is not None:
                     rows.append(tuple(split_documents_by_budget(
                         documents[index], self.segment_tokens, self.document_costs,
-                        multiple_of=own)))
+                        multiple_of=own, max_splits=self.num_splits)))
                     continue
                 if by_documents:
                     rows.append(tuple(split_documents(documents[index], count,

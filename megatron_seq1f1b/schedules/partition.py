@@ -663,14 +663,15 @@ def split_documents(documents, num_splits: int, cost: CostModel, *, multiple_of:
 
 
 def split_documents_by_budget(documents, budget: int, cost: CostModel, *,
-                              multiple_of: int = 1) -> list[int]:
+                              multiple_of: int = 1, max_splits: int | None = None) -> list[int]:
     """Segment lengths of one packed micro-batch whose runs of documents go backward apart
     (:mod:`megatron_seq1f1b.segments.document_runs`): every cut that can fall where a document
     ends does. Whole documents are packed into segments of at most ``budget`` tokens; a
     document longer than the budget gets ``ceil(length / budget)`` segments of its own, cut
     by cost as a micro-batch of one document. Only ends common to every sample and multiples
     of ``multiple_of`` count as ends. More segments than ``ceil(S / budget)`` may come out: the
-    price of cuts a run can end at."""
+    price of cuts a run can end at; more than ``max_splits`` do not (the micro-batch is then
+    cut as :func:`split_documents` cuts it into ``min(max_splits, ceil(S / budget))``)."""
     from megatron_seq1f1b.segments.documents import Documents
 
     lengths: list[int] = []
@@ -693,4 +694,7 @@ def split_documents_by_budget(documents, budget: int, cost: CostModel, *,
         start = closed = end
     if closed > start:
         lengths.append(closed - start)
+    if max_splits is not None and len(lengths) > max_splits:
+        count = max(1, min(max_splits, math.ceil(seq_length / budget), seq_length // multiple_of))
+        return split_documents(documents, count, cost, multiple_of=multiple_of)
     return lengths

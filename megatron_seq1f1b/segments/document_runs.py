@@ -69,10 +69,16 @@ def document_runs(rows: Sequence[Sequence[int]],
     return Runs(tuple(out_rows), tuple(owners), tuple(offsets), tuple(last_backward))
 
 
-def backward_by_documents_problems(config, *, num_chunks: int, documents, cp_size: int,
-                                   recurrent: bool) -> list[str]:
-    """What ``backward_by_documents`` cannot train with, found before any message (a
-    forward-only pass has no backward to move, and runs its micro-batches whole)."""
+#: Megatron's load-balancing kinds whose loss weighs every token by the micro-batch's counts.
+_BALANCING_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+def backward_by_documents_problems(config, *, num_chunks: int, documents,
+                                   layer_pattern: str | None) -> list[str]:
+    """What ``backward_by_documents`` cannot train with, found before any message from what
+    every stage shares (the config, the whole model's hybrid pattern, the model chunks per
+    stage), so every rank refuses alike. A forward-only pass has no backward to move and
+    runs its micro-batches whole."""
     name = "backward_by_documents=True"
     problems = []
     if documents is None:
@@ -88,21 +94,25 @@ def backward_by_documents_problems(config, *, num_chunks: int, documents, cp_siz
         problems.append(f"{name} runs one model chunk per stage: the interleaved schedule "
                         "groups micro-batches by the pipeline size, and the number of runs "
                         "changes with every iteration's documents")
-    if cp_size > 1:
+    if (getattr(config, "context_parallel_size", 1) or 1) > 1:
         problems.append(f"{name} with context parallelism is not supported")
-    if getattr(config, "num_moe_experts", None) and _nonzero(
-            getattr(config, "moe_aux_loss_coeff", 0)):
+    if getattr(config, "num_moe_experts", None) and _balancing_loss(config):
         problems.append(f"{name} with an MoE load-balancing loss: every token's gradient "
                         "uses the whole micro-batch's routing counts (set moe_aux_loss_coeff=0)")
     if getattr(config, "mtp_num_layers", None):
         problems.append(f"{name} with multi-token prediction is not supported")
-    if recurrent:
+    if any(kind in (layer_pattern or "") for kind in "MG") \
+            or getattr(config, "experimental_attention_variant", None) is not None:
         problems.append(f"{name} with recurrent (Mamba, gated delta net) layers is not "
-                        "supported: their state would have to restart at every run")
+                        "supported: a run would start from the state of the run before it "
+                        "(documents marked by end-of-document tokens), whose backward is done")
     return problems
 
 
-def _nonzero(value) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(v for v in value)
-    return bool(value)
+def _balancing_loss(config) -> bool:
+    """Whether the router adds a load-balancing loss (a kind of them, with a nonzero weight)."""
+    kinds = getattr(config, "moe_router_load_balancing_type", "aux_loss")
+    coeffs = getattr(config, "moe_aux_loss_coeff", 0)
+    kinds = list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+    return any(kind in _BALANCING_LOSSES and coeff for kind, coeff in zip(kinds, coeffs))

@@ -319,7 +319,8 @@ class SegmentRun:
             raise RuntimeError(
                 f"Seq1F1B: key/value caches or recurrent states of {leftover} layer(s) were still "
                 "alive at the end "
-                "of the iteration; a micro-batch's segment 0 was never backwarded"
+                "of the iteration; a micro-batch's last backward (segment 0, or its last run's "
+                "first segment) never ran"
             )
 
 
