@@ -672,8 +672,6 @@ def split_documents_by_budget(documents, budget: int, cost: CostModel, *,
     of ``multiple_of`` count as ends. More segments than ``ceil(S / budget)`` may come out: the
     price of cuts a run can end at; more than ``max_splits`` do not (the micro-batch is then
     cut as :func:`split_documents` cuts it into ``min(max_splits, ceil(S / budget))``)."""
-    from megatron_seq1f1b.segments.documents import Documents
-
     lengths: list[int] = []
     start = closed = 0  # the open segment holds [start, closed)
     seq_length = documents.seq_length
@@ -690,7 +688,9 @@ def split_documents_by_budget(documents, budget: int, cost: CostModel, *,
             continue
         length = end - start
         count = max(1, min(math.ceil(length / budget), length // multiple_of))
-        lengths += split_documents(Documents.whole(length), count, cost, multiple_of=multiple_of)
+        # as split_documents cuts a micro-batch of one document: balanced by cost
+        lengths += _round_boundaries(_equal_cost_ends(length, count, cost),
+                                     length // multiple_of, multiple_of)
         start = closed = end
     if closed > start:
         lengths.append(closed - start)
