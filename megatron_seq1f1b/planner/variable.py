@@ -24,7 +24,9 @@ from typing import Sequence
 
 from megatron_seq1f1b.planner.costs import Calibration
 from megatron_seq1f1b.planner.memory_model import bytes_text
-from megatron_seq1f1b.schedules.partition import CostModel, split_documents, split_documents_by_budget
+from megatron_seq1f1b.schedules.partition import (
+    CostModel, split_documents, split_documents_by_budget,
+)
 from megatron_seq1f1b.schedules.plan import plan_steps
 from megatron_seq1f1b.schedules.replay import replay
 from megatron_seq1f1b.schedules.schedule import Schedule, ScheduleError, build_schedule

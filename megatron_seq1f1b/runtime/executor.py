@@ -55,7 +55,9 @@ from megatron_seq1f1b.schedules.partition import split_documents
 from megatron_seq1f1b.schedules.schedule import Action
 from megatron_seq1f1b.segments.cp_group import ContextParallelCommError
 from megatron_seq1f1b.segments.document_plan import gather_documents
-from megatron_seq1f1b.segments.document_runs import Runs, backward_by_documents_problems, document_runs
+from megatron_seq1f1b.segments.document_runs import (
+    Runs, backward_by_documents_problems, document_runs,
+)
 from megatron_seq1f1b.segments.length_plan import gather_lengths
 from megatron_seq1f1b.segments.loss import SegmentLosses
 from megatron_seq1f1b.segments.reports import MicrobatchReports

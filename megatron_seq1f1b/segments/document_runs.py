@@ -28,11 +28,7 @@ class Runs:
     rows: tuple[tuple[int, ...], ...]  # segment lengths per run
     owners: tuple[tuple[int, int], ...]  # per run: (micro-batch, its first segment)
     offsets: tuple[int, ...]  # per run: its first token in its micro-batch
-    last_backward: tuple[int, ...]  # per micro-batch: the segment backwarded last (its last run's head)
-
-    @property
-    def num_runs(self) -> int:
-        return len(self.rows)
+    last_backward: tuple[int, ...]  # per micro-batch: its last run's head, backwarded last
 
     def documents(self, documents: Sequence[Documents]) -> tuple[Documents, ...]:
         """Each run's own documents (its micro-batch's, from the run's first token): what the
