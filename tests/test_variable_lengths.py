@@ -103,10 +103,12 @@ RUNS_CASES["pp2-thd-documents-partition"] = (2, dict(
     spec=FLASH, thd=True, lengths=[48, 16, 40], documents=[(0, 5, 24, 41), (0,), (0, 7, 20, 33)],
     per_token=True, order=True, seq1f1b=budget(12, partition="documents", documents="cu_seqlens",
                                                backward_by_documents=True)))
-RUNS_CASES["pp2-fixed-length-eod"] = (2, dict(  # every micro-batch seq_length long
+RUNS_CASES["pp2-fixed-length-eod"] = (2, dict(  # every micro-batch seq_length long; the cut
+    # packs documents into more segments than ceil(48 / 12) = 4 (the cap is num_splits)
     spec=ROPE, lengths=[48, 48, 48], documents=[(0, 5, 24, 41), (0, 20), (0, 7, 24, 33)],
     per_token=True, order=True, config_overrides=dict(variable_seq_lengths=False),
-    seq1f1b=budget(12, documents=ROPE.vocab_size - 1, backward_by_documents=True)))
+    seq1f1b=budget(12, partition="documents", documents=ROPE.vocab_size - 1,
+                   backward_by_documents=True)))
 RUNS_CASES["pp2-eod-mbs2-documents-partition"] = (2, dict(  # two samples, the same documents
     spec=ROPE, micro_batch_size=2, **RUNS, seq1f1b=budget(
         12, partition="documents", documents=ROPE.vocab_size - 1, backward_by_documents=True)))
@@ -124,6 +126,8 @@ def test_runs_of_documents_go_backward_apart(ranks, name):
     _check(results)
     for result in results:
         order = [tuple(event) for event in result["order"]]
+        if name == "pp2-fixed-length-eod":  # cut at every document end: 6 segments
+            assert max(segment for _, mb, segment in order if mb == 0) == 5, order
         for microbatch in (0, 2):  # two runs or more each
             final = max(segment for phase, mb, segment in order if mb == microbatch)
             assert order.index(("B", microbatch, 0)) < order.index(("B", microbatch, final)), \

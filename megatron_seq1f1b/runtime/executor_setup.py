@@ -444,6 +444,7 @@ class Setup:
     # Variable-length micro-batches (``config.variable_seq_lengths``): how each is cut.
     variable: bool = False
     num_splits: int = 1  # segments per micro-batch; with segment_tokens the most
+    split_cap: int = 1  # num_splits as asked (fixed lengths turn a budget into num_splits)
     segment_tokens: int | None = None
     partition: str = "uniform"
     cut_costs: CostModel | None = None  # the balanced partition's and zero-bubble's FLOPs
@@ -474,7 +475,7 @@ class Setup:
                 if by_documents and runs_apart and self.segment_tokens is not None:
                     rows.append(tuple(split_documents_by_budget(
                         documents[index], self.segment_tokens, self.document_costs,
-                        multiple_of=own, max_splits=self.num_splits)))
+                        multiple_of=own, max_splits=self.split_cap)))
                     continue
                 if by_documents:
                     rows.append(tuple(split_documents(documents[index], count,
@@ -594,6 +595,7 @@ def build_setup(chunks, config, iterators, pg_collection, peers, facts: Facts, d
     by_documents = partition == "documents" and split_lengths is None
     flops = dataclasses.replace(facts.costs, dense_attention=dense)
     lengths: list[int] = []
+    split_cap = num_splits
     if not variable:
         if segment_tokens is not None:  # every micro-batch has seq_length tokens
             num_splits = segment_count(seq_length, num_splits, segment_tokens, facts.multiple)
@@ -645,7 +647,8 @@ def build_setup(chunks, config, iterators, pg_collection, peers, facts: Facts, d
         plan=plan,
         shapes=tuple((n // cp // tp, micro_batch_size, config.hidden_size) for n in lengths),
         splits_backward=split, te_layers=te_layers,
-        variable=variable, num_splits=num_splits, segment_tokens=segment_tokens,
+        variable=variable, num_splits=num_splits, split_cap=split_cap,
+        segment_tokens=segment_tokens,
         partition=partition, cut_costs=flops, own_multiple=facts.multiple,
         requested_multiple=segment_multiple, on_cuda=torch.cuda.is_available(),
         pp_size=pp_size, pp_rank=pp_rank, num_chunks=len(chunks), schedule=schedule,

@@ -677,10 +677,7 @@ def split_documents_by_budget(documents, budget: int, cost: CostModel, *,
     seq_length = documents.seq_length
     ends = [e for e in documents.ends() if e % multiple_of == 0 and e < seq_length]
     for end in ends + [seq_length]:
-        if end - start <= budget:
-            closed = end
-            continue
-        if closed > start:
+        if end - start > budget and closed > start:  # the open segment ends at the last end
             lengths.append(closed - start)
             start = closed
         if end - start <= budget:
