@@ -173,11 +173,15 @@ def test_post_training_framework_drop_in(ranks, via):
     """The path a post-training framework takes, as it calls it: install() and then Megatron's
     getter (or the function itself), its own forward step building PackedSeqParams per
     micro-batch from its 1-D cu_seqlens, micro_batch_size=1, seq_length the longest, a loss
-    per token: loss reports and every gradient equal Megatron's own schedule."""
+    per token: loss reports and every gradient equal Megatron's own schedule. Through
+    install(), a micro-batch's runs of documents go backward apart (the framework's loss is per
+    token, which that needs)."""
+    options = (dict(partition="documents", backward_by_documents=True) if via == "install"
+               else dict(partition="balanced"))
     _check(ranks.run(2, run_framework, case=f"varlen-framework-{via}", via=via, lengths=PACKED,
                      documents=PACKED_DOCUMENTS,
-                     seq1f1b=dict(num_splits=16, partition="balanced", segment_tokens=12,
-                                  documents="cu_seqlens")))
+                     seq1f1b=dict(num_splits=16, segment_tokens=12, documents="cu_seqlens",
+                                  **options)))
 
 
 def test_a_budget_rounds_by_the_segments_it_cuts(ranks):
