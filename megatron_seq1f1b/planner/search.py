@@ -430,6 +430,10 @@ class _Search:
         # is; in between, the plans whose bound is below it are timed, 1F1B's first (cheap,
         # and often enough to put X out), then the rest, least bound first
         if tolerance > 0:
+            # first the least bound (sharpened), likely near the fastest: robust plans that
+            # cannot come within the tolerance of it are then passed over untimed
+            while untimed and not feasible and refine():
+                pass
             for c in sorted(candidates, key=_robust_order):
                 if c.refused or (c.plan is None and not fits(c)):
                     continue
