@@ -143,6 +143,60 @@ def test_zero_bubble_repeats_the_small_counts_pattern_and_stays_valid():
     assert steps != steady.whole_plan(2, count, 3, 1, "zb-h1", costs)  # the drift
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_a_late_cut_rolls_back_to_the_same_steps_with_a_short_prefix(name):
+    """A placement cut late (its prefix holds copies of its block) is rolled back to the
+    earliest base the floor allows: the same steps for every count from the late base on,
+    and, with the prefix shorter, a makespan from fewer steps equal to the whole replay."""
+    found = steady.executor_plan(2, 40, 3, 1, name, UNEVEN[3])
+    per, sizes = found.period, [len(block) for block in found.blocks]
+    late = steady.Periodic(found.base + 3 * per, per, found.items(3),
+                           [cut + 3 * size for cut, size in zip(found.prefix, sizes)],
+                           [[steady.shift_step(s, 3 * per) for s in block]
+                            for block in found.blocks])
+    back = steady._rolled_back(late, found.base)
+    assert (back.base, back.prefix) == (found.base, found.prefix)
+    for copies in (0, 2, 5):
+        assert back.items(copies + 3) == late.items(copies) == found.items(copies + 3)
+    assert steady._rolled_back(late, found.base + 2 * per).base == found.base + 2 * per
+    m = late.base + 40 * per
+    cost = _costs("segments", 5)
+    assert steady.steady_makespan(back, m, cost, 0.1, "nccl") == pytest.approx(
+        replay(late.items(late.copies(m)), cost, 0.1, timing="nccl").makespan, rel=1e-12)
+
+
+def test_late_starts_double_while_their_builds_stay_under_half_the_count():
+    assert steady._late_starts(6, 1, 40) == [0, 1, 2, 4, 8, 16]
+    assert steady._late_starts(6, 1, 256) == [0, 1, 2, 4, 8, 16, 32, 64]
+    assert steady._late_starts(6, 2, 256) == [0, 1, 2, 4, 8, 16, 32]
+
+
+@pytest.mark.skipif(not FULL, reason="256 micro-batches at 32 stages: SEQ1F1B_FULL=1")
+def test_a_placement_that_settles_after_thirty_microbatches_is_repeated_and_timed_exactly():
+    """pp 32, k 25 (Llama-3-8B-like FLOP costs): the W placement cuts from 32 micro-batches on
+    only. The late starts find it (before: built whole, 10 s here); the repeated plan (which,
+    as the executor's for any late settler, is not the whole build's: that one drifts again
+    later) passes the executor's checks, and its extended makespan is its full replay's."""
+    from megatron_seq1f1b.bench.plan_cost import llama_costs
+    from megatron_seq1f1b.planner.costs import CostModel, action_cost_table, placement_costs
+    from megatron_seq1f1b.schedules.partition import split_sequence
+    from megatron_seq1f1b.schedules.validate import check_units
+
+    args, config, calibration = llama_costs(["--pp", "32", "--microbatches", "256"], 32)
+    flops = CostModel.from_config(config, args.vocab_size, False)
+    lengths = tuple(split_sequence(32768, 25, "balanced", cost=flops))
+    costs = placement_costs(calibration, lengths, 32)
+    periodic = steady.executor_plan(32, 256, 25, 1, "zb-h1", costs)
+    assert periodic is not None and periodic.base > 6 + steady.LONGER_PERIODS_UNTIL
+    steps = periodic.items(periodic.copies(256))
+    actions = [[a for step in rank for a in step.actions] for rank in steps]
+    check_units(actions, 256, 25, 1)
+    steady.check_plan(steps)
+    cost = cand.table_cost(action_cost_table(calibration, lengths, 32, 1, True), 32)
+    assert steady.steady_makespan(periodic, 256, cost, 0.0, "nccl") == pytest.approx(
+        replay(steps, cost, timing="nccl").makespan, rel=1e-12)
+
+
 @pytest.mark.parametrize("p,k,v,name", [(4, 2, 1, "1f1b"), (3, 1, 2, "1f1b"),
                                         (4, 3, 1, "zb-h1"), (3, 2, 1, "zb-h2")])
 def test_message_ends_placed_by_index_equal_the_built_steps(p, k, v, name):

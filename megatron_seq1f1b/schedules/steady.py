@@ -381,10 +381,12 @@ def _periodic(build: Build, shift: Callable, p: int, m: int, k: int, v: int, sch
 
     # later starts first (zero bubble's pattern can settle late; building a few more
     # micro-batches costs far less than building all of them), then longer periods
-    starts = (0, 1, 2, 4, 8, 16)[:max(tries, 6 if timed else 1)] if timed else range(tries)
+    starts = _late_starts(base, step, m) if timed else range(tries)
     with collection_paused():
         for multiple in multiples:
             for attempt in starts:
+                if attempt > LONGER_PERIODS_UNTIL and multiple > 1:
+                    break  # late starts with one period only: their builds are long
                 per = multiple * step
                 m0 = base + attempt * step
                 m0 += (m - m0) % per  # m's remainder: m is m0 + a whole number of copies
@@ -408,12 +410,53 @@ def _periodic(build: Build, shift: Callable, p: int, m: int, k: int, v: int, sch
                                 check(result.items(copies), m0 + copies * per)
                     except ValueError:
                         continue
-                    return result
+                    return _rolled_back(result, base)
                 if result.items(2) == at(m0 + 2 * per):
                     if check is not None:
                         check(at(m0 + 2 * per), m0 + 2 * per)
                     return result
     return None
+
+
+#: The latest start (in periods after the base count) tried with longer periods too.
+LONGER_PERIODS_UNTIL = 16
+
+
+def _rolled_back(periodic: Periodic, floor: int) -> Periodic:
+    """The same items for every count from ``periodic.base`` on, with a shorter prefix:
+    while every rank's prefix ends in a copy of its block (a placement that settled before
+    the count it was cut at) and the base stays at least ``floor`` (a count past the
+    warm-up), that copy moves into the repeated part (``base`` one period less). Replays of
+    a few copies then cover the steady state, not a long warm-up."""
+    per, shift = periodic.period, periodic.shift
+    small, prefix, blocks = periodic.small, list(periodic.prefix), periodic.blocks
+    base, back = periodic.base, 0
+    while base - (back + 1) * per >= floor and all(
+            cut - (back + 1) * len(block) >= 1
+            and rank[cut - (back + 1) * len(block):cut - back * len(block)]
+            == [shift(x, -(back + 1) * per) for x in block]
+            for rank, cut, block in zip(small, prefix, blocks)):
+        back += 1
+    if not back:
+        return periodic
+    by = -back * per
+    cuts = [cut - back * len(block) for cut, block in zip(prefix, blocks)]
+    return Periodic(base - back * per, per,
+                    [rank[:cut] + [shift(x, by) for x in rank[old:]]
+                     for rank, cut, old in zip(small, cuts, prefix)],
+                    cuts, [[shift(x, by) for x in block] for block in blocks], shift)
+
+
+def _late_starts(base: int, step: int, m: int) -> list[int]:
+    """Zero bubble's tried starts, in periods after ``base``: 0, 1, 2, 4, .., 16 (each with
+    every multiple of the period), and on, doubling, with one period, while the small
+    counts stay under half of ``m``: a placement that settles after 30 micro-batches, as
+    some do at 32 stages, then costs two small builds, not the whole one, and one that
+    never settles costs those late tries less than the whole build."""
+    starts = [0, 1, 2, 4, 8, LONGER_PERIODS_UNTIL]
+    while 2 * (base + 2 * starts[-1] * step) <= m:
+        starts.append(2 * starts[-1])
+    return starts
 
 
 def periodic_steps(build: Build, num_stages: int, num_microbatches: int, num_splits: int,
