@@ -24,7 +24,8 @@ With one, they are visited in the tie rule's order (1F1B first, then the partiti
 fewer splits): a plan is chosen once no other plan can be faster than its time over
 ``1 + tolerance`` (every other bound, and every time taken, at least that), passed over
 once one is; in between the candidates whose bound is below that are timed, 1F1B's
-first. The plan chosen is the one timing every candidate gives (``exhaustive=True``,
+first (and where the most robust plan's bound is out of the tolerance of the least bound,
+1F1B's least bound before any, so that hopeless robust plans go untimed). The plan chosen is the one timing every candidate gives (``exhaustive=True``,
 tested against it); the candidates left untimed are counted in :class:`PlanChoice`.
 """
 
@@ -430,10 +431,33 @@ class _Search:
         # is; in between, the plans whose bound is below it are timed, 1F1B's first (cheap,
         # and often enough to put X out), then the rest, least bound first
         if tolerance > 0:
-            # first the least bound (sharpened), likely near the fastest: robust plans that
-            # cannot come within the tolerance of it are then passed over untimed
-            while untimed and not feasible and refine():
-                pass
+            # where the most robust plan's bound is already out of the tolerance of the least
+            # bound (few micro-batches: fewer splits idle more), first 1F1B's least bound
+            # (sharpened; its bounds are tight and its timings cheap, where zero bubble's,
+            # interleaved or zb-h2, can be 4-5 % under a costly timing): likely near the
+            # fastest, so robust plans that cannot come within the tolerance of it are then
+            # passed over untimed
+            robust = next((c for c in sorted(untimed, key=_robust_order) if fits(c)), None)
+            if robust is not None and self.sharpen(robust):
+                resort(robust)
+            while untimed and not untimed[0].sharpened:  # the least bound, sharpened
+                if self.sharpen(untimed[0]):
+                    resort(untimed[0])
+            while (robust is not None and untimed and not feasible
+                   and robust.bound > untimed[0].bound * (1 + tolerance)):
+                plain = [c for c in untimed if not c.zero_bubble] or untimed
+                if not plain:
+                    break
+                c = plain[0]
+                untimed.remove(c)
+                if c.plan is not None or c.refused or not fits(c):
+                    continue
+                if self.sharpen(c):
+                    bisect.insort(untimed, c, key=_bound_order)
+                    continue
+                plan = self.time(c)
+                if plan is not None:
+                    feasible.append(plan)
             for c in sorted(candidates, key=_robust_order):
                 if c.refused or (c.plan is None and not fits(c)):
                     continue
