@@ -440,9 +440,6 @@ class _Search:
             robust = next((c for c in sorted(untimed, key=_robust_order) if fits(c)), None)
             if robust is not None and self.sharpen(robust):
                 resort(robust)
-            while untimed and not untimed[0].sharpened:  # the least bound, sharpened
-                if self.sharpen(untimed[0]):
-                    resort(untimed[0])
             while (robust is not None and untimed and not feasible
                    and robust.bound > untimed[0].bound * (1 + tolerance)):
                 plain = [c for c in untimed if not c.zero_bubble] or untimed
