@@ -12,7 +12,9 @@ micro-batches, most segments, interleaving and zero bubble this times, in this p
 * the executor's steps of the chosen plan on one rank
   (``runtime.executor_setup.rank_steps``: what a rank builds at start-up).
 
-Seconds are CPU seconds of this process (``time.process_time``: other load on the
+Each configuration runs in a process of its own, as the command line and ``auto`` do (in
+one process a row after a heavy one paid for the heap that one left: 0.3 s became 0.5 s).
+Seconds are CPU seconds of that process (``time.process_time``: other load on the
 machine does not count) and wall seconds::
 
     python -m megatron_seq1f1b.bench.plan_cost                 # the grid of docs/benchmarks.md
@@ -24,8 +26,10 @@ Prints a markdown table, one row per configuration.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import io
+import multiprocessing
 import time
 
 from megatron_seq1f1b.base.flags import positive_int
@@ -136,10 +140,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             for m in args.microbatches:
                 for zb in zero_bubble:
-                    result = measure(pp, m, args.max_splits, vpp, zb)
+                    result = measure_apart(pp, m, args.max_splits, vpp, zb)
                     print(row(result), flush=True)
                     results.append(result)
     return results
+
+
+def measure_apart(pp: int, microbatches: int, max_splits: int, vpp: int,
+                  zero_bubble: bool) -> dict:
+    """:func:`measure` in a fresh process (spawned: nothing of this one's heap)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(measure, pp, microbatches, max_splits, vpp, zero_bubble).result()
 
 
 if __name__ == "__main__":
