@@ -153,8 +153,9 @@ def build_zero_bubble(
     The clock advances event by event: the earliest next action of any rank runs (ties to
     the lower rank). A rank's next action depends only on its own state and on its
     neighbours' (its inputs come from the stages before and after it), so each rank's next
-    event is kept in a heap and recomputed only when it or a neighbour acted: the cost
-    grows with the number of actions, not with actions times ranks.
+    event is kept in a heap and recomputed only when it acted or the neighbour its next
+    input comes from did: the cost grows with the number of actions, not with actions times
+    ranks.
     """
     cost = cost or unit_cost
     p = len(orders)
@@ -229,8 +230,13 @@ def build_zero_bubble(
                 forwarded[r] += 1
             else:
                 pending[r].append(i)
-        for neighbour in neighbours[r]:
-            refresh(neighbour)
+        refresh(r)
+        for neighbour in neighbours[r]:  # the others only where their next input is r's
+            j = position[neighbour]
+            if neighbour != r and j < len(orders[neighbour]):
+                source = sources[neighbour][j]
+                if source is not None and source[0] == r:
+                    refresh(neighbour)
     stuck = [f"rank {r} before {orders[r][position[r]] if position[r] < len(orders[r]) else 'W'}"
              for r in range(p) if position[r] < len(orders[r]) or pending[r]]
     if stuck:
