@@ -375,6 +375,19 @@ def test_planner_answers_as_full_simulation(p, m, v, max_k, attention, budget, m
 
 
 
+@pytest.mark.parametrize("schedules", [None, ["1f1b"]])
+def test_few_microbatches_time_1f1bs_least_bound_first_and_leave_hopeless_robust_plans(
+        schedules):
+    """p 8, m 8: one segment idles most of the pipeline, so the most robust plan (k=1) cannot
+    come within the tolerance of 1F1B's least bound, timed first: it goes untimed, and the
+    answer is the one timing everything gives."""
+    pruned = _plan(8, 8, 1, 8, True, None, tie_tolerance=0.02, schedules=schedules)
+    every = _plan(8, 8, 1, 8, True, None, tie_tolerance=0.02, schedules=schedules,
+                  exhaustive=True)
+    assert pruned.plan == every.plan
+    assert all(c.num_splits > 1 for c in pruned.candidates) and pruned.untimed > 0
+
+
 BOUND_GRID = [(p, m, k, v, name) for p, m, v in ((2, 5, 1), (4, 9, 1), (4, 30, 2), (8, 12, 1))
               for k in (1, 3, 4) for name in ("1f1b", "zb-h1", "zb-h2")
               if not (v > 1 and name == "zb-h2")]

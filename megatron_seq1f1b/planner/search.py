@@ -25,8 +25,9 @@ fewer splits): a plan is chosen once no other plan can be faster than its time o
 ``1 + tolerance`` (every other bound, and every time taken, at least that), passed over
 once one is; in between the candidates whose bound is below that are timed, 1F1B's
 first (and where the most robust plan's bound is out of the tolerance of the least bound,
-1F1B's least bound before any, so that hopeless robust plans go untimed). The plan chosen is the one timing every candidate gives (``exhaustive=True``,
-tested against it); the candidates left untimed are counted in :class:`PlanChoice`.
+1F1B's least bound before any, so that hopeless robust plans go untimed). The plan chosen
+is the one timing every candidate gives (``exhaustive=True``, tested against it); the
+candidates left untimed are counted in :class:`PlanChoice`.
 """
 
 from __future__ import annotations
@@ -404,11 +405,13 @@ class _Search:
                 untimed.remove(c)
                 bisect.insort(untimed, c, key=_bound_order)
 
-        def refine() -> bool:
-            """Sharpen or time the untimed candidate with the least bound (False: none
-            left)."""
+        def refine(plain: bool = False) -> bool:
+            """Sharpen or time the untimed candidate with the least bound (``plain``: 1F1B's,
+            where there is one); False: none left."""
             while untimed:
-                c = untimed.pop(0)
+                c = next((d for d in untimed if not d.zero_bubble), untimed[0]) if plain \
+                    else untimed[0]
+                untimed.remove(c)
                 if c.plan is not None or c.refused or not fits(c):
                     continue
                 if self.sharpen(c):
@@ -442,19 +445,7 @@ class _Search:
                 resort(robust)
             while (robust is not None and untimed and not feasible
                    and robust.bound > untimed[0].bound * (1 + tolerance)):
-                plain = [c for c in untimed if not c.zero_bubble] or untimed
-                if not plain:
-                    break
-                c = plain[0]
-                untimed.remove(c)
-                if c.plan is not None or c.refused or not fits(c):
-                    continue
-                if self.sharpen(c):
-                    bisect.insort(untimed, c, key=_bound_order)
-                    continue
-                plan = self.time(c)
-                if plan is not None:
-                    feasible.append(plan)
+                refine(plain=True)
             for c in sorted(candidates, key=_robust_order):
                 if c.refused or (c.plan is None and not fits(c)):
                     continue
