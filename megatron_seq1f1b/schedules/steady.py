@@ -450,11 +450,12 @@ def _rolled_back(periodic: Periodic, floor: int) -> Periodic:
 def _late_starts(base: int, step: int, m: int) -> list[int]:
     """Zero bubble's tried starts, in periods after ``base``: 0, 1, 2, 4, .., 16 (each with
     every multiple of the period), and on, doubling, with one period, while the small
-    counts stay under half of ``m``: a placement that settles after 30 micro-batches, as
-    some do at 32 stages, then costs two small builds, not the whole one, and one that
-    never settles costs those late tries less than the whole build."""
+    counts stay within a quarter of ``m``: a placement that settles after 30 micro-batches,
+    as some do at 32 stages, then costs two small builds, not the whole one, and one that
+    never settles costs those late tries (two builds each, doubling) about the whole build
+    at most."""
     starts = [0, 1, 2, 4, 8, LONGER_PERIODS_UNTIL]
-    while 2 * (base + 2 * starts[-1] * step) <= m:
+    while 4 * (base + 2 * starts[-1] * step) <= m:
         starts.append(2 * starts[-1])
     return starts
 
