@@ -204,7 +204,9 @@ def build_zero_bubble(
     # next event (the versions of a rank differ, so actions are never compared)
     events: list[tuple[float, int, int, Action]] = []
     version = [0] * p
-    neighbours = [tuple(dict.fromkeys((r, (r - 1) % p, (r + 1) % p))) for r in range(p)]
+    # the ranks whose inputs may come from r (r itself apart: it is refreshed anyway)
+    neighbours = [tuple(q for q in dict.fromkeys(((r - 1) % p, (r + 1) % p)) if q != r)
+                  for r in range(p)]
 
     def refresh(rank: int) -> None:
         version[rank] += 1
@@ -233,7 +235,7 @@ def build_zero_bubble(
         refresh(r)
         for neighbour in neighbours[r]:  # the others only where their next input is r's
             j = position[neighbour]
-            if neighbour != r and j < len(orders[neighbour]):
+            if j < len(orders[neighbour]):
                 source = sources[neighbour][j]
                 if source is not None and source[0] == r:
                     refresh(neighbour)
