@@ -8,10 +8,11 @@ receives, wait for all of them, then compute the step's actions (a *slot*).
   the backward after it (Megatron's interleaved pattern): all ranks then
   alternate "compute F and B, exchange once", which keeps neighbours in phase.
 * Sends go out in the step after the slot that produced them.
-* Receives are posted in the step that is running when the sender posts,
-  read off a dataflow timing of the schedule (forward 1, backward 2 per
-  unit), and never later than the slot that consumes them. Usually that is
-  the step just before the consumer; on the wrap-around link of interleaved
+* Receives are posted in the receiver's first step that starts at or after
+  the sender posts, read off a dataflow timing of the schedule (forward 1,
+  backward 2 per unit), and never later than the step of the slot that
+  consumes them (a step waits for its receives before its compute). Usually
+  that is the consumer's own step; on the wrap-around link of interleaved
   schedules (last stage, chunk c -> first stage, chunk c+1) the receiver
   posts earlier and keeps the tensor until its slot comes, as Megatron does.
 
