@@ -471,7 +471,14 @@ def test_plan_cost_benchmark_runs_and_counts_what_it_timed(capsys):
                                 "--zero-bubble", "off", "--max-splits", "4"])
     assert result["candidates"] == 7 and 1 <= result["timed"] <= 7  # k=1 once, k 2..4 twice
     assert result["steps"] > 0 and all(x >= 0 for x in result["choose_plan"])
+    assert result["timing"] == "nccl"
     assert plan_cost.row(result) in capsys.readouterr().out
+    # another transport's timing reaches the plan: receives posted a step ahead (gloo) let
+    # zb-h2 run at its dataflow, and it wins where NCCL's posting makes zb-h1 the fastest
+    nccl, gloo = (plan_cost.measure(4, 8, 4, 1, True, timing) for timing in (None, "gloo"))
+    assert (nccl["timing"], gloo["timing"]) == ("nccl", "gloo")
+    assert "zb-h1" in nccl["chosen"] and "zb-h2" in gloo["chosen"]
+    assert gloo["time"] < nccl["time"]
 
 
 @pytest.mark.skipif(not FULL, reason="a timing: SEQ1F1B_FULL=1")

@@ -19,6 +19,11 @@ machine does not count) and wall seconds::
 
     python -m megatron_seq1f1b.bench.plan_cost                 # the grid of docs/benchmarks.md
     python -m megatron_seq1f1b.bench.plan_cost --pp 16 --microbatches 512 --vpp 1 --zero-bubble on
+    python -m megatron_seq1f1b.bench.plan_cost --pp 16 --microbatches 32 --timing gloo
+
+``--timing`` plans for another transport's timing (the command line's flag; default NCCL's
+links, as the planner's): ``gloo`` is also the model of an NCCL transport that would post
+receives a step ahead.
 
 Prints a markdown table, one row per configuration.
 """
@@ -33,6 +38,7 @@ import multiprocessing
 import time
 
 from megatron_seq1f1b.base.flags import positive_int
+from megatron_seq1f1b.schedules.replay import TIMINGS
 
 #: A Llama-3-8B-like model at 32k tokens: the planner flags of issue #55's table.
 LLAMA_8B = ("--seq-length 32768 --hidden-size 4096 --num-layers 32 --num-attention-heads 32 "
@@ -67,8 +73,10 @@ def llama_costs(argv: list[str], stages: int):
     return args, config, cli._flop_calibration(args, config, stages)
 
 
-def measure(pp: int, microbatches: int, max_splits: int, vpp: int, zero_bubble: bool) -> dict:
-    """One configuration: the seconds of choose_plan, the command line and rank_steps."""
+def measure(pp: int, microbatches: int, max_splits: int, vpp: int, zero_bubble: bool,
+            timing: str | None = None) -> dict:
+    """One configuration: the seconds of choose_plan, the command line and rank_steps
+    (``timing``: the replay timing planned for; None, the planner's default)."""
     from megatron_seq1f1b.planner import cli
     from megatron_seq1f1b.planner.choice import TIE_TOLERANCE
     from megatron_seq1f1b.planner.search import choose_plan
@@ -78,12 +86,14 @@ def measure(pp: int, microbatches: int, max_splits: int, vpp: int, zero_bubble: 
             str(max_splits), "--vpp", str(vpp), "--top", "1"]
     if not zero_bubble:
         argv += ["--schedules", "1f1b"]
+    if timing is not None:
+        argv += ["--timing", timing]
     args, config, calibration = llama_costs(argv, pp * vpp)
     _clear()
     choice, cpu, wall = _timed(lambda: choose_plan(
         args.seq_length, pp, microbatches, num_model_chunks=vpp, calibration=calibration,
         config=config, vocab_size=args.vocab_size, max_splits=max_splits,
-        schedules=args.schedules, tie_tolerance=TIE_TOLERANCE,
+        schedules=args.schedules, tie_tolerance=TIE_TOLERANCE, timing=cli._timing(args),
         memory_model=cli._memory_model(args, config)))
     _clear()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -94,10 +104,10 @@ def measure(pp: int, microbatches: int, max_splits: int, vpp: int, zero_bubble: 
         pp, microbatches, plan.num_splits, vpp, False, 0, plan.schedule, plan.segment_costs))
     _clear()
     return {"pp": pp, "microbatches": microbatches, "max_splits": max_splits, "vpp": vpp,
-            "zero_bubble": zero_bubble, "candidates": len(choice.candidates) + choice.untimed,
+            "zero_bubble": zero_bubble, "timing": cli._timing(args), "candidates": len(choice.candidates) + choice.untimed,
             "timed": len(choice.candidates), "choose_plan": (cpu, wall),
             "command_line": (cli_cpu, cli_wall), "rank_steps": (steps_cpu, steps_wall),
-            "steps": len(steps), "chosen": plan.describe()}
+            "steps": len(steps), "chosen": plan.describe(), "time": plan.time}
 
 
 def row(result: dict) -> str:
@@ -129,9 +139,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--zero-bubble", choices=["on", "off", "both"], default="both",
                         help="candidates with zero-bubble schedules too (on), 1F1B only (off) "
                              "or both rows (default)")
+    parser.add_argument("--timing", choices=TIMINGS, default=None,
+                        help="the transport timing planned for (default: the planner's, "
+                             "NCCL's links); gloo also models NCCL receives posted ahead")
     args = parser.parse_args(argv)
     zero_bubble = {"on": [True], "off": [False], "both": [False, True]}[args.zero_bubble]
-    print("CPU seconds (wall seconds in brackets), each configuration from empty caches")
+    print("CPU seconds (wall seconds in brackets), each configuration from empty caches; "
+          f"timing: {args.timing or 'the planner default (nccl)'}")
     print(HEADER)
     results = []
     for pp in args.pp:
@@ -140,18 +154,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             for m in args.microbatches:
                 for zb in zero_bubble:
-                    result = measure_apart(pp, m, args.max_splits, vpp, zb)
+                    result = measure_apart(pp, m, args.max_splits, vpp, zb, args.timing)
                     print(row(result), flush=True)
                     results.append(result)
     return results
 
 
 def measure_apart(pp: int, microbatches: int, max_splits: int, vpp: int,
-                  zero_bubble: bool) -> dict:
+                  zero_bubble: bool, timing: str | None = None) -> dict:
     """:func:`measure` in a fresh process (spawned: nothing of this one's heap)."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(measure, pp, microbatches, max_splits, vpp, zero_bubble).result()
+        return pool.submit(measure, pp, microbatches, max_splits, vpp, zero_bubble,
+                           timing).result()
 
 
 if __name__ == "__main__":
