@@ -10,6 +10,7 @@ import functools
 from dataclasses import replace
 import itertools
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -470,12 +471,16 @@ def run_cli(argv, capsys, tmp_path=None) -> tuple[list[str], dict | None]:
                     reason="SEQ1F1B_FULL=1 runs it (48 s; the planner's TP flags are tested on smaller plans here)")
 def test_readme_tp2_pp4_example_plans_and_top_3_stays_short(capsys):
     """Issue 44 (4): Megatron-LM's TP 2 x PP 4 example is planned per TP rank, and the
-    short list fits on a screen: header, chosen flags, 3 rows (+ the chosen one), the count
-    of the others, why, the busiest stage, the lengths."""
+    short list fits on a screen of 24 lines: header (3), chosen flags and why (2),
+    Megatron-Core's 1F1B beside it (issue 57: 2), 3 rows (+ the chosen one) under their
+    header (2), the counts of the others (2), why, the busiest stage, the lengths, the memory
+    check."""
     argv = readme_planner_command("--tp 2")
     assert {"--sequence-parallel", "--pp", "--gpu-memory-gib"} <= set(argv)
     lines, _ = run_cli(argv + ["--top", "3"], capsys)
-    assert len(lines) <= 15, "\n".join(lines)
+    assert len(lines) <= 24, "\n".join(lines)
+    rows = [line for line in lines if re.match(r"[ *]\s+\d+ \w+\s+(1f1b|zb-h1|zb-h2)\s", line)]
+    assert 3 <= len(rows) <= 4, "\n".join(lines)  # the 3 fastest, and the chosen one
     assert "tensor parallel 2 with sequence parallelism" in lines[0]
     assert any("TP all-reduces at 200 GB/s" in line for line in lines[:4])
     assert lines[3].startswith("chosen: --seq1f1b-splits ")
