@@ -89,11 +89,12 @@ def measure(pp: int, microbatches: int, max_splits: int, vpp: int, zero_bubble: 
     if timing is not None:
         argv += ["--timing", timing]
     args, config, calibration = llama_costs(argv, pp * vpp)
+    timing = cli._timing(args)  # the command line's reading of its flags
     _clear()
     choice, cpu, wall = _timed(lambda: choose_plan(
         args.seq_length, pp, microbatches, num_model_chunks=vpp, calibration=calibration,
         config=config, vocab_size=args.vocab_size, max_splits=max_splits,
-        schedules=args.schedules, tie_tolerance=TIE_TOLERANCE, timing=cli._timing(args),
+        schedules=args.schedules, tie_tolerance=TIE_TOLERANCE, timing=timing,
         memory_model=cli._memory_model(args, config)))
     _clear()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -104,7 +105,8 @@ def measure(pp: int, microbatches: int, max_splits: int, vpp: int, zero_bubble: 
         pp, microbatches, plan.num_splits, vpp, False, 0, plan.schedule, plan.segment_costs))
     _clear()
     return {"pp": pp, "microbatches": microbatches, "max_splits": max_splits, "vpp": vpp,
-            "zero_bubble": zero_bubble, "timing": cli._timing(args), "candidates": len(choice.candidates) + choice.untimed,
+            "zero_bubble": zero_bubble, "timing": timing,
+            "candidates": len(choice.candidates) + choice.untimed,
             "timed": len(choice.candidates), "choose_plan": (cpu, wall),
             "command_line": (cli_cpu, cli_wall), "rank_steps": (steps_cpu, steps_wall),
             "steps": len(steps), "chosen": plan.describe(), "time": plan.time}
