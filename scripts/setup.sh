@@ -55,7 +55,10 @@ with zipfile.ZipFile(wheel) as zf:
     name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
     print(Parser().parsestr(zf.read(name).decode()).get("Requires-Python") or "")
 EOF
-)" || { echo "[setup] megatron-core==$mcore_version was not found on the package index" >&2; exit 1; }
+)" || { echo "[setup] no megatron-core==$mcore_version wheel for this Python" \
+            "($("$SEQ1F1B_PYTHON" -c 'import platform; print(platform.python_version())')) on the" \
+            "package index; 0.17 and later publish cp311 and newer only: on Python 3.10 use" \
+            "SEQ1F1B_MCORE=0.16.1 (docs/supported.md)" >&2; exit 1; }
         ignore=()
         if [ -n "$requires" ] && ! "$SEQ1F1B_PYTHON" - "$requires" <<'EOF'
 import sys, platform
