@@ -35,7 +35,7 @@ from megatron_seq1f1b.base.flags import ArgumentParser, output_file, positive_in
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
 from megatron_seq1f1b.schedules.partition import CostModel, split_sequence
 from megatron_seq1f1b.schedules.plan import plan_steps
-from megatron_seq1f1b.schedules.replay import Timeline, replay
+from megatron_seq1f1b.schedules.replay import TIMINGS, Timeline, replay
 from megatron_seq1f1b.schedules.schedule import (
     SCHEDULES,
     Action,
@@ -43,6 +43,8 @@ from megatron_seq1f1b.schedules.schedule import (
     schedule_shape,
     splits_backward,
 )
+from megatron_seq1f1b.schedules.validate import check_link_order
+from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn
 
 CostFn = Callable[[Action, int], float]
 
@@ -109,6 +111,13 @@ def segment_cost(
     return lambda a, rank: tables[a.microbatch][a.segment][a.kind]
 
 
+def unit_costs(cost: CostFn, num_splits: int) -> tuple[tuple[float, float, float], ...]:
+    """Per-segment (F, B, W) of a cost that is the same for every micro-batch, chunk and rank
+    (:func:`segment_cost` of one row): what a zero-bubble schedule is built and placed with."""
+    return tuple(tuple(cost(Action(kind, 0, segment, 0), 0) for kind in ("F", "B", "W"))
+                 for segment in range(num_splits))
+
+
 def peak_inflight(actions: Sequence[Action]) -> int:
     """Most units alive at once: from F until B, or until W where W is split off.
 
@@ -141,15 +150,28 @@ def peak_tokens(schedule: Schedule, rows: Sequence[Sequence[int]], v: int = 1
     return tuple(out)
 
 
-def simulate(schedule: Sequence[Sequence[Action]], cost: CostFn | None = None) -> SimResult:
+def simulate(schedule: Sequence[Sequence[Action]], cost: CostFn | None = None, *,
+             costs: Sequence[tuple[float, float, float]] | None = None,
+             timing: str | None = None) -> SimResult:
     """Replay the schedule with `cost(action, rank)` per action.
 
-    Default: F=1, B=2; with W split off (zero bubble) F=B=W=1.
+    Default: F=1, B=2; with W split off (zero bubble) F=B=W=1. ``costs``: a zero-bubble
+    schedule's per-segment (F, B, W) estimates, the ones it was built with
+    (``build_schedule(..., costs=costs)``): its receives are placed with them, as the
+    executor places them (default: unit costs). ``timing``: when a step posts its transfers
+    and what its compute waits for (:data:`~megatron_seq1f1b.schedules.replay.TIMINGS`;
+    default ``"rendezvous"``, Megatron's batched p2p; Seq1F1B's executor on NCCL is
+    ``"nccl"``, on gloo ``"gloo"``). With unit costs every timing gives the same timeline;
+    with uneven ones zero bubble's differ (docs/design.md).
     """
     _, _, _, chunks = schedule_shape(schedule)
     if cost is None:
         cost = uniform_cost(1.0, 1.0, 1.0) if splits_backward(schedule) else uniform_cost()
-    timeline = replay(plan_steps(schedule, chunks), cost)
+    steps = plan_steps(schedule, chunks,
+                       cost=segment_cost_fn(costs) if costs is not None else None)
+    if costs is not None:
+        check_link_order(steps)  # as the executor checks a plan placed with costs
+    timeline = replay(steps, cost, timing=timing)
     makespan = timeline.makespan
     busy = [sum(iv.end - iv.start for iv in rank) for rank in timeline.compute]
     total = makespan * len(schedule)
@@ -207,6 +229,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["1f1b"],
                         help="1f1b (Seq1F1B) and/or the zero-bubble variants zb-h1, zb-h2 "
                              "(weight gradients W split off: F = B = W = 1; default 1f1b)")
+    parser.add_argument("--timing", choices=TIMINGS, default="nccl",
+                        help="when a step posts its transfers and what its compute waits for: "
+                             "Seq1F1B's executor on NCCL (nccl, default, as the planner) or "
+                             "gloo, or Megatron's batched p2p (rendezvous); unit costs time "
+                             "alike under all of them")
     parser.add_argument("--cost", choices=["uniform", "attention"], default="uniform",
                         help="uniform unit costs (default), or FLOPs of causal segments; "
                              "--partition, --seq-length and the model's sizes are read only "
@@ -340,7 +367,7 @@ def lengths_table(args) -> str:
         cuts = cut_microbatches(args.lengths, k, args.partition, segment_tokens=tokens,
                                 cost=model)
         schedule = build_schedule(args.pp, len(cuts), [len(c) for c in cuts])
-        result = simulate(schedule, segment_cost(cuts, model))
+        result = simulate(schedule, segment_cost(cuts, model), timing=args.timing)
         # segment_cost normalizes to the mean unit: back to one scale (FLOPs)
         units = [f for c in cuts for f in model.split_costs(list(c))]
         scale = sum(units) / len(units)
@@ -368,7 +395,8 @@ def main(argv=None) -> int:
         return 0
     p, m, v = args.pp, args.microbatches, args.chunks
     many_splits, many_schedules = len(args.splits) > 1, len(args.schedules) > 1
-    print(f"pipeline stages p={p}, micro-batches m={m}, model chunks v={v}, cost={args.cost}")
+    print(f"pipeline stages p={p}, micro-batches m={m}, model chunks v={v}, cost={args.cost}, "
+          f"timing={args.timing}")
     problem = megatron_interleaving_problem(p, m) if v > 1 else ""
     if problem:
         print(f"note: Megatron-Core's own interleaved schedule refuses m={m} on p={p} "
@@ -380,9 +408,8 @@ def main(argv=None) -> int:
     drawn = []  # (k, schedule, title, timeline in micro-batch forwards)
     for k in args.splits:
         for kind in args.schedules:
-            schedule = build_schedule(p, m, k, v, schedule=kind)
             split = kind != "1f1b"
-            cost = None
+            cost, costs = None, None
             if args.cost == "attention":
                 config = _config_from_args(args)
                 lengths = split_sequence(
@@ -390,7 +417,10 @@ def main(argv=None) -> int:
                 )
                 model = CostModel.from_config(config, args.vocab_size)
                 cost = segment_cost(lengths, model, num_model_chunks=v, split_backward=split)
-            result = simulate(schedule, cost)
+                if split:  # W and the receives placed for these costs, as the executor does
+                    costs = unit_costs(cost, k)
+            schedule = build_schedule(p, m, k, v, schedule=kind, costs=costs)
+            result = simulate(schedule, cost, costs=costs, timing=args.timing)
             name = schedule_name(k, kind, v)
             peak_mb = result.peak_inflight[0] / (k * v)
             formula = "-"
