@@ -25,7 +25,8 @@ from megatron_seq1f1b.trainer.loop import pretrain
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
     """A Megatron-Core GPTModel chunk with the local (Transformer-Engine-free) layer spec.
 
-    With --num-experts, Megatron's decoder block spec (MoE layers by --moe-layer-freq); with
+    With --num-experts (and --disable-bias-linear: Megatron-Core's local experts fail on linear
+    biases), Megatron's decoder block spec (MoE layers by --moe-layer-freq); with
     --mtp-num-layers, Megatron's MTP block on the last stage. With
     --attention-backend flash, and always with --multi-latent-attention (Megatron's local
     DotProductAttention has one K/V width), the core attention is FlashDotProductAttention.

@@ -373,8 +373,13 @@ def test_a_split_part_without_documents_is_refused_instead_of_a_hang(tmp_path, c
     (["--hidden-size", "66"], "--hidden-size 66 must divide by --num-attention-heads 4 (as in "
                               "Megatron-LM)"),
     (["--num-query-groups", "3"], "--num-query-groups 3 must divide --num-attention-heads 4"),
-    (["--num-experts", "3", "--moe-router-topk", "5"], "--moe-router-topk 5 exceeds "
-                                                       "--num-experts 3"),
+    (["--num-experts", "3", "--moe-router-topk", "5", "--disable-bias-linear"],
+     "--moe-router-topk 5 exceeds --num-experts 3"),
+    (["--num-experts", "2"], "--num-experts without --disable-bias-linear: Megatron-Core's "
+     "local experts (SequentialMLP) add their bias in place to a view of their output, which "
+     "autograd refuses in the first forward (RuntimeError in "
+     "megatron/core/transformer/mlp.py, under any schedule); add --disable-bias-linear (MoE "
+     "models train without linear biases)"),
     (["--seq1f1b", "--window-size", "(10, 5)"],
      "--window-size (10, 5): under --seq1f1b a window looks back w >= 0 tokens and not ahead "
      "(a later segment's keys do not exist when an earlier one runs); use --window-size '(w, 0)'"),

@@ -117,6 +117,21 @@ def attention_shape_problems(hidden_size: int, num_attention_heads: int,
     return problems
 
 
+def local_expert_bias_problems(num_experts: int | None, disable_bias_linear: bool) -> list[str]:
+    """Megatron-Core's local experts (``SequentialMLP``, what the command lines build without
+    Transformer Engine) with linear biases fail in their first forward, under any schedule:
+    they add the bias in place to a view autograd made (``mlp.py``, 0.16.1 to 0.19), a
+    ``RuntimeError`` deep in a traceback. The command lines (the trainer, the rehearsal) say
+    so before building anything."""
+    if num_experts and not disable_bias_linear:
+        return ["--num-experts without --disable-bias-linear: Megatron-Core's local experts "
+                "(SequentialMLP) add their bias in place to a view of their output, which "
+                "autograd refuses in the first forward (RuntimeError in "
+                "megatron/core/transformer/mlp.py, under any schedule); add --disable-bias-linear "
+                "(MoE models train without linear biases)"]
+    return []
+
+
 def model_config_problems(config) -> list[str]:
     """TransformerConfig options that segment-wise attention does not support (yet)."""
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731

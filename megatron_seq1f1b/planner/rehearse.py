@@ -35,7 +35,7 @@ Command line (world size 1; gloo on CPU, NCCL on a GPU)::
     python -m megatron_seq1f1b.rehearse --hybrid-layer-pattern "*-*E|*-*-/*-" \\
         --num-experts 4 --hidden-size 256 --num-attention-heads 4 --vocab-size 1024 \\
         --seq-length 512 --pipeline-model-parallel-size 2 --rehearse-stage 1 \\
-        --num-microbatches 4 --seq1f1b-splits 4
+        --num-microbatches 4 --seq1f1b-splits 4 --disable-bias-linear
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megatron_seq1f1b.base.checks import attention_shape_problems
+from megatron_seq1f1b.base.checks import attention_shape_problems, local_expert_bias_problems
 from megatron_seq1f1b.base.flags import (
     ArgumentParser, non_negative_int, output_file, positive_int,
 )
@@ -186,7 +186,8 @@ def _check_rest(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Na
         parser.error("--mtp-num-layers with --context-parallel-size > 1: Seq1F1B refuses MTP "
                      "with context parallelism")
     for problem in attention_shape_problems(args.hidden_size, args.num_attention_heads,
-                                            args.num_query_groups):
+                                            args.num_query_groups) + \
+            local_expert_bias_problems(args.num_experts, args.disable_bias_linear):
         parser.error(problem)
     try:
         split_sequence(args.seq_length, args.seq1f1b_splits,

@@ -18,7 +18,9 @@ import signal
 import sys
 from typing import NoReturn
 
-from megatron_seq1f1b.base.checks import attention_shape_problems, segment_multiple
+from megatron_seq1f1b.base.checks import (
+    attention_shape_problems, local_expert_bias_problems, segment_multiple,
+)
 from megatron_seq1f1b.base.flags import (
     ArgumentParser, fraction, non_negative_float, non_negative_int, positive_float,
     positive_int,
@@ -491,13 +493,15 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
 def model_shape_problems(args: argparse.Namespace) -> list[str]:
     """Shapes Megatron-LM's ``validate_args`` (or the layers, later, with a traceback) refuses
     (:func:`~megatron_seq1f1b.base.checks.attention_shape_problems`), a router that picks
-    more experts than there are, and a look-ahead window under Seq1F1B."""
+    more experts than there are, local experts with linear biases (which fail in Megatron-Core's
+    first forward) and a look-ahead window under Seq1F1B."""
     problems = attention_shape_problems(
         args.hidden_size, args.num_attention_heads, args.num_query_groups,
         args.tensor_model_parallel_size, args.ffn_hidden_size)
     if args.num_experts and args.moe_router_topk > args.num_experts:
         problems.append(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts "
                         f"{args.num_experts}")
+    problems += local_expert_bias_problems(args.num_experts, args.disable_bias_linear)
     if args.seq1f1b:
         problems += window_problems(args)
     return problems
