@@ -341,8 +341,8 @@ def main(argv: list[str] | None = None, *, model_provider: Callable,
         out.mkdir(parents=True, exist_ok=True)
     on_gpu = device.type == "cuda"
     if not on_gpu and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        say(f"WARNING: {MMAP_THRESHOLD_HINT} is not set: freed tensors can stay resident, so "
-            "CPU peak memory is overestimated and schedules cannot be compared. Launch as "
+        say(f"WARNING: {MMAP_THRESHOLD_HINT} is not set: freed tensors stay resident and are "
+            "reused, so CPU peak memory is not valid and schedules cannot be compared. Launch as "
             f"`{MMAP_THRESHOLD_HINT} torchrun ...`.")
 
     layouts = build_layouts(args, plain_args, model_provider, world)

@@ -39,8 +39,10 @@ class PeakMemory:
         self.baseline = 0
         if not self.on_gpu and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
             self.warning = (
-                f"CPU peak memory without {MMAP_THRESHOLD_HINT}: freed tensors may stay "
-                "resident, so peaks are overestimated"
+                f"CPU peak memory is not valid without {MMAP_THRESHOLD_HINT}: freed tensors "
+                "stay resident and are reused, so a peak above the start of a window "
+                "undercounts (often near 0) and the resident high-water mark overcounts; "
+                f"launch with {MMAP_THRESHOLD_HINT}"
             )
         else:
             self.warning = None
