@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 import megatron_seq1f1b as s1
+from megatron_seq1f1b.trainer.arguments import core_attention
 from megatron_seq1f1b.trainer.loop import pretrain
 
 
@@ -52,7 +53,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=args.normalization,
             vp_stage=vp_stage, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
-    if mla or args.attention_backend == "flash":
+    if core_attention(args) == "flash":
         spec = flash_layer_spec(spec)
     if config.context_parallel_size > 1:
         spec = context_parallel_layer_spec(spec)
@@ -93,7 +94,7 @@ def hybrid_model_provider(args, config, pre_process=True, post_process=True, vp_
     if args.pipeline_model_parallel_size == 1:
         pattern = pattern.replace("|", "")
     stack = local_hybrid_stack_spec(
-        attention="flash" if args.multi_latent_attention else args.attention_backend,
+        attention=core_attention(args),
         num_experts=args.num_experts)
     if config.context_parallel_size > 1:
         stack = context_parallel_layer_spec(stack)

@@ -65,6 +65,7 @@ def test_seq1f1b_and_1f1b_loss_curves_are_equal_pp4_mla(tmp_path):
     assert ours["summary"]["losses"][-1] < ours["summary"]["losses"][0]  # it learns
     assert "lm loss:" in stdout and "tokens/s" in stdout and "peak mem per stage" in stdout
     assert len(ours["summary"]["peak_gib_per_stage"]) == 4
+    assert ours["summary"]["attention_backend"] == "flash"  # MLA: always the flash one
 
 
 @full_only
@@ -305,7 +306,7 @@ def test_context_parallel_2_equals_the_same_model_without_it(tmp_path, backend):
         _same(ours["summary"]["losses"], theirs["summary"]["losses"])
         _same([_validation_loss(stdout)], [_validation_loss(reference)])
         assert ours["summary"]["attention_backend"] == \
-            ("local" if backend == "mla" else backend.split("-")[-1])
+            ("flash" if backend == "mla" else backend.split("-")[-1])  # MLA: always flash
 
 
 _EOD = (["--reset-attention-mask", "--reset-position-ids"], "end-of-document tokens")

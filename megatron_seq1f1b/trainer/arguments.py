@@ -490,6 +490,14 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     return args
 
 
+def core_attention(args: argparse.Namespace) -> str:
+    """The core attention the model gets: ``"flash"`` where ``--attention-backend flash`` asks
+    for it, and always with ``--multi-latent-attention`` (Megatron's local attention has one
+    K/V width); else ``"local"``. What the model provider builds and the summary reports."""
+    return "flash" if args.multi_latent_attention or args.attention_backend == "flash" \
+        else "local"
+
+
 def model_shape_problems(args: argparse.Namespace) -> list[str]:
     """Shapes Megatron-LM's ``validate_args`` (or the layers, later, with a traceback) refuses
     (:func:`~megatron_seq1f1b.base.checks.attention_shape_problems`), a router that picks

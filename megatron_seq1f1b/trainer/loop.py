@@ -318,7 +318,7 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
     steady_tokens = read[1:] or read
     summary = {
         "schedule": schedule,
-        "attention_backend": args.attention_backend,
+        "attention_backend": arguments.core_attention(args),
         "iterations": len(records),
         "final_lm_loss": records[-1]["lm_loss"] if records else None,
         "mean_ms_per_iter": 1e3 * sum(steady) / max(len(steady), 1),
