@@ -658,7 +658,8 @@ def _costs_text(args: argparse.Namespace, calibration: Calibration, config,
         text = (f"costs: not measured; the model's FLOPs per GPU at {args.flop_rate:g} TFLOP/s, "
                 f"{args.host_ms_per_layer * layers:.3g} ms host time per unit (one segment's "
                 f"forward + backward on one stage: {args.host_ms_per_layer:g} ms x {layers:g} "
-                "layers)")
+                "layers); partition 'balanced' cuts by the FLOPs, 'measured' by these costs, "
+                "host time included")
     if args.message_latency is not None:
         text += f"; pipeline messages {args.message_latency * 1e3:g} ms each"
     elif calibration.message is not None:
