@@ -424,7 +424,7 @@ def test_auto_vs_sweep_ratio_and_prediction_error():
                       row("seq1f1b-k2", 2, [2.0, 2.2]), row("seq1f1b-auto", 2, [2.0, 2.0])],
                      tokens_per_iter=8)
     plan = {"k": 2, "partition": "measured", "schedule": "1f1b", "lengths": [5, 3],
-            "predicted_s": 2.2, "calibration_mode": "concurrent", "send_slack": 1,
+            "predicted_s": 2.2, "calibration_mode": "concurrent", "timing": "gloo",
             "table": "(table)"}
     auto = auto_vs_sweep(rows, plan)
     assert (auto["best_key"], auto["best_k"]) == ("seq1f1b-k2", 2)

@@ -148,7 +148,7 @@ def test_benchmark_auto_plan_beside_a_sweep(tmp_path):
     assert plan["k"] == 1 or min(plan["lengths"]) >= 16
     assert rows["seq1f1b-auto"]["lengths"] == plan["lengths"]
     assert rows["seq1f1b-auto"]["label"].startswith(f"Seq1F1B auto (k={plan['k']}, ")
-    assert plan["predicted_s"] > 0 and plan["send_slack"] == 1
+    assert plan["predicted_s"] > 0 and plan["timing"] == "gloo"  # the executor's on gloo
     assert auto["prediction_error"] == pytest.approx(
         plan["predicted_s"] / rows["seq1f1b-auto"]["median_s"] - 1)
     assert auto["best_key"] in ("seq1f1b-k1", "seq1f1b-k2") and auto["best_k"] in (1, 2)

@@ -91,6 +91,27 @@ def test_fixed_cost_per_unit_limits_the_budget():
     assert chosen.units < sum(len(r) for r in rows)
 
 
+def test_plans_are_timed_with_the_transports_timing():
+    """``timing`` reaches the replay (``--seq1f1b-splits auto`` passes the executor's, as the
+    fixed-length planner does): zero bubble waiting for its own sends (rendezvous, Megatron's
+    batched p2p) is slower than posting them a step later (the executor's NCCL links)."""
+    calibration = _calibration(4)
+    rows = cut_rows(LENGTHS, 64, "balanced", segment_tokens=1024, cost=MODEL, multiple_of=16)
+    times = {timing: predict_rows(calibration, rows, 4, schedule="zb-h1", timing=timing)[0]
+             for timing in ("rendezvous", "nccl")}
+    assert times["rendezvous"] == predict_rows(calibration, rows, 4, schedule="zb-h1",
+                                               send_slack=0)[0]
+    assert times["rendezvous"] > 1.05 * times["nccl"]
+    chosen = {}
+    for timing in times:
+        chosen[timing], _ = choose_variable_plan(calibration, LENGTHS, 4, cost=MODEL,
+                                                 multiple_of=16, schedules=("zb-h1",),
+                                                 timing=timing)
+        assert chosen[timing].time == predict_rows(calibration, chosen[timing].rows, 4,
+                                                   schedule="zb-h1", timing=timing)[0]
+    assert chosen["rendezvous"].time > chosen["nccl"].time
+
+
 def test_memory_budget_picks_a_plan_that_fits_or_says_the_smallest():
     calibration = Calibration(_calibration(2).stages, "causal_pairs", bytes_per_token=1000.0)
     chosen, ranked = choose_variable_plan(calibration, LENGTHS, 2, cost=MODEL, multiple_of=16,

@@ -19,7 +19,7 @@ from megatron_seq1f1b.planner import (
     TIE_TOLERANCE, BudgetError, Calibration, Plan, choose_plan,
 )
 from megatron_seq1f1b.planner.measure import message_fit
-from megatron_seq1f1b.runtime.p2p import send_slack_of_runtime
+from megatron_seq1f1b.runtime.p2p import replay_timing
 
 
 def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
@@ -28,7 +28,10 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
 
     Identical on every rank (same samples, deterministic planner); prints every candidate.
     """
+    from megatron.core import parallel_state
+
     mode = matching_mode(samples.modes, shared_cores)
+    timing = replay_timing(parallel_state.get_pipeline_model_parallel_group())
     calibration = Calibration.from_samples(
         samples.raw[mode]["plain"], source=f"benchmark calibration ({mode}), cases {samples.cases}",
         dense_attention=dense_attention)
@@ -42,7 +45,7 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
             config=config, vocab_size=args.vocab_size,  # adds the FLOP-balanced partition
             dense_attention=dense_attention,
             min_segment_length=args.min_segment_length, multiple_of=segment_multiple(config),
-            send_slack=send_slack_of_runtime(),  # sends finish a step later (NCCL links, gloo)
+            timing=timing,  # the executor's transport, as the start-up measurement plans
             tie_tolerance=TIE_TOLERANCE,  # as the start-up measurement's plan
         )
     except BudgetError as exc:  # the same on every rank: all stop
@@ -53,5 +56,5 @@ def choose(samples: CalibrationSamples, args: argparse.Namespace, config,
     return plan, {"k": plan.num_splits, "partition": plan.partition, "schedule": plan.schedule,
                   "lengths": list(plan.lengths), "predicted_s": plan.time, "bubble": plan.bubble,
                   "memory_microbatches": plan.memory, "calibration_mode": mode,
-                  "send_slack": send_slack_of_runtime(), "reason": choice.reason,
+                  "timing": timing, "reason": choice.reason,
                   "table": choice.table()}

@@ -223,8 +223,8 @@ def auto_plan_lines(auto: dict) -> list[str]:
     """The planner's choice against the measured sweep: ratio (hit/miss) and prediction error."""
     plan = auto["plan"]
     lines = ["", "## Automatic plan vs a sweep of k", "",
-             f"Chosen (from the {plan['calibration_mode']} calibration, send slack "
-             f"{plan['send_slack']}): k={plan['k']} {plan['partition']} {plan['schedule']}, "
+             f"Chosen (from the {plan['calibration_mode']} calibration, {plan['timing']} "
+             f"timing): k={plan['k']} {plan['partition']} {plan['schedule']}, "
              f"segments {'/'.join(map(str, plan['lengths']))}; predicted "
              f"{plan['predicted_s'] * 1e3:.0f} ms (the planner's replay, with its message time), "
              f"measured median {auto['auto_median_s'] * 1e3:.0f} ms: prediction error "

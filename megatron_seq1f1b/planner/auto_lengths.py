@@ -42,7 +42,7 @@ def plan_variable_by_measuring(chunks: list, forward_step_func: Callable, iterat
     from megatron_seq1f1b.planner.variable import choose_variable_plan
     from megatron_seq1f1b.runtime.executor_setup import device, length_group, process_groups
     from megatron_seq1f1b.runtime.model_hooks import layer_pattern
-    from megatron_seq1f1b.runtime.p2p import send_slack_of_runtime
+    from megatron_seq1f1b.runtime.p2p import replay_timing
     from megatron_seq1f1b.schedules.partition import CostModel
     from megatron_seq1f1b.segments.document_plan import gather_documents
     from megatron_seq1f1b.segments.length_plan import gather_lengths
@@ -81,7 +81,8 @@ def plan_variable_by_measuring(chunks: list, forward_step_func: Callable, iterat
             partition="documents" if documents is not None else "balanced",
             multiple_of=multiple, min_segment_length=min_segment_length, max_splits=max_splits,
             memory_budget_bytes=memory_budget_gib * GIB if memory_budget_gib else None,
-            send_slack=send_slack_of_runtime(), documents=found)
+            timing=replay_timing(parallel_state.get_pipeline_model_parallel_group()),
+            documents=found)
     except ValueError as exc:  # the same on every rank: all stop, none waits
         raise ConfigError([f"--seq1f1b-splits auto (variable lengths): {exc}"]) from None
     function = get_forward_backward_func(

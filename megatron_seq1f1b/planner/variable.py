@@ -4,8 +4,9 @@ Given the lengths of an iteration's micro-batches (a length histogram's draw, or
 first global batch) and per-segment costs (a :class:`~megatron_seq1f1b.planner.costs.Calibration`:
 measured, or the FLOP model), every candidate is cut as the executor cuts it
 (:func:`~megatron_seq1f1b.schedules.variable.cut_microbatches`, or by documents), built
-with one segment count per micro-batch, and replayed as the executor runs it (the same
-rendezvous replay and send slack as :mod:`~megatron_seq1f1b.planner.search`). Megatron's
+with one segment count per micro-batch, and replayed as the executor runs it (the replay of
+:mod:`~megatron_seq1f1b.planner.search`, with the transport's ``timing``; ``--seq1f1b-splits
+auto`` passes the executor's). Megatron's
 1F1B on the same micro-batches is the candidate with one segment each. Memory is the most
 activation tokens any stage holds (forwarded, not yet backwarded or, with ``W`` split off,
 weight-gradiented), in bytes where the calibration knows a token's.
@@ -28,7 +29,7 @@ from megatron_seq1f1b.schedules.partition import (
     CostModel, split_documents, split_documents_by_budget,
 )
 from megatron_seq1f1b.schedules.plan import plan_steps
-from megatron_seq1f1b.schedules.replay import replay
+from megatron_seq1f1b.schedules.replay import replay, timing_of
 from megatron_seq1f1b.schedules.schedule import Schedule, ScheduleError, build_schedule
 from megatron_seq1f1b.schedules.simulate import peak_tokens
 from megatron_seq1f1b.schedules.variable import cut_microbatches, segment_count
@@ -123,9 +124,12 @@ def _placement(calibration: Calibration, rows, num_stages: int) -> tuple:
 
 def predict_rows(calibration: Calibration, rows: Sequence[Sequence[int]], num_stages: int, *,
                  num_model_chunks: int = 1, schedule: str = "1f1b", send_slack: int = 1,
-                 documents=None) -> tuple[float, float, tuple[float, ...], Schedule]:
+                 documents=None, timing: str | None = None
+                 ) -> tuple[float, float, tuple[float, ...], Schedule]:
     """(time, bubble, peak tokens per stage, schedule) of these cuts, as the executor runs
-    them. Raises ScheduleError where the executor would refuse the steps."""
+    them: ``timing`` (:data:`~megatron_seq1f1b.schedules.replay.TIMINGS`) where given, else
+    ``send_slack``'s (1: "slack"). Raises ScheduleError where the executor would refuse the
+    steps."""
     v = num_model_chunks
     counts = [len(row) for row in rows]
     split = schedule != "1f1b"
@@ -137,7 +141,8 @@ def predict_rows(calibration: Calibration, rows: Sequence[Sequence[int]], num_st
     steps = plan_steps(built, v, cost=segment_cost_fn(placement) if placement else None)
     cost = _action_cost(calibration, rows, num_stages, v, split, documents)
     latency = calibration.message_latency([n for row in rows for n in row])
-    timeline = replay(steps, cost, comm_latency=latency, send_slack=send_slack)
+    timeline = replay(steps, cost, comm_latency=latency,
+                      timing=timing if timing is not None else timing_of(send_slack))
     busy = sum(iv.end - iv.start for rank in timeline.compute for iv in rank)
     total = timeline.makespan * num_stages
     return (timeline.makespan, 1.0 - busy / total if total else 0.0,
@@ -213,7 +218,7 @@ def choose_variable_plan(calibration: Calibration, seq_lengths: Sequence[int], n
                          multiple_of: int = 1, min_segment_length: int = 128,
                          max_splits: int = 64, fixed_splits: Sequence[int] = (2, 4, 8, 16),
                          memory_budget_bytes: float | None = None,
-                         send_slack: int = 1, documents=None
+                         send_slack: int = 1, documents=None, timing: str | None = None
                          ) -> tuple[VariablePlan, list[VariablePlan]]:
     """(chosen, the candidates timed, fastest first): Megatron's 1F1B (one segment per
     micro-batch), the ``fixed_splits`` counts and token budgets (:func:`budgets`, at most
@@ -223,7 +228,8 @@ def choose_variable_plan(calibration: Calibration, seq_lengths: Sequence[int], n
     Memory first (the tokens a stage holds, from the schedule alone); then the candidates
     that fit are timed cheapest :func:`busy_bound` first, and one whose bound is already
     slower than the fastest timed is left untimed: it cannot win (the choice is the same as
-    timing all of them, tested). The replays run with the collector paused.
+    timing all of them, tested). The replays run with the collector paused. ``timing`` (else
+    ``send_slack``'s): how the executor's transport posts and waits (:func:`predict_rows`).
     """
     from megatron_seq1f1b.base.collection import collection_paused
 
@@ -256,7 +262,8 @@ def choose_variable_plan(calibration: Calibration, seq_lengths: Sequence[int], n
             try:
                 time, bubble, peaks, _ = predict_rows(
                     calibration, rows, num_stages, num_model_chunks=num_model_chunks,
-                    schedule=name, send_slack=send_slack, documents=documents)
+                    schedule=name, send_slack=send_slack, documents=documents,
+                    timing=timing)
             except ScheduleError:
                 continue
             plans.append(VariablePlan(label, k, tokens, cut, name, rows, time, bubble, peaks,

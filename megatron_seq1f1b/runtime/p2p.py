@@ -128,16 +128,6 @@ def _coalesces(group) -> bool:
         return False
 
 
-def send_slack_of_runtime() -> int:
-    """The ``send_slack`` the executor runs with by default, on any backend: 1.
-
-    (NCCL uses the links transport, gloo returns a work per operation; only
-    ``SEQ1F1B_P2P=batch`` on NCCL waits for sends, i.e. 0.)
-    """
-    return 0 if os.environ.get(TRANSPORT_ENV, "").strip().lower() == BATCH and \
-        torch.cuda.is_available() else 1
-
-
 def replay_timing(group) -> str:
     """How the executor's transport on this pipeline group posts and waits, as the replay's
     timing (:data:`~megatron_seq1f1b.schedules.replay.TIMINGS`; docs/design.md): ``"nccl"``
