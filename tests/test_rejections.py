@@ -108,6 +108,10 @@ LM_VALID = dict(
 )
 
 
+#: Packed batches, documents the schedule reads (what backward_by_documents needs)
+_LM_PACKED = dict(sft=True, micro_batch_size=1, apply_rope_fusion=False)
+
+
 def _lm(**flags: Any) -> LocalTrigger:
     """What the patched validate_args runs: raise_if(args_problems(args))."""
     return lambda: megatron_lm.validate_args(argparse.Namespace(**{**LM_VALID, **flags}))
@@ -174,9 +178,12 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-backward-by-documents-without-seq1f1b": _lm(seq1f1b=False,
                                                     seq1f1b_backward_by_documents=True),
     "lm-backward-by-documents-per-token": _lm(seq1f1b_backward_by_documents=True,
-                                              calculate_per_token_loss=False),
+                                              calculate_per_token_loss=False, **_LM_PACKED),
     "lm-backward-by-documents-auto": _lm(seq1f1b_backward_by_documents=True,
-                                         calculate_per_token_loss=True, seq1f1b_splits="auto"),
+                                         calculate_per_token_loss=True, seq1f1b_splits="auto",
+                                         **_LM_PACKED),
+    "lm-backward-by-documents-without-documents": _lm(seq1f1b_backward_by_documents=True,
+                                                      calculate_per_token_loss=True),
     "lm-segment-tokens-positive": _lm(seq1f1b_segment_tokens=0),
     "lm-segment-tokens-one-split": _lm(seq1f1b_splits=1, seq1f1b_segment_tokens=512),
     "lm-segment-tokens-auto": _lm(seq1f1b_splits="auto", seq1f1b_segment_tokens=512),
@@ -221,7 +228,10 @@ _RECURRENT = ("--hybrid-layer-pattern", "MG*-", "--mamba-num-groups", "2", "--sw
 TRAINER: dict[str, LocalTrigger] = {
     "trainer-world-size": _trainer("--tensor-model-parallel-size", "2", world_size=3),
     "trainer-backward-by-documents-per-token": _trainer("--seq1f1b",
-                                                        "--seq1f1b-backward-by-documents"),
+                                                        "--seq1f1b-backward-by-documents",
+                                                        "--reset-attention-mask"),
+    "trainer-backward-by-documents-without-documents": _trainer(
+        "--seq1f1b", "--seq1f1b-backward-by-documents", "--calculate-per-token-loss"),
     "trainer-layers-per-stage": _trainer("--pipeline-model-parallel-size", "3", world_size=3),
     "trainer-vpp-needs-pipeline": _trainer("--num-layers-per-virtual-pipeline-stage", "1"),
     "trainer-hybrid-symbols": _trainer("--hybrid-layer-pattern", "*D-"),

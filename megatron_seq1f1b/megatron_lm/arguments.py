@@ -246,6 +246,11 @@ def args_problems(args: Any) -> list[str]:
     if not _flag(args, "seq1f1b", False):  # flags of ours that need --seq1f1b
         return segment_tokens_flag_problems(args) + backward_by_documents_flag_problems(args)
     problems: list[str] = backward_by_documents_flag_problems(args)
+    if _flag(args, "seq1f1b_backward_by_documents", False) and documents_source(args) is None:
+        problems.append("--seq1f1b-backward-by-documents runs a micro-batch's documents apart, "
+                        "but no documents reach the schedule: add --sft or "
+                        "--dataloader-inter-document-masking (packed batches), or "
+                        "--reset-attention-mask with --attention-backend flash")
     splits = segment_splits(args)
     budget = _flag(args, "seq1f1b_segment_tokens")
     if segment_tokens_problems(budget):

@@ -452,6 +452,10 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     problems += document_problems(args, auto)
     problems += segment_tokens_flag_problems(args)
     problems += backward_by_documents_flag_problems(args)
+    if args.seq1f1b and args.seq1f1b_backward_by_documents and args.documents is None:
+        problems.append("--seq1f1b-backward-by-documents runs a micro-batch's documents apart, "
+                        "but the batches carry none: add --reset-attention-mask (end-of-document "
+                        "tokens) or --dataloader-inter-document-masking")
     problems += lengths.flag_problems(args)
     # unset: 4, or with --seq1f1b-segment-tokens no cap (the longest micro-batch's count)
     args.seq1f1b_splits = segment_splits(args, args.schedule_seq_length)
