@@ -147,3 +147,6 @@ def test_lengths_compare_megatron_and_seq1f1b_on_given_micro_batches(capsys):
     with pytest.raises(SystemExit):
         sim.main(["--lengths", "512", "1024"])  # uniform costs have no tokens
     assert "add --cost attention" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no timeline is drawn: said, not ignored
+        sim.main(["--cost", "attention", "--lengths", "512", "1024", "--png", "t.png"])
+    assert "draws no timeline: drop --png / --trace" in capsys.readouterr().err

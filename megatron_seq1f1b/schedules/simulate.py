@@ -311,6 +311,9 @@ def _parse_args(argv=None):
         if args.chunks > 1 or args.schedules != ["1f1b"]:
             parser.error("--lengths simulates Megatron's 1F1B and Seq1F1B without --chunks "
                          "and --schedules")
+        if args.png or args.trace:
+            parser.error("--lengths prints a table and draws no timeline: drop --png / --trace "
+                         "(they draw micro-batches of one length)")
         args.microbatches = len(args.lengths)
     for name, value in ATTENTION_DEFAULTS.items():
         if getattr(args, name) is None:
@@ -374,13 +377,13 @@ def lengths_table(args) -> str:
         results.append((name, result.makespan * scale, result.bubble_fraction,
                         peak_tokens(schedule, cuts)[0], sum(len(c) for c in cuts)))
     base = results[0]
-    header = (f"{'schedule':<32}{'time vs 1F1B':>13}{'bubble':>8}{'units':>7}"
+    header = (f"{'schedule':<32}{'speed vs 1F1B':>14}{'bubble':>8}{'units':>7}"
               f"{'stage-0 peak tokens':>21}{'vs 1F1B':>9}")
     lines = [f"micro-batch lengths {args.lengths} (partition {args.partition}, FLOP costs of "
              f"{args.num_layers} layers, hidden {args.hidden_size}; predictions)", header,
              "-" * len(header)]
     for name, time, bubble, peak, units in results:
-        lines.append(f"{name:<32}{base[1] / time:>12.2f}x{bubble:>8.1%}{units:>7}{peak:>21.0f}"
+        lines.append(f"{name:<32}{base[1] / time:>13.2f}x{bubble:>8.1%}{units:>7}{peak:>21.0f}"
                      f"{peak / base[3]:>8.2f}x")
     return "\n".join(lines)
 

@@ -141,8 +141,9 @@ def flag_problems(args) -> list[str]:
     steering = [flag for flag in ("--variable-seq-lengths-min", "--variable-seq-lengths-sigma")
                 if flag in given]
     if steering and mode != LOGNORMAL:
-        problems.append(f"{' / '.join(steering)} shape --variable-seq-lengths lognormal; add it "
-                        "(or leave them out)")
+        verb = "shapes" if len(steering) == 1 else "shape"
+        problems.append(f"{' / '.join(steering)} {verb} the lengths of --variable-seq-lengths "
+                        "lognormal only: add --variable-seq-lengths lognormal, or leave it out")
     if mode is None:
         return problems
     if mode == DOCUMENTS and args.micro_batch_size > 1:
