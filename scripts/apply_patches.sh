@@ -33,6 +33,7 @@ if [ -z "$python" ]; then
     exit 1
 fi
 
-# This clone's package (and its patches) come first, whatever else is installed.
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" SEQ1F1B_PATCH_PROG="$(basename "$0")" \
+# This clone's package (and its patches) come first, whatever else is installed; messages
+# name the script as it was called (what to type again).
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" SEQ1F1B_PATCH_PROG="$0" \
     exec "$python" -m megatron_seq1f1b.megatron_lm.patch "$@"

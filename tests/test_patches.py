@@ -1272,7 +1272,8 @@ def test_help_and_not_a_checkout(tmp_path):
 
 
 def test_wrapper_is_the_module(tmp_path):
-    """scripts/apply_patches.sh runs the module: the same output, under the script's name."""
+    """scripts/apply_patches.sh runs the module: the same output, under the script's name as
+    it was called (what a hint says to type again)."""
     tree = tmp_path / "fake"
     skeleton_checkout(tree, "core_v0.18.2", version=(0, 18, 9))
     python = {"SEQ1F1B_PYTHON": sys.executable}
@@ -1281,9 +1282,9 @@ def test_wrapper_is_the_module(tmp_path):
         module, wrapper = run_script(*args), run_wrapper(*args, **python)
         assert wrapper.returncode == module.returncode, (args, wrapper.stderr)
         for ours, theirs in ((wrapper.stdout, module.stdout), (wrapper.stderr, module.stderr)):
-            assert ours == theirs.replace(applier.MODULE_PROG, "apply_patches.sh"), args
+            assert ours == theirs.replace(applier.MODULE_PROG, str(SCRIPT)), args
     refused = run_wrapper(tree, **python)
-    assert f"apply_patches.sh '{tree}' --force-version core_v0.18.2" in refused.stderr
+    assert f"{SCRIPT} '{tree}' --force-version core_v0.18.2" in refused.stderr
     apply_cycle(tree, tmp_path, None, is_git=False, compile_=False, tag="core_v0.18.2",
                 extra=("--force-version", "core_v0.18.2"))
     # Without SEQ1F1B_PYTHON the wrapper finds a Python itself (this clone's .venv, python3).
