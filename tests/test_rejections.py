@@ -225,8 +225,11 @@ _CP2 = ("--context-parallel-size", "2", "--seq1f1b")
 # 128 / 64 = 4 heads in 2 groups); --swiglu last.
 _RECURRENT = ("--hybrid-layer-pattern", "MG*-", "--mamba-num-groups", "2", "--swiglu")
 
+#: Tensor parallelism 2 with a vocabulary it divides (the byte tokenizer's 257 does not)
+_TP2 = ("--tensor-model-parallel-size", "2", "--vocab-size", "258")
+
 TRAINER: dict[str, LocalTrigger] = {
-    "trainer-world-size": _trainer("--tensor-model-parallel-size", "2", world_size=3),
+    "trainer-world-size": _trainer(*_TP2, world_size=3),
     "trainer-backward-by-documents-per-token": _trainer("--seq1f1b",
                                                         "--seq1f1b-backward-by-documents",
                                                         "--reset-attention-mask"),
@@ -260,7 +263,7 @@ TRAINER: dict[str, LocalTrigger] = {
                                                   "0"),
     "trainer-splits-exceed-sequence": _trainer("--seq-length", "2", "--seq1f1b",
                                                "--seq1f1b-splits", "4"),
-    "trainer-segments-sequence-parallel": _trainer("--tensor-model-parallel-size", "2",
+    "trainer-segments-sequence-parallel": _trainer(*_TP2,
                                                    "--sequence-parallel", "--seq-length", "255",
                                                    "--seq1f1b", world_size=2),
     "trainer-zb-h2-interleaved": _trainer("--pipeline-model-parallel-size", "2",
@@ -287,6 +290,8 @@ TRAINER: dict[str, LocalTrigger] = {
                                                   "--seq-length", "66", world_size=2),
     "trainer-attention-heads": _trainer("--hidden-size", "66"),
     "trainer-query-groups": _trainer("--num-query-groups", "3"),
+    "trainer-vocab-tensor-parallel": _trainer("--tensor-model-parallel-size", "2",
+                                              world_size=2),
     "trainer-router-topk": _trainer("--num-experts", "3", "--moe-router-topk", "5",
                                     "--disable-bias-linear"),
     "trainer-moe-bias-linear": _trainer("--num-experts", "2"),
@@ -300,7 +305,7 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-segment-tokens-auto": _trainer("--seq1f1b", "--seq1f1b-splits", "auto",
                                             "--seq1f1b-segment-tokens", "64"),
     "trainer-segment-tokens-sequence-parallel": _trainer(
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "255",
+        *_TP2, "--sequence-parallel", "--seq-length", "255",
         "--seq1f1b", "--seq1f1b-segment-tokens", "64", world_size=2),
     "trainer-variable-mode-unknown": _trainer("--variable-seq-lengths", "uniform"),
     "trainer-variable-documents-micro-batch-size": _trainer("--variable-seq-lengths",
@@ -314,7 +319,7 @@ TRAINER: dict[str, LocalTrigger] = {
                                                       "--variable-seq-lengths-min", "300"),
     "trainer-variable-shape-without-lognormal": _trainer("--variable-seq-lengths-sigma", "0.5"),
     "trainer-variable-sequence-parallel": _trainer(
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "255",
+        *_TP2, "--sequence-parallel", "--seq-length", "255",
         "--variable-seq-lengths", "lognormal", world_size=2),
 }
 

@@ -426,6 +426,13 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         args.vocab_size = args.vocab_size or 257
     elif args.vocab_size is None:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.vocab_size and args.vocab_size % tp:
+        padded = -(-args.vocab_size // tp) * tp
+        default = " (ByteTokenizer's default)" if args.vocab_size == 257 else ""
+        problems.append(f"--vocab-size {args.vocab_size}{default} must divide by "
+                        f"--tensor-model-parallel-size {tp}: each TP rank holds an equal share "
+                        f"of the embedding and output layer; give --vocab-size {padded} (ids no "
+                        "token uses are harmless), as Megatron-LM pads it")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
