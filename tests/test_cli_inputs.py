@@ -411,6 +411,15 @@ def test_a_token_budget_without_splits_has_no_cap(flags, splits):
     args = arguments.parse([*base, *flags])
     assert (args.seq1f1b_splits, args.seq1f1b_segment_tokens) == (
         splits, int(flags[1]) if flags else None)
+    # the start-up line names the most segments a micro-batch gets, and a budget that cuts
+    # nothing says so
+    from megatron_seq1f1b.trainer.loop import _schedule_name
+
+    name = _schedule_name(args)
+    uncut = [w for w in args.startup_warnings if "no micro-batch is cut" in w]
+    if flags:
+        assert f"k <= {min(splits, -(-96 // int(flags[1])))}," in name, name
+    assert bool(uncut) == (flags[1:2] == ["500"]), args.startup_warnings
 
 
 def test_demo_help_answers_without_setting_up():

@@ -459,6 +459,12 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     problems += document_problems(args, auto)
     problems += segment_tokens_flag_problems(args)
     problems += backward_by_documents_flag_problems(args)
+    budget = args.seq1f1b_segment_tokens
+    if args.seq1f1b and isinstance(budget, int) and budget >= args.schedule_seq_length:
+        args.startup_warnings.append(
+            f"--seq1f1b-segment-tokens {budget} is at least the longest micro-batch's "
+            f"{args.schedule_seq_length} tokens: no micro-batch is cut, each runs whole as one "
+            "segment (Megatron's 1F1B order)")
     if args.seq1f1b and args.seq1f1b_backward_by_documents and args.documents is None:
         problems.append("--seq1f1b-backward-by-documents runs a micro-batch's documents apart, "
                         "but the batches carry none: add --reset-attention-mask (end-of-document "

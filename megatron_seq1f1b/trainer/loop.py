@@ -164,8 +164,12 @@ def _schedule_name(args) -> str:
                 else "Megatron-Core 1F1B" if args.pipeline_model_parallel_size > 1
                 else "Megatron-Core (no pipelining)")
     if args.seq1f1b_segment_tokens is not None:
-        return (f"Seq1F1B segments of <= {args.seq1f1b_segment_tokens} tokens (k <= "
-                f"{args.seq1f1b_splits}, {args.seq1f1b_partition}, {args.seq1f1b_schedule})")
+        budget = args.seq1f1b_segment_tokens  # the most a micro-batch of the sequence gets
+        most = args.seq1f1b_splits
+        if isinstance(most, int):
+            most = min(most, -(-args.schedule_seq_length // budget))
+        return (f"Seq1F1B segments of <= {budget} tokens (k <= {most}, "
+                f"{args.seq1f1b_partition}, {args.seq1f1b_schedule})")
     return (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition}, "
             f"{args.seq1f1b_schedule})")
 
