@@ -321,7 +321,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, meta: dict) -> str:
             f"{fmt(r.get('predicted_vs_1f1b-regrouped'))} | "
             f"{fmt(r['stage0_peak_vs_1f1b'])} |")
     lines += ["", "Ratios: medians of per-round time ratios (rounds alternate the rows); the "
-              "bubble and busy-time parts come from each row's recorded timeline (speed-up = "
-              "bubble part x busy part); predicted: the simulator on a calibration of this "
-              "machine, cutting as the executor cuts; peaks: real allocations."]
+              "bubble and busy-time parts come from each row's recorded timeline, a run of its "
+              "own timed per action: their product is that run's speed-up, not the median's; "
+              "predicted: the simulator on a calibration of this machine, cutting as the "
+              "executor cuts; peaks: real allocations."]
     return "\n".join(lines) + "\n"
