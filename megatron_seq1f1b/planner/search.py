@@ -49,12 +49,9 @@ from megatron_seq1f1b.planner.choice import (
 from megatron_seq1f1b.planner.costs import Calibration, action_cost_table, placement_costs
 from megatron_seq1f1b.planner.memory_model import MemoryModel, activation_peak, bytes_text
 from megatron_seq1f1b.schedules.partition import METHODS, CostModel, split_sequence
-from megatron_seq1f1b.schedules.plan import plan_steps
 from megatron_seq1f1b.schedules.replay import TIMINGS, replay, timing_of
 from megatron_seq1f1b.schedules.schedule import SCHEDULES, Schedule
-from megatron_seq1f1b.schedules.simulate import CostFn
-from megatron_seq1f1b.schedules.validate import check_link_order
-from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn
+from megatron_seq1f1b.schedules.simulate import CostFn, placed_steps
 
 #: The replay's ``send_slack`` of the "slack" timing (a step's compute waits for its receives
 #: and the previous step's sends), which the planner used for every transport before it timed
@@ -74,12 +71,8 @@ def predict(schedule: Schedule, num_model_chunks: int, cost: CostFn,
     """(makespan, bubble) of the executor's steps of a whole schedule: receives placed with
     ``costs`` (zero bubble) or unit costs, replayed with ``cost``, ``comm_latency`` per
     exchanging step and ``timing`` (or ``send_slack``); ScheduleError where it would refuse."""
-    steps = plan_steps(schedule, num_model_chunks,
-                       cost=segment_cost_fn(costs) if costs is not None else None)
-    if costs is not None:
-        check_link_order(steps)
-    timeline = replay(steps, cost, comm_latency=comm_latency, send_slack=send_slack,
-                      timing=timing)
+    timeline = replay(placed_steps(schedule, num_model_chunks, costs), cost,
+                      comm_latency=comm_latency, send_slack=send_slack, timing=timing)
     busy = sum(iv.end - iv.start for rank in timeline.compute for iv in rank)
     total = timeline.makespan * len(schedule)
     return timeline.makespan, (1.0 - busy / total if total else 0.0)

@@ -28,10 +28,9 @@ from megatron_seq1f1b.planner.memory_model import bytes_text
 from megatron_seq1f1b.schedules.partition import (
     CostModel, split_documents, split_documents_by_budget,
 )
-from megatron_seq1f1b.schedules.plan import plan_steps
 from megatron_seq1f1b.schedules.replay import replay, timing_of
 from megatron_seq1f1b.schedules.schedule import Schedule, ScheduleError, build_schedule
-from megatron_seq1f1b.schedules.simulate import peak_tokens
+from megatron_seq1f1b.schedules.simulate import peak_tokens, placed_steps
 from megatron_seq1f1b.schedules.variable import cut_microbatches, segment_count
 
 __all__ = ["VariablePlan", "cut_rows", "predict_rows", "choose_variable_plan", "budgets",
@@ -136,9 +135,7 @@ def predict_rows(calibration: Calibration, rows: Sequence[Sequence[int]], num_st
     placement = _placement(calibration, rows, num_stages * v) if split else None
     built = build_schedule(num_stages, len(rows), counts, v, schedule=schedule,
                            costs=placement)
-    from megatron_seq1f1b.schedules.zero_bubble import segment_cost_fn
-
-    steps = plan_steps(built, v, cost=segment_cost_fn(placement) if placement else None)
+    steps = placed_steps(built, v, placement)
     cost = _action_cost(calibration, rows, num_stages, v, split, documents)
     latency = calibration.message_latency([n for row in rows for n in row])
     timeline = replay(steps, cost, comm_latency=latency,

@@ -150,6 +150,19 @@ def peak_tokens(schedule: Schedule, rows: Sequence[Sequence[int]], v: int = 1
     return tuple(out)
 
 
+def placed_steps(schedule: Sequence[Sequence[Action]], num_model_chunks: int,
+                 costs: Sequence | None = None) -> list:
+    """The executor's steps of ``schedule``: receives placed with zero bubble's per-segment
+    (or per micro-batch and segment) (F, B, W) ``costs`` and the link order checked, as the
+    executor places and checks them; without ``costs``, placed for unit costs. ScheduleError
+    where the executor would refuse them."""
+    steps = plan_steps(schedule, num_model_chunks,
+                       cost=segment_cost_fn(costs) if costs is not None else None)
+    if costs is not None:
+        check_link_order(steps)
+    return steps
+
+
 def simulate(schedule: Sequence[Sequence[Action]], cost: CostFn | None = None, *,
              costs: Sequence[tuple[float, float, float]] | None = None,
              timing: str | None = None) -> SimResult:
@@ -167,11 +180,7 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostFn | None = None, *
     _, _, _, chunks = schedule_shape(schedule)
     if cost is None:
         cost = uniform_cost(1.0, 1.0, 1.0) if splits_backward(schedule) else uniform_cost()
-    steps = plan_steps(schedule, chunks,
-                       cost=segment_cost_fn(costs) if costs is not None else None)
-    if costs is not None:
-        check_link_order(steps)  # as the executor checks a plan placed with costs
-    timeline = replay(steps, cost, timing=timing)
+    timeline = replay(placed_steps(schedule, chunks, costs), cost, timing=timing)
     makespan = timeline.makespan
     busy = [sum(iv.end - iv.start for iv in rank) for rank in timeline.compute]
     total = makespan * len(schedule)
