@@ -46,6 +46,10 @@ LAYOUTS = {
     "cp2_k3_mla_yarn_mbs2": dict(model=MLA_YARN, data=DataSpec(num_microbatches=2,
                                                                micro_batch_size=2),
                                  seq1f1b=dict(num_splits=3, partition="uniform")),
+    "cp2_k2_local_mask_mbs2": dict(model=ROPE, data=DataSpec(num_microbatches=2,
+                                                             micro_batch_size=2,
+                                                             explicit_mask=True),
+                                   seq1f1b=dict(num_splits=2, partition="uniform")),
     "cp2_k2_window_local": dict(model=dataclasses.replace(GQA, extra=(("window_size", (6, 0)),)),
                                 seq1f1b=dict(num_splits=2, partition="uniform")),
     # pipeline 2 x CP 2, tensor 2 x CP 2 (4 ranks)
@@ -72,6 +76,18 @@ def test_context_parallel_segments_equal_one_rank(ranks, name):
     data = layout.pop("data", DataSpec(num_microbatches=2))
     world = layout.get("pp", 1) * 2 * layout.get("tp", 1)
     _check(ranks.run(world, run_layout, case=name, data=data, cp=2, **layout))
+
+
+def test_a_given_mask_with_flash_attention_is_refused_as_without_context_parallelism(ranks):
+    """CP without documents cuts a given mask to each chunk and hands it to the attention, which
+    uses or refuses it as without CP (the flash attention refuses it). Before, the mask went to
+    a packed path built for one sample: with two per micro-batch, gradients 100 % off."""
+    from harness import CaseFailed
+
+    data = DataSpec(num_microbatches=2, micro_batch_size=2, explicit_mask=True)
+    with pytest.raises(CaseFailed, match="does not support an explicit attention_mask"):
+        ranks.run(2, run_layout, case="cp-flash-mask", data=data, cp=2, model=FLASH,
+                  seq1f1b=dict(num_splits=2, partition="uniform"))
 
 
 def test_a_failing_context_parallel_peer_stops_the_other_in_time_naming_it(ranks):

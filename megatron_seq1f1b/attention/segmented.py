@@ -25,7 +25,7 @@ Backends:
   plain ``causal`` is aligned top-left when lengths differ), a given mask
   along as unsegmented; with documents the segment packed as THD
   (:mod:`megatron_seq1f1b.attention.varlen`, ``padding_causal_bottom_right``); with CP
-  and no documents one call per chunk.
+  and no documents one call per chunk (a given mask cut to each chunk's rows and keys).
 
 Sliding windows (``window_size=(w, 0)``, per layer as Megatron decides with
 ``window_attn_skip_freq``): query ``i`` sees keys ``start + i - w .. start + i``,
@@ -287,21 +287,26 @@ def te_attention_forward(core_attention, original):
             return original(query, keys, values, mask,
                             attn_mask_type=AttnMaskType.causal_bottom_right,
                             attention_bias=None, packed_seq_params=None, **kwargs)
-        if current.run.documents_of(info.microbatch) is None and attention_mask is None:
+        if current.run.documents_of(info.microbatch) is None:
             # Context parallelism without documents: this rank's chunks are causal spans over
             # views of the keys (no packed copy of them): in one call where the attention
-            # takes spans, else one bottom-right call per chunk.
+            # takes spans, else one bottom-right call per chunk, a given mask cut to each
+            # (it goes along as without CP: the attention uses or refuses it)
             spans, row = [], 0
             for piece in mine.pieces[0]:
                 spans.append((row, piece.queries, piece.k0 - view.key_start,
                               piece.q1 - view.key_start))
                 row += piece.queries
+            given = (None if attention_mask is None
+                     else _given_mask(attention_mask, info, view, mine))
             attend_spans = getattr(core_attention, "attend_spans", None)
-            out = None if attend_spans is None else attend_spans(query, keys, values, spans)
+            out = (None if attend_spans is None or given is not None
+                   else attend_spans(query, keys, values, spans))
             if out is not None:
                 return out
             return torch.cat([original(
-                query[row:row + rows], keys[low:high], values[low:high], None,
+                query[row:row + rows], keys[low:high], values[low:high],
+                None if given is None else given[..., row:row + rows, low:high],
                 attn_mask_type=AttnMaskType.causal_bottom_right, attention_bias=None,
                 packed_seq_params=None, **kwargs) for row, rows, low, high in spans])
         packed = current.run.packed(info, mine, query.device, view.key_start)

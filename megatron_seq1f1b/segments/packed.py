@@ -77,6 +77,9 @@ class Packed:
 
     def pack(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """``[L, b, h, d]`` queries and ``[keys, b, g, d]`` K/V -> ``[T, h, d]`` THD tensors."""
+        if query.shape[1] != self.micro_batch_size:  # shapes only: no wrong rows, silently
+            raise ValueError(f"Seq1F1B: a segment packed for {self.micro_batch_size} sample(s) "
+                             f"got queries of {query.shape[1]}")
         if self.key_index is None:
             return query[:, 0], key[:, 0], value[:, 0]
         q = query[:, 0] if self.micro_batch_size == 1 else \
