@@ -585,3 +585,19 @@ def layout_against_megatron(pp: int, layout: str, k: int, model: ModelSpec,
             "reported": reports_a is not None, "own_dense": dense_attention(models),
             "pipeline_dense": pipeline_dense_attention(models),
             "lengths": list(next(reversed(executor_setup._SETUPS.values())).lengths)}
+
+
+def stage_local_refusal(model: ModelSpec) -> dict:
+    """Stage 1's model is not prepared for segments (enable() only on stage 0): every stage
+    fails before any p2p message, stage 0 naming stage 1 (it used to go on and wait)."""
+    data = DataSpec(num_microbatches=2)
+    _, _, models, batches = _layout(model, data, 2, timeout_s=20)
+    if torch.distributed.get_rank() == 0:
+        s1.enable(models)
+    start = time.monotonic()
+    try:
+        _run(s1.get_forward_backward_func(2), models, batches, model, data,
+             slicer=s1.slice_batch)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}

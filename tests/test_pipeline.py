@@ -168,6 +168,15 @@ def test_stages_with_different_schedules_are_rejected_before_p2p(ranks):
         assert r["seconds"] < 5, r
 
 
+def test_a_stage_refusing_for_its_own_reasons_stops_every_stage_before_p2p(ranks):
+    results = ranks.run(2, cases.stage_local_refusal, case="stage-refuses", model=ROPE)
+    refusing, waiting = results[1], results[0]
+    assert refusing["error"] and "not prepared for segments" in refusing["error"], refusing
+    assert waiting["error"] and "ConfigError" in waiting["error"], waiting
+    assert "pipeline stage(s) [1] refused this call" in waiting["error"], waiting
+    assert all(r["seconds"] < 5 for r in results), results
+
+
 def test_lost_p2p_message_raises_naming_rank_and_action_instead_of_hanging(ranks):
     results = ranks.run(2, cases.p2p_lost_message, case="lost-message", model=ROPE, timeout_s=4)
     waiting = results[1]

@@ -35,7 +35,7 @@ from megatron_seq1f1b.base.checks import (
 from megatron_seq1f1b.base.collection import collection_paused
 from megatron_seq1f1b.base.checks import segment_multiple as segment_multiple_of
 from megatron_seq1f1b.runtime import te_wgrad, wgrad
-from megatron_seq1f1b.runtime.executor_checks import executor_problems
+from megatron_seq1f1b.runtime.executor_checks import executor_problems, segment_length_problems
 from megatron_seq1f1b.runtime.model_hooks import (
     AttentionKind, attention_kind, dense_attention, is_enabled, layer_pattern, unwrap,
 )
@@ -212,6 +212,7 @@ class Facts(NamedTuple):
     multiple: int  # what segment lengths round to (rounding_multiple)
     document_multiple: int  # what the documents partition rounds its cuts to
     described: str  # this stage's call, for the message when stages differ
+    problems: tuple[str, ...] = ()  # what only this stage finds wrong (:func:`stage_problems`)
 
 
 def agree_across_stages(pp_group, facts: Facts) -> bool:
@@ -220,7 +221,8 @@ def agree_across_stages(pp_group, facts: Facts) -> bool:
 
     One tiny all-gather per call, read at once: a rank whose configuration
     changed alone must stop everyone with this error, not leave its peers
-    waiting in a transfer of the wrong shape. Reading it waits for the device,
+    waiting in a transfer of the wrong shape; a stage that refuses the call
+    for its own reasons (:func:`stage_problems`) stops everyone alike. Reading it waits for the device,
     once per iteration, where training loops wait anyway (the previous
     optimizer step's norms and losses); pipeline size 1 skips it. A stage
     without attention layers takes the kind of those that have them; where the
@@ -228,11 +230,16 @@ def agree_across_stages(pp_group, facts: Facts) -> bool:
     """
     import torch.distributed as dist
 
-    mine = facts.shared + (int(facts.attention),)
+    mine = facts.shared + (int(facts.attention), int(bool(facts.problems)))
     local = torch.tensor(mine, dtype=torch.int64, device=device())
     gathered = torch.empty(pp_group.size() * len(mine), dtype=torch.int64, device=local.device)
     dist.all_gather_into_tensor(gathered, local, group=pp_group)
-    rows = gathered.view(pp_group.size(), len(mine)).tolist()
+    table = gathered.view(pp_group.size(), len(mine)).tolist()
+    refusing = [stage for stage, row in enumerate(table) if row[-1]]
+    rows = [row[:-1] for row in table]  # the shared facts and the attention kind
+    if refusing and not facts.problems:  # this stage's own: all at once, in build_setup
+        raise_if([f"pipeline stage(s) {refusing} refused this call (their own errors say why): "
+                  "every stage stops here, before any p2p message"])
     kinds = [AttentionKind(row[-1]) for row in rows]
     problems = []
     differ = [stage for stage, row in enumerate(rows) if row[:-1] != rows[0][:-1]]
@@ -569,19 +576,48 @@ def setup_for(chunks, config, iterators, pg_collection, peers: Peers, **argument
     facts = _cached(_FACTS, key)
     if facts is None:
         facts = stage_facts(chunks, config, pg_collection, **arguments)
-        _remember(_FACTS, key, facts)
+        facts = facts._replace(problems=tuple(stage_problems(
+            chunks, config, iterators, peers.pp_size, facts, **arguments)))
+        if not facts.problems:  # a refused call is checked again (the model may be enabled)
+            _remember(_FACTS, key, facts)
     if peers.pp_size > 1 and not is_stand_in(pg_collection.pp):
         dense = agree_across_stages(pg_collection.pp, facts)
     else:
         pipeline = getattr(pg_collection.pp, "attention", None)
         dense = rehearsed_attention(facts, pipeline, layer_pattern(chunks)) == AttentionKind.DENSE
-    setup_key = None if key is None else (key, dense)
+    setup_key = None if key is None or facts.problems else (key, dense)
     setup = _cached(_SETUPS, setup_key)
     if setup is None:
         setup = build_setup(chunks, config, iterators, pg_collection, peers, facts, dense,
                             **arguments)
         _remember(_SETUPS, setup_key, setup)
     return setup
+
+
+def _effective_splits(num_splits: int, seq_length, segment_tokens, facts: Facts,
+                      variable: bool) -> int:
+    """Segments per micro-batch: ``num_splits``, or with a token budget the count it gives a
+    micro-batch of ``seq_length`` tokens (variable lengths: the cap)."""
+    if variable or segment_tokens is None:
+        return num_splits
+    return segment_count(seq_length, num_splits, segment_tokens, facts.multiple)
+
+
+def stage_problems(chunks, config, iterators, pp_size: int, facts: Facts, *, num_microbatches,
+                   seq_length, num_splits, schedule, forward_only, adjust_tensor_shapes_fn,
+                   segment_tokens=None, variable=False, **_) -> list[str]:
+    """What this stage's own chunks, iterators and layers make wrong with the call: found before
+    the stages agree, which tells every stage, so that none goes on into a p2p transfer that
+    the refusing stage never joins (checks of the agreed facts come after, alike everywhere)."""
+    count = _effective_splits(num_splits, seq_length, segment_tokens, facts, variable)
+    problems = executor_problems(chunks, iterators, config, num_microbatches, count, None,
+                                 seq_length, pp_size, adjust_tensor_shapes_fn,
+                                 count == 1 or is_enabled(chunks))
+    if schedule != "1f1b" and not forward_only:
+        problems += wgrad.deferral_problems(chunks, count)
+    elif not forward_only:
+        problems += wgrad.without_w_problems(chunks)
+    return problems
 
 
 def build_setup(chunks, config, iterators, pg_collection, peers, facts: Facts, dense: bool, *,
@@ -596,34 +632,33 @@ def build_setup(chunks, config, iterators, pg_collection, peers, facts: Facts, d
     flops = dataclasses.replace(facts.costs, dense_attention=dense)
     lengths: list[int] = []
     split_cap = num_splits
-    if not variable:
-        if segment_tokens is not None:  # every micro-batch has seq_length tokens
-            num_splits = segment_count(seq_length, num_splits, segment_tokens, facts.multiple)
+    problems = list(facts.problems)  # this stage's own (stage_problems), with the cut's: at once
+    if not variable:  # with a token budget, every micro-batch has seq_length tokens
+        num_splits = _effective_splits(num_splits, seq_length, segment_tokens, facts, variable)
         try:
             # The documents partition cuts each micro-batch by its own documents; its nominal
             # lengths (uniform) stand for it where one set is needed (checks, zero-bubble costs).
             lengths = cut_lengths(num_splits, "uniform" if by_documents else partition,
                                   split_lengths, seq_length, flops, facts.multiple)
         except ValueError as exc:
-            raise_if([f"num_splits={num_splits} with seq_length={seq_length}: {exc}"])
-        if len(lengths) != num_splits:
-            raise_if([f"split_lengths has {len(lengths)} entries but num_splits is {num_splits}"])
-        if segment_multiple is not None and any(n % facts.multiple for n in lengths):
-            raise_if([f"split_lengths {list(lengths)} are not all multiples of segment_multiple="
-                      f"{segment_multiple} (with the layout's own multiple: {facts.multiple})"])
-    raise_if(executor_problems(chunks, iterators, config, num_microbatches, num_splits,
-                               None if variable else lengths, seq_length, pp_size,
-                               adjust_tensor_shapes_fn, num_splits == 1 or is_enabled(chunks)))
+            problems.append(f"num_splits={num_splits} with seq_length={seq_length}: {exc}")
+        else:
+            if len(lengths) != num_splits:
+                problems.append(f"split_lengths has {len(lengths)} entries but num_splits is "
+                                f"{num_splits}")
+            if segment_multiple is not None and any(n % facts.multiple for n in lengths):
+                problems.append(f"split_lengths {list(lengths)} are not all multiples of "
+                                f"segment_multiple={segment_multiple} (with the layout's own "
+                                f"multiple: {facts.multiple})")
+            problems += segment_length_problems(lengths, seq_length, config)
+    raise_if(problems)
     if len(chunks) > 1:
         from megatron_seq1f1b.schedules.interleaved import interleaved_problems
 
         raise_if(interleaved_problems(pp_size, num_microbatches, num_splits, len(chunks),
                                       schedule, forward_only))
     if schedule != "1f1b" and not forward_only:
-        raise_if(wgrad.deferral_problems(chunks, num_splits))
         wgrad.install()
-    elif not forward_only:
-        raise_if(wgrad.without_w_problems(chunks))
 
     plan = None
     if not variable:
