@@ -146,6 +146,7 @@ def get_forward_backward_func(
 
     forward_backward_func.num_splits = num_splits
     forward_backward_func.partition = partition
+    forward_backward_func.split_lengths = lengths
     forward_backward_func.schedule = schedule
     forward_backward_func.segment_tokens = segment_tokens
     forward_backward_func.backward_by_documents = backward_by_documents

@@ -1950,6 +1950,28 @@ def test_segment_tokens_flag_installs_a_budget(monkeypatch, splits, cap):
         s1.uninstall()
 
 
+def test_split_lengths_flag_installs_that_cut(monkeypatch):
+    """--seq1f1b-split-lengths (the planner's lengths for a measured cut): the installed
+    function cuts every micro-batch so, as many segments as lengths."""
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    import megatron_seq1f1b.runtime.model_hooks as model_mod
+
+    monkeypatch.setattr(model_mod, "enable", lambda model: model)
+    parsed = parser_with_seq1f1b().parse_args(["--seq1f1b", "--seq1f1b-split-lengths",
+                                               "2048,1152,896"])
+    assert parsed.seq1f1b_split_lengths == (2048, 1152, 896)
+    args = megatron_args(seq1f1b_splits=None, seq1f1b_split_lengths=parsed.seq1f1b_split_lengths)
+    assert megatron_lm.args_problems(args) == []
+    try:
+        megatron_lm.prepare_model([object()], args)
+        func = pipeline_parallel.get_forward_backward_func()
+        assert (func.num_splits, tuple(func.split_lengths)) == (3, (2048, 1152, 896))
+    finally:
+        import megatron_seq1f1b as s1
+
+        s1.uninstall()
+
+
 def test_backward_by_documents_flag_installs_it(monkeypatch):
     """--seq1f1b-backward-by-documents with packed documents and per-token loss: the installed
     function runs a micro-batch's runs of documents apart."""

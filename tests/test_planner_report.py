@@ -58,6 +58,67 @@ def _calibration(capsys, tmp_path, argv):
     return json.loads(path.read_text())
 
 
+def test_an_interleaved_megatron_run_that_megatron_core_refuses_is_not_set_beside(capsys,
+                                                                                  tmp_path):
+    """m = 6 on 4 stages: Megatron-Core's interleaved schedule refuses it (6 % 4 = 2 < PP);
+    the report said "1.19x its speed" against it."""
+    lines, data = _run(SMALL[:4] + ["--microbatches", "6"] + SMALL[6:] + VOCAB + ["--vpp", "2"],
+                       capsys, tmp_path)
+    line = _line(lines, "Megatron-Core interleaved 1F1B:")
+    assert "not predicted: Megatron-Core refuses interleaving with 6 micro-batches" in line
+    assert "x its speed" not in line and "x its speed" in _line(lines, "vs Megatron-Core 1F1B:")
+    assert "Megatron-Core interleaved 1F1B" not in data["baselines"]
+    assert "refuses" in data["baselines_not_predicted"]["Megatron-Core interleaved 1F1B"]
+
+
+def test_a_baseline_over_the_gpu_memory_is_said_not_to_fit(capsys):
+    lines, _ = _run(SMALL + VOCAB + ["--gpu-memory-gib", "60"], capsys)
+    assert "would not fit" not in _line(lines, "vs Megatron-Core 1F1B:")
+    lines, _ = _run(SMALL[:4] + ["--microbatches", "4"] + SMALL[6:] + VOCAB
+                    + ["--seq-length", "32768", "--gpu-memory-gib", "15"], capsys)
+    line = _line(lines, "vs Megatron-Core 1F1B:")
+    base = float(line.split(" vs ")[-1].split(" GiB")[0])
+    assert base > 15 and "it would not fit the 15 GiB per GPU (--gpu-memory-gib)" in line
+
+
+def test_small_models_show_mib_not_zeros(capsys):
+    argv = ["--seq-length", "256", "--pp", "2", "--microbatches", "2", "--hidden-size", "64",
+            "--num-layers", "4", "--num-attention-heads", "4", "--vocab-size", "512",
+            "--splits", "4", "--top", "0", "--min-segment-length", "1"]
+    lines, _ = _run(argv, capsys)
+    text = "\n".join(lines)
+    assert "0.00 GiB" not in text and "0.01 GiB" not in text and " MiB" in text
+    assert _line(lines, "stage 0:").endswith(" MB)")
+
+
+def test_an_output_file_that_cannot_be_written_is_one_line_not_a_traceback(capsys):
+    with pytest.raises(SystemExit) as exited:
+        planner.main(SMALL + ["--json", "/proc/plan.json"])
+    assert exited.value.code in (1, 2)  # refused as read (no permission), or when written
+    assert "/proc/plan.json" in capsys.readouterr().err
+
+
+def test_a_measured_plan_is_given_as_flags_that_megatron_lm_runs(capsys, tmp_path):
+    """A partition only a calibration computes ("measured") cannot be named by
+    --seq1f1b-partition: the chosen line gives its lengths, which Megatron-LM's flags take
+    (it printed --seq1f1b-partition measured, which they refuse)."""
+    import argparse
+
+    from megatron_seq1f1b import megatron_lm
+
+    path = tmp_path / "cal.json"
+    _run(SMALL + ["--save-calibration", str(path)], capsys)
+    lines, data = _run(SMALL[:6] + ["--calibration", str(path), "--partitions", "measured",
+                                    "--splits", "4"], capsys, tmp_path)
+    flags = _line(lines, "chosen:").split()[1:]
+    assert data["plan"]["partition"] == "measured" and "--seq1f1b-partition" not in flags
+    parser = megatron_lm.add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--seq1f1b", *flags])
+    assert list(args.seq1f1b_split_lengths) == data["plan"]["lengths"]
+    args.seq_length = 8192
+    assert megatron_lm.args_problems(args) == []
+
+
 def test_a_calibration_of_virtual_stages_cannot_time_the_plain_layout(capsys, tmp_path):
     path = tmp_path / "cal.json"
     _run(SMALL + ["--vpp", "2", "--save-calibration", str(path)], capsys)

@@ -188,6 +188,17 @@ MEGATRON_LM: dict[str, LocalTrigger] = {
     "lm-segment-tokens-one-split": _lm(seq1f1b_splits=1, seq1f1b_segment_tokens=512),
     "lm-segment-tokens-auto": _lm(seq1f1b_splits="auto", seq1f1b_segment_tokens=512),
     "lm-segment-tokens-sequence-parallel": _lm(seq1f1b_segment_tokens=512, seq_length=4097),
+    "lm-split-lengths-without-seq1f1b": _lm(seq1f1b=False, seq1f1b_split_lengths=(2048, 2048)),
+    "lm-split-lengths-auto": _lm(seq1f1b_splits="auto", seq1f1b_split_lengths=(2048, 2048)),
+    "lm-split-lengths-count": _lm(seq1f1b_split_lengths=(2048, 2048)),  # --seq1f1b-splits 4
+    "lm-split-lengths-segment-tokens": _lm(seq1f1b_splits=None, seq1f1b_segment_tokens=512,
+                                           seq1f1b_split_lengths=(2048, 2048)),
+    "lm-split-lengths-documents": _lm(seq1f1b_splits=None, seq1f1b_partition="documents",
+                                      seq1f1b_split_lengths=(2048, 2048), **_LM_PACKED),
+    "lm-split-lengths-variable": _lm(seq1f1b_splits=None, variable_seq_lengths=True,
+                                     seq1f1b_split_lengths=(2048, 2048)),
+    "lm-split-lengths-sum": _lm(seq1f1b_splits=None, seq1f1b_split_lengths=(2048, 1024)),
+    "lm-split-lengths-multiple": _lm(seq1f1b_splits=None, seq1f1b_split_lengths=(2047, 2049)),
 }
 
 TRAINER_VALID = ["--mock-data", "--tokenizer-type", "ByteTokenizer"]
@@ -307,6 +318,13 @@ TRAINER: dict[str, LocalTrigger] = {
     "trainer-segment-tokens-sequence-parallel": _trainer(
         *_TP2, "--sequence-parallel", "--seq-length", "255",
         "--seq1f1b", "--seq1f1b-segment-tokens", "64", world_size=2),
+    "trainer-split-lengths-value": _trainer("--seq1f1b", "--seq1f1b-split-lengths", "128,x"),
+    "trainer-split-lengths-without-seq1f1b": _trainer("--seq1f1b-split-lengths", "128,128"),
+    "trainer-split-lengths-count": _trainer("--seq1f1b", "--seq1f1b-splits", "3",
+                                            "--seq1f1b-split-lengths", "128,128"),
+    "trainer-split-lengths-sum": _trainer("--seq1f1b", "--seq1f1b-split-lengths", "100,100"),
+    "trainer-split-lengths-variable": _trainer("--seq1f1b", "--seq1f1b-split-lengths", "128,128",
+                                               "--variable-seq-lengths"),
     "trainer-variable-mode-unknown": _trainer("--variable-seq-lengths", "uniform"),
     "trainer-variable-documents-micro-batch-size": _trainer("--variable-seq-lengths",
                                                             "--micro-batch-size", "2"),

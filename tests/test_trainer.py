@@ -217,6 +217,18 @@ def test_virtual_pipeline_with_sliding_window(tmp_path):
     _same(ours["summary"]["losses"], theirs["summary"]["losses"])
 
 
+def test_split_lengths_flag_cuts_as_given_and_trains_like_1f1b(tmp_path):
+    """--seq1f1b-split-lengths (the planner's cut for a partition no flag names): the start-up
+    line shows the lengths, the timeline's segments have them, the losses are Megatron's."""
+    common = ["--pipeline-model-parallel-size", "2", "--train-iters", "2"]
+    ours, stdout = train(tmp_path, "lengths", 2, *common, "--seq1f1b", "--seq1f1b-split-lengths",
+                         "40,16,8", "--timeline-dir", str(tmp_path / "timeline"))
+    theirs, _ = train(tmp_path, "1f1b", 2, *common)
+    _same(ours["summary"]["losses"], theirs["summary"]["losses"])
+    assert "Seq1F1B k=3 (lengths 40,16,8, 1f1b)" in stdout
+    assert ours["summary"]["timeline"]["segment_lengths"] == [[40, 16, 8]] * 4
+
+
 def test_auto_plan_measures_chooses_within_budget_and_trains_like_1f1b(tmp_path):
     """--seq1f1b-splits auto: a start-up measurement, the candidates' table, a plan within
     --seq1f1b-memory-budget-microbatches (1.3 stage micro-batches rules out k=1, which holds

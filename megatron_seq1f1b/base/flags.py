@@ -18,6 +18,7 @@ joined to its flag before argparse reads it (:data:`DASH_VALUES`).
 from __future__ import annotations
 
 import argparse
+import os
 import math
 import re
 import sys
@@ -134,6 +135,8 @@ def output_file(make_folders: bool = False) -> Callable[[str], str]:
             raise argparse.ArgumentTypeError(f"folder {folder} does not exist")
         if not folder.is_dir():
             raise argparse.ArgumentTypeError(f"{folder} is a file, not a folder")
+        if not os.access(path if path.exists() else folder, os.W_OK):
+            raise argparse.ArgumentTypeError(f"cannot write {text} (no permission)")
         return text
 
     parse.__name__ = "output file"

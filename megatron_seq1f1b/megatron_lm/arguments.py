@@ -17,7 +17,7 @@ from megatron_seq1f1b.base.checks import (
 )
 from megatron_seq1f1b.base.flags import positive_float, positive_int
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
-from megatron_seq1f1b.schedules.partition import METHODS, split_sequence
+from megatron_seq1f1b.schedules.partition import METHODS, NAMED_PARTITIONS, split_sequence
 from megatron_seq1f1b.schedules.schedule import SCHEDULES
 from megatron_seq1f1b.schedules.variable import segment_count, segment_tokens_problems
 from megatron_seq1f1b.schedules.zero_bubble import VARIANTS
@@ -25,8 +25,8 @@ from megatron_seq1f1b.schedules.zero_bubble import VARIANTS
 GROUP_TITLE = "seq1f1b"
 DEFAULT_SPLITS = 4
 DEFAULT_PARTITION = "balanced"
-# Partitions a flag can choose: "measured" needs a calibration, which no flag passes yet.
-FLAG_PARTITIONS = tuple(m for m in METHODS if m != "measured")
+# Partitions a flag can choose: "measured" needs a calibration; its cut goes by lengths.
+FLAG_PARTITIONS = NAMED_PARTITIONS
 DEFAULT_SCHEDULE = "1f1b"
 AUTO = "auto"  # --seq1f1b-splits auto: the planner decides
 DEFAULT_MIN_SEGMENT = 128
@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "estimated FLOPs, longer early segments) or 'documents' (every micro-batch by its "
              "own documents into segments of equal attention cost; needs documents in the "
              f"data: packed batches or end-of-document masking). Default {DEFAULT_PARTITION}.",
+    )
+    group.add_argument(
+        "--seq1f1b-split-lengths", type=split_lengths_value, default=None, metavar="N,N,..",
+        help="Segment lengths in tokens, first to last, summing to --seq-length (what the "
+             "planner prints for a plan the partitions cannot name, e.g. cut by measured "
+             "costs): they set the number of segments and replace --seq1f1b-partition.",
     )
     group.add_argument(
         "--seq1f1b-memory-budget", type=positive_float, default=None, metavar="GIB",
@@ -131,6 +137,19 @@ def splits_value(text: str) -> int | str:
     return value
 
 
+def split_lengths_value(text: str) -> tuple[int, ...]:
+    """``--seq1f1b-split-lengths``: positive token counts separated by commas."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be positive token counts separated by commas (e.g. 2048,1024,1024), "
+            f"got {text!r}")
+    return values
+
+
 def _flag(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
@@ -147,6 +166,9 @@ def segment_splits(args: Any, longest: Optional[int] = None) -> int | str:
     splits = _flag(args, "seq1f1b_splits")
     if splits is not None:
         return splits
+    lengths = _flag(args, "seq1f1b_split_lengths")
+    if lengths:
+        return len(lengths)
     budget = _flag(args, "seq1f1b_segment_tokens")
     if budget is None or segment_tokens_problems(budget):
         return DEFAULT_SPLITS
@@ -179,6 +201,51 @@ def segment_tokens_flag_problems(args: Any) -> list[str]:
         problems.append("--seq1f1b-splits 1 with --seq1f1b-segment-tokens: --seq1f1b-splits "
                         "is the most segments a micro-batch gets, so nothing would be cut; "
                         "leave --seq1f1b-splits out (no cap) or give a larger cap")
+    return problems
+
+
+def split_lengths_flag_problems(args: Any, seq_length: Optional[int] = None) -> list[str]:
+    """``--seq1f1b-split-lengths``: only with ``--seq1f1b``, one cut for micro-batches of
+    ``seq_length`` tokens (default ``--seq-length``) that no other flag cuts otherwise, each
+    segment a multiple of the layout's multiple."""
+    lengths = _flag(args, "seq1f1b_split_lengths")
+    if lengths is None:
+        return []
+    if not _flag(args, "seq1f1b", False):
+        return ["--seq1f1b-split-lengths needs --seq1f1b (without it Megatron-Core's own "
+                "schedule runs whole micro-batches); add --seq1f1b, or leave the flag out"]
+    problems = []
+    splits = _flag(args, "seq1f1b_splits")
+    if splits == AUTO:
+        problems.append("--seq1f1b-split-lengths with --seq1f1b-splits auto: the planner "
+                        "chooses the segments itself; give one of them")
+    elif splits is not None and splits != len(lengths):
+        problems.append(f"--seq1f1b-split-lengths gives {len(lengths)} segments but "
+                        f"--seq1f1b-splits is {splits}: leave --seq1f1b-splits out (the "
+                        "lengths set it), or make the two agree")
+    if _flag(args, "seq1f1b_segment_tokens") is not None:
+        problems.append("--seq1f1b-split-lengths with --seq1f1b-segment-tokens: the lengths "
+                        "fix one cut, the budget cuts each micro-batch by its length; give one")
+    if _flag(args, "seq1f1b_partition", DEFAULT_PARTITION) == "documents":
+        problems.append("--seq1f1b-split-lengths with --seq1f1b-partition documents: that "
+                        "partition cuts each micro-batch by its own documents; give one")
+    if _flag(args, "variable_seq_lengths"):
+        problems.append("--seq1f1b-split-lengths with micro-batches of different lengths: one "
+                        "cut cannot fit them all; use --seq1f1b-segment-tokens")
+    seq_length = _flag(args, "seq_length") if seq_length is None else seq_length
+    if isinstance(seq_length, int) and sum(lengths) != seq_length:
+        problems.append(f"--seq1f1b-split-lengths sum to {sum(lengths)} tokens, not the "
+                        f"--seq-length {seq_length}")
+    requested = _flag(args, "seq1f1b_segment_multiple")
+    multiple = segment_multiple(args)  # TP with SP, 2 x CP chunks, x8 with FP8
+    if isinstance(requested, int) and requested > 0:
+        multiple = math.lcm(multiple, requested)
+    uneven = [n for n in lengths if n % multiple]
+    if uneven:
+        problems.append(f"--seq1f1b-split-lengths {','.join(map(str, uneven))}: every segment "
+                        f"must be a multiple of {multiple} tokens (--tensor-model-parallel-size "
+                        "with --sequence-parallel, 2 x --context-parallel-size chunks, times 8 "
+                        "with --fp8-format, and --seq1f1b-segment-multiple)")
     return problems
 
 
@@ -244,8 +311,10 @@ def args_problems(args: Any) -> list[str]:
     ``--seq1f1b-segment-tokens`` is given (it would be ignored).
     """
     if not _flag(args, "seq1f1b", False):  # flags of ours that need --seq1f1b
-        return segment_tokens_flag_problems(args) + backward_by_documents_flag_problems(args)
+        return (segment_tokens_flag_problems(args) + backward_by_documents_flag_problems(args)
+                + split_lengths_flag_problems(args))
     problems: list[str] = backward_by_documents_flag_problems(args)
+    problems += split_lengths_flag_problems(args)
     if _flag(args, "seq1f1b_backward_by_documents", False) and documents_source(args) is None:
         problems.append("--seq1f1b-backward-by-documents runs a micro-batch's documents apart, "
                         "but no documents reach the schedule: add --sft or "
@@ -265,8 +334,9 @@ def args_problems(args: Any) -> list[str]:
     partition = _flag(args, "seq1f1b_partition", DEFAULT_PARTITION)
     if partition == "measured":
         problems.append(
-            "--seq1f1b-partition measured needs calibrated costs, which flags cannot pass yet; "
-            "use balanced (or plan offline with python -m megatron_seq1f1b.planner)"
+            "--seq1f1b-partition measured needs calibrated costs, which flags cannot pass; "
+            "give its cut as --seq1f1b-split-lengths (python -m megatron_seq1f1b.planner prints "
+            "it), or use balanced"
         )
     elif partition not in METHODS:
         problems.append(
@@ -404,7 +474,7 @@ def args_problems(args: Any) -> list[str]:
     requested = _flag(args, "seq1f1b_segment_multiple")
     problems += segment_multiple_problems(requested)
     if splits is not None and isinstance(seq_length, int) and not segment_multiple_problems(
-            requested):
+            requested) and _flag(args, "seq1f1b_split_lengths") is None:  # those said above
         multiple = (rounding_multiple(args, seq_length, splits, requested, on_cuda=False)
                     if requested is not None else segment_multiple(args))  # args: config names
         count = splits if budget is None else segment_count(seq_length, splits, budget, multiple)

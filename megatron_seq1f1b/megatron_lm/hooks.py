@@ -244,7 +244,9 @@ def prepare_model(model: Any, args: Any = None) -> Any:
             min_segment_length=_flag(args, "seq1f1b_min_segment_length", DEFAULT_MIN_SEGMENT),
             segment_multiple=_flag(args, "seq1f1b_segment_multiple"), documents=documents))
     else:
+        lengths = _flag(args, "seq1f1b_split_lengths")
         install(splits, args.seq1f1b_partition,
+                split_lengths=None if lengths is None else list(lengths),
                 schedule=_flag(args, "seq1f1b_schedule", DEFAULT_SCHEDULE),
                 segment_multiple=_flag(args, "seq1f1b_segment_multiple"), documents=documents,
                 segment_tokens=_flag(args, "seq1f1b_segment_tokens"),

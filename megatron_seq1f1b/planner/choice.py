@@ -53,9 +53,11 @@ class Plan:
 
     def _stage_text(self, rank: int) -> str:
         s = self.stages[rank]
-        return (f"{s['weights'] / GIB:.2f} + {s['gradients'] / GIB:.2f} + "
-                f"{s['optimizer'] / GIB:.2f} + {s['activations'] / GIB:.2f} = "
-                f"{s['total'] / GIB:.2f} GiB ({s['total'] / 1e9:.2f} GB)")
+        unit, size, decimal, decimal_size = ("GiB", GIB, "GB", 1e9) if s["total"] >= 0.1 * GIB \
+            else ("MiB", 2**20, "MB", 1e6)  # small models (tests) in MiB, as bytes_text
+        return (f"{s['weights'] / size:.2f} + {s['gradients'] / size:.2f} + "
+                f"{s['optimizer'] / size:.2f} + {s['activations'] / size:.2f} = "
+                f"{s['total'] / size:.2f} {unit} ({s['total'] / decimal_size:.2f} {decimal})")
 
     def describe(self) -> str:
         part = f" {self.partition}" if self.num_splits > 1 else ""
@@ -273,7 +275,7 @@ def format_table(candidates: Sequence[Plan], chosen: Plan, reason: str | None = 
         budget = {None: "-", True: "ok", False: "over"}[c.within_budget]
         gib = f" {bytes_text(c.memory_bytes):>10}" if with_bytes and c.memory_bytes else ""
         if with_stages:
-            gib += f" {c.peak_stage_bytes / GIB:>6.2f} GiB" if c.stages else f" {'-':>10}"
+            gib += f" {bytes_text(c.peak_stage_bytes):>10}" if c.stages else f" {'-':>10}"
         lines.append(
             f"{'*' if c == chosen else ' '} {c.num_splits:>3} {c.partition:<9} {c.schedule:<8} "
             f"{_time_text(c.time, c.unit):>14} {c.time / best - 1:>+8.1%} {c.bubble:>7.1%} "

@@ -48,7 +48,7 @@ from megatron_seq1f1b.planner.recurrent import KERNELS, gdn_sizes, mamba_sizes
 from megatron_seq1f1b.planner.report import baseline_lines, megatron_baselines, memory_lines
 from megatron_seq1f1b.planner.search import MAX_SPLITS, RUNTIME_TIMING, choose_plan
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
-from megatron_seq1f1b.schedules.partition import METHODS, CostModel
+from megatron_seq1f1b.schedules.partition import METHODS, NAMED_PARTITIONS, CostModel
 from megatron_seq1f1b.schedules.replay import TIMINGS
 from megatron_seq1f1b.schedules.schedule import SCHEDULES
 
@@ -262,7 +262,11 @@ def build_parser() -> ArgumentParser:
                         help="GiB per GPU for the busiest stage's total (weights, gradients, "
                              "optimizer, activations): plans over it are ruled out")
     parser.add_argument("--json", metavar="FILE", type=output_file(),
-                        help="write the choice and all candidates here (JSON)")
+                        help="write the choice, the candidates timed (all with --top 0; "
+                             "'untimed' counts the rest) and Megatron-Core's schedules beside "
+                             "it here (JSON; times in 'unit'; a zero-bubble plan's "
+                             "segment_costs are per segment (F, B, W) relative to the mean "
+                             "forward, what places its W)")
     parser.add_argument("--save-calibration", metavar="FILE", type=output_file(),
                         help="write the costs used as a calibration file (JSON)")
     return parser
@@ -735,8 +739,7 @@ def main(argv=None) -> int:
     costs = _costs_text(args, calibration, config, stages)
     note = tie_note(choice.candidates, plan, args.tie_tolerance, complete=not choice.untimed)
     print("\n".join([_layout_text(args), *costs]))
-    print(f"chosen: --seq1f1b-splits {plan.num_splits} --seq1f1b-partition {plan.partition} "
-          f"--seq1f1b-schedule {plan.schedule}")
+    print(f"chosen: {chosen_flags(plan)}")
     if note:
         print(f"  ({note}; --tie-tolerance 0 takes the fastest)")
     plain = None  # the costs of the layout without interleaving (FLOPs only: see report)
@@ -746,24 +749,49 @@ def main(argv=None) -> int:
             plain = replace(plain, message=Fit(0.0, 0.0, args.message_latency))
     baselines = megatron_baselines(args.seq_length, args.pp, args.microbatches, args.vpp,
                                    calibration, plain, cost_model=cost_model, **common)
-    print("\n".join(baseline_lines(plan, baselines)))
+    print("\n".join(baseline_lines(plan, baselines, args.gpu_memory_gib)))
     print(choice.table(args.top))
     print(f"split_lengths {list(plan.lengths)} (the chosen plan's segments, tokens)")
     print("\n".join(memory_lines(plan, args.gpu_memory_gib)))
     if args.save_calibration:
-        save_calibration(calibration, args.save_calibration)
+        try:
+            save_calibration(calibration, args.save_calibration)
+        except OSError as exc:
+            parser.exit(1, f"{parser.prog}: error: cannot write {args.save_calibration}: "
+                           f"{exc.strerror or exc}\n")
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        _write(parser, args.json, json.dumps({
             "plan": _plan_dict(plan), "reason": choice.reason,
             "candidates": [_plan_dict(c) for c in choice.candidates],
             "tie_note": note, "costs": costs, "source": calibration.source,
-            "baselines": {name: _plan_dict(b) for name, b in baselines.items() if b},
+            "baselines": {name: _plan_dict(b) for name, b in baselines.items()
+                          if not isinstance(b, str)},
+            "baselines_not_predicted": {name: why for name, why in baselines.items()
+                                        if isinstance(why, str)},
             "untimed": choice.untimed, "timing": _timing(args),
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "sequence_parallel": _sequence_parallel(args),
             "context_parallel_size": args.context_parallel_size,
             "segment_multiple": _segment_multiple(args)}, indent=1) + "\n")
     return 0
+
+
+def chosen_flags(plan: Plan) -> str:
+    """The plan as the ``--seq1f1b-*`` flags run it: a partition that only a calibration
+    computes (``measured``) goes as its lengths."""
+    if plan.partition in NAMED_PARTITIONS or plan.num_splits == 1:
+        cut = f"--seq1f1b-partition {plan.partition}"
+    else:
+        cut = "--seq1f1b-split-lengths " + ",".join(map(str, plan.lengths))
+    return f"--seq1f1b-splits {plan.num_splits} {cut} --seq1f1b-schedule {plan.schedule}"
+
+
+def _write(parser: argparse.ArgumentParser, path: str, text: str) -> None:
+    """Write an output file, or stop with one line saying why not (the plan is printed)."""
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        parser.exit(1, f"{parser.prog}: error: cannot write {path}: {exc.strerror or exc}\n")
 
 
 def _timing(args: argparse.Namespace) -> str:

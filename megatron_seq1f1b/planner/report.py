@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from megatron_seq1f1b.planner.choice import Plan, _q
 from megatron_seq1f1b.planner.costs import Calibration
-from megatron_seq1f1b.planner.memory_model import GIB
+from megatron_seq1f1b.planner.memory_model import GIB, bytes_text
 from megatron_seq1f1b.planner.search import choose_plan
+from megatron_seq1f1b.schedules.simulate import megatron_interleaving_problem
 
 __all__ = ["GPU_SIZES_GIB", "MEGATRON_1F1B", "MEGATRON_INTERLEAVED", "megatron_baselines",
            "baseline_lines", "memory_lines"]
@@ -28,44 +29,56 @@ MEGATRON_INTERLEAVED = "Megatron-Core interleaved 1F1B"
 
 def megatron_baselines(seq_length: int, num_stages: int, num_microbatches: int,
                        num_model_chunks: int, calibration: Calibration,
-                       plain: Calibration | None, **common) -> dict[str, Plan | None]:
+                       plain: Calibration | None, **common) -> dict[str, Plan | str]:
     """Megatron-Core's own schedules on the same costs, as plans: 1F1B (``k = 1`` without
     interleaving; with ``num_model_chunks > 1`` from ``plain``, the costs of that layout's
-    stages, None where there are none: a calibration measured on the interleaved layout's
-    virtual stages) and, with chunks, its interleaved 1F1B (``k = 1`` over them).
+    stages) and, with chunks, its interleaved 1F1B (``k = 1`` over them); where there is no
+    plan, why (a calibration measured on the interleaved layout's virtual stages has no costs
+    of the plain layout; Megatron-Core refuses interleaving for this many micro-batches).
     ``common``: :func:`~megatron_seq1f1b.planner.search.choose_plan`'s other arguments."""
     layouts = [(MEGATRON_1F1B, 1, calibration if num_model_chunks == 1 else plain)]
     if num_model_chunks > 1:
         layouts.append((MEGATRON_INTERLEAVED, num_model_chunks, calibration))
-    found: dict[str, Plan | None] = {}
+    found: dict[str, Plan | str] = {}
     for name, chunks, costs in layouts:
         if costs is None:
-            found[name] = None
+            found[name] = ("not predicted (the calibration's costs are those of the "
+                           "interleaved layout's virtual stages)")
+            continue
+        refused = megatron_interleaving_problem(num_stages, num_microbatches) \
+            if chunks > 1 else ""
+        if refused:
+            found[name] = (f"not predicted: Megatron-Core refuses interleaving with "
+                           f"{num_microbatches} micro-batches on {num_stages} stages ({refused})")
             continue
         try:
             found[name] = choose_plan(
                 seq_length, num_stages, num_microbatches, num_model_chunks=chunks,
                 calibration=costs, splits=[1], schedules=["1f1b"], partitions=["uniform"],
                 **common).plan
-        except ValueError:
-            found[name] = None
+        except ValueError as exc:
+            found[name] = f"not predicted ({exc})"
     return found
 
 
-def baseline_lines(plan: Plan, baselines: dict) -> list[str]:
-    """The chosen plan against Megatron-Core's own schedules: speed and memory ratios."""
+def baseline_lines(plan: Plan, baselines: dict, gpu_memory_gib: float | None = None
+                   ) -> list[str]:
+    """The chosen plan against Megatron-Core's own schedules: speed and memory ratios (and,
+    with ``gpu_memory_gib``, whether the baseline's busiest stage fits the GPU)."""
     lines = ["against Megatron-Core's own schedules (same costs and model, predicted):"]
     for name, base in baselines.items():
-        if base is None:
-            lines.append(f"  {name}: not predicted (the calibration's costs are those of the "
-                         "interleaved layout's virtual stages)")
+        if isinstance(base, str):
+            lines.append(f"  {name}: {base}")
             continue
         memory = f"activations {plan.memory / base.memory:.2f}x ({plan.memory:.2f} vs " \
                  f"{base.memory:.2f} micro-batches of a stage)"
         if plan.peak_stage_bytes and base.peak_stage_bytes:
             memory += (f", busiest stage {plan.peak_stage_bytes / base.peak_stage_bytes:.2f}x "
-                       f"({plan.peak_stage_bytes / GIB:.2f} vs "
-                       f"{base.peak_stage_bytes / GIB:.2f} GiB)")
+                       f"({bytes_text(plan.peak_stage_bytes)} vs "
+                       f"{bytes_text(base.peak_stage_bytes)})")
+            if gpu_memory_gib is not None and base.peak_stage_bytes > gpu_memory_gib * GIB:
+                memory += (f"; it would not fit the {gpu_memory_gib:g} GiB per GPU "
+                           "(--gpu-memory-gib)")
         same = (plan.num_splits, plan.schedule, plan.lengths) == \
             (base.num_splits, base.schedule, base.lengths) and _q(plan.time) == _q(base.time)
         lines.append(f"  vs {name}: {base.time / plan.time:.2f}x its speed "
@@ -82,7 +95,7 @@ def memory_lines(plan: Plan, gpu_memory_gib: float | None) -> list[str]:
     """Whether memory was checked; without --gpu-memory-gib, the chosen plan's busiest stage
     against common GPU sizes (or what the check needs)."""
     if gpu_memory_gib is not None:
-        return [f"memory checked: the busiest stage needs {plan.peak_stage_bytes / GIB:.2f} GiB "
+        return [f"memory checked: the busiest stage needs {bytes_text(plan.peak_stage_bytes)} "
                 f"of the {gpu_memory_gib:g} GiB per GPU (--gpu-memory-gib)"]
     if not plan.stages:
         return ["memory not checked (no --gpu-memory-gib): give the model's sizes with "
@@ -91,4 +104,5 @@ def memory_lines(plan: Plan, gpu_memory_gib: float | None) -> list[str]:
     need = plan.peak_stage_bytes / GIB
     fits = [f"{size} GiB {'fits' if need <= size else 'too small'}" for size in GPU_SIZES_GIB]
     return [f"memory not checked (no --gpu-memory-gib): the chosen plan's busiest stage needs "
-            f"{need:.2f} GiB (predicted); against common GPUs: {', '.join(fits)}"]
+            f"{bytes_text(plan.peak_stage_bytes)} (predicted); against common GPUs: "
+            f"{', '.join(fits)}"]

@@ -54,6 +54,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 METHODS = ("uniform", "balanced", "measured", "documents")
+#: The partitions a run can name alone (``--seq1f1b-partition``): "measured" needs calibrated
+#: costs, so its cut is passed as lengths (``split_lengths``, ``--seq1f1b-split-lengths``).
+NAMED_PARTITIONS = tuple(m for m in METHODS if m != "measured")
 
 SegmentCost = Callable[[float, float], float]  # cost(length, end), growing with length
 

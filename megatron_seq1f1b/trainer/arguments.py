@@ -27,7 +27,8 @@ from megatron_seq1f1b.base.flags import (
 )
 from megatron_seq1f1b.megatron_lm.arguments import (
     AUTO, add_arguments, auto_flag_problems, backward_by_documents_flag_problems,
-    moe_flag_problems, segment_splits, segment_tokens_flag_problems, window_problems,
+    moe_flag_problems, segment_splits, segment_tokens_flag_problems, split_lengths_flag_problems,
+    window_problems,
 )
 from megatron_seq1f1b.planner.cli import add_recurrent_arguments, recurrent_fields
 from megatron_seq1f1b.planner.footprint import ModelShape
@@ -458,6 +459,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     problems += auto_flag_problems(args)
     problems += document_problems(args, auto)
     problems += segment_tokens_flag_problems(args)
+    problems += split_lengths_flag_problems(args, args.schedule_seq_length)
     problems += backward_by_documents_flag_problems(args)
     budget = args.seq1f1b_segment_tokens
     if args.seq1f1b and isinstance(budget, int) and budget >= args.schedule_seq_length:
@@ -479,7 +481,9 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if requested is not None and not args.seq1f1b:
         problems.append("--seq1f1b-segment-multiple needs --seq1f1b")
     elif args.seq1f1b and not auto and args.seq1f1b_splits >= 1 \
-            and args.variable_seq_lengths is None:  # variable: each cut by its own length
+            and args.variable_seq_lengths is None \
+            and args.seq1f1b_split_lengths is None:  # variable: each cut by its own length;
+        # given lengths: checked with their flag
         multiple = segment_multiple(args)  # TP with SP; 2 x CP chunks with CP
         if requested is not None:
             multiple = math.lcm(multiple, requested)

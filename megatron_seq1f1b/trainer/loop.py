@@ -58,6 +58,8 @@ def _write_timeline(args, recorder, title: str, picture: bool = True) -> dict:
 
     timeline = recorder.gather(-1, group=parallel_state.get_pipeline_model_parallel_group())
     stats = timeline_stats(timeline)
+    cuts = recorder.last.lengths  # per micro-batch, as the executor cut it (Seq1F1B)
+    stats["segment_lengths"] = [list(cut) for cut in cuts] if cuts else None
     if picture and dist.get_rank() == dist.get_world_size() - 1:
         os.makedirs(args.timeline_dir, exist_ok=True)
         png = os.path.join(args.timeline_dir, "timeline.png")
@@ -170,8 +172,11 @@ def _schedule_name(args) -> str:
             most = min(most, -(-args.schedule_seq_length // budget))
         return (f"Seq1F1B segments of <= {budget} tokens (k <= {most}, "
                 f"{args.seq1f1b_partition}, {args.seq1f1b_schedule})")
-    return (f"Seq1F1B k={args.seq1f1b_splits} ({args.seq1f1b_partition}, "
-            f"{args.seq1f1b_schedule})")
+    if "--seq1f1b-split-lengths" in getattr(args, "given_flags", ()):
+        cut = "lengths " + ",".join(map(str, args.seq1f1b_split_lengths))
+    else:
+        cut = args.seq1f1b_partition
+    return f"Seq1F1B k={args.seq1f1b_splits} ({cut}, {args.seq1f1b_schedule})"
 
 
 def _documents_note(args) -> str:
@@ -338,6 +343,8 @@ def _train(args, forward_step_func: Callable, model_provider: Callable, device,
         summary["timelines"] = timelines  # every timed iteration's, for medians
     summary["weights_sha256"] = _weights_digests(model)
     shown = {k: v for k, v in summary.items() if k not in ("losses", "weights_sha256")}
+    if timeline is not None:  # one cut per micro-batch: in the JSON log, not on the line
+        shown["timeline"] = {k: v for k, v in timeline.items() if k != "segment_lengths"}
     _print(f"> summary: {json.dumps(shown)}")
     if args.log_json and dist.get_rank() == dist.get_world_size() - 1:
         with open(args.log_json, "w") as out:
