@@ -51,6 +51,8 @@ def test_rehearsed_stage_does_what_the_stage_does_in_a_pipeline(ranks, pp, k, sc
     for r in results:
         stage, real, alone = r["stage"], r["real"], r["rehearsal"]
         assert alone["actions"] == real["actions"], (stage, alone["actions"], real["actions"])
+        # cut as the pipeline cuts (a balanced cut weighs the whole model's layers)
+        assert alone["lengths"] == real["lengths"], (stage, alone["lengths"], real["lengths"])
         if expected is not None:
             assert real["actions"] == [str(a) for a in expected[stage]]
         assert any(a.startswith("W") for a in real["actions"]) == (schedule != "1f1b")
@@ -86,6 +88,27 @@ def test_cli_measures_and_predicts_the_stage(ranks):
     assert predicted["same_actions"]  # the planner replayed the actions the stage ran
     assert predicted["optimizer"] == 2 * predicted["weights"]  # fp32: Adam's two moments
     assert rehearsal["activation_bytes"] > 0 and rehearsal["compute_s"] > 0
+
+
+def test_a_rehearsed_stage_cuts_by_the_whole_model_as_the_pipeline_does(ranks):
+    """A balanced cut and zero-bubble costs weigh the whole model's layers against its output
+    layer: a stage built alone (its config numbering only its own 2 of 8 layers) cut
+    [131, 129, 127, 125] where its pipeline cuts [137, 131, 124, 120]."""
+    from megatron_seq1f1b.planner import rehearse_cli
+    from megatron_seq1f1b.runtime.executor_setup import flop_costs
+    from megatron_seq1f1b.schedules.partition import CostModel, split_sequence
+
+    argv = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "512", "--vocab-size", "32000", "--pipeline-model-parallel-size",
+            "4", "--rehearse-stage", "0", "--num-microbatches", "4", "--seq1f1b-splits", "4",
+            "--seq1f1b-partition", "balanced", "--seq1f1b-schedule", "zb-h1", "--iters", "1"]
+    (out,) = ranks.run(1, cases.cli, case="rehearse-whole-cut", argv=argv)
+    whole = rehearse_cli._config(rehearse_cli.build_parser().parse_args(argv))
+    flops = CostModel.from_config(whole, 32000, dense_attention=True)  # the local attention
+    expected = split_sequence(512, 4, "balanced", cost=flops)
+    assert out["rehearsal"]["lengths"] == expected == [137, 131, 124, 120]
+    placed = build_schedule(4, 4, 4, schedule="zb-h1", costs=flop_costs(expected, flops))
+    assert out["rehearsal"]["actions"] == [str(a) for a in placed[0]]  # W placed alike
 
 
 def test_whole_micro_batches_keep_the_qkv_projection_segments_do_not(ranks):

@@ -40,10 +40,10 @@ def plan_variable_by_measuring(chunks: list, forward_step_func: Callable, iterat
     )
     from megatron_seq1f1b.planner.memory_model import GIB
     from megatron_seq1f1b.planner.variable import choose_variable_plan
-    from megatron_seq1f1b.runtime.executor_setup import device, length_group, process_groups
-    from megatron_seq1f1b.runtime.model_hooks import layer_pattern
+    from megatron_seq1f1b.runtime.executor_setup import (
+        device, length_group, model_cost, process_groups,
+    )
     from megatron_seq1f1b.runtime.p2p import replay_timing
-    from megatron_seq1f1b.schedules.partition import CostModel
     from megatron_seq1f1b.segments.document_plan import gather_documents
     from megatron_seq1f1b.segments.length_plan import gather_lengths
     from megatron_seq1f1b.segments.run import SegmentData
@@ -72,8 +72,7 @@ def plan_variable_by_measuring(chunks: list, forward_step_func: Callable, iterat
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
         vocab_size = None
-    cost = CostModel.from_config(config, vocab_size, dense_attention=pipeline_dense_attention(chunks),
-                                 pattern=layer_pattern(chunks))
+    cost = model_cost(chunks, config, vocab_size, pipeline_dense_attention(chunks))
     try:
         chosen, ranked = choose_variable_plan(
             calibration, lengths, parallel_state.get_pipeline_model_parallel_world_size(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_seq1f1b.planner.footprint import hybrid_stage_patterns, layers_per_virtual_stage
+from megatron_seq1f1b.runtime.model_hooks import MODEL_LAYERS
 
 __all__ = ["stage_layer_problems", "build_stage_chunks", "hybrid_stage_patterns"]
 
@@ -103,7 +104,10 @@ def build_stage_chunks(config, num_stages: int, stage: int, *, vocab_size: int,
             chunks.append(_hybrid_chunk(chunk_config, patterns[vs], hybrid_layer_pattern,
                                         hybrid_stack_spec, edges))
         else:
-            chunks.append(_gpt_chunk(chunk_config, layer_spec, edges))
+            chunk_model = _gpt_chunk(chunk_config, layer_spec, edges)
+            # its config numbers only this stage's layers: the cut and W placement weigh all
+            setattr(chunk_model, MODEL_LAYERS, config.num_layers)
+            chunks.append(chunk_model)
     return chunks
 
 

@@ -37,7 +37,8 @@ from megatron_seq1f1b.base.checks import segment_multiple as segment_multiple_of
 from megatron_seq1f1b.runtime import te_wgrad, wgrad
 from megatron_seq1f1b.runtime.executor_checks import executor_problems, segment_length_problems
 from megatron_seq1f1b.runtime.model_hooks import (
-    AttentionKind, attention_kind, dense_attention, is_enabled, layer_pattern, unwrap,
+    AttentionKind, attention_kind, dense_attention, is_enabled, layer_pattern, model_num_layers,
+    unwrap,
 )
 from megatron_seq1f1b.runtime.p2p import Peers
 from megatron_seq1f1b.schedules import plan as plan_mod
@@ -93,9 +94,19 @@ def zero_bubble_costs(lengths, chunks, config, vocab_size,
                       attention: AttentionKind | None = None) -> tuple:
     """Per-segment (F, B, W) of this model from its FLOPs (:func:`flop_costs`), with the
     pipeline's ``attention`` (default: these chunks' own; the executor's stages agree on one)."""
-    return flop_costs(lengths, CostModel.from_config(config, vocab_size,
-                                                     dense_attention=_dense(chunks, attention),
-                                                     pattern=layer_pattern(chunks)))
+    return flop_costs(lengths, model_cost(chunks, config, vocab_size, _dense(chunks, attention)))
+
+
+def model_cost(chunks, config, vocab_size, dense_attention: bool = False) -> CostModel:
+    """The whole model's FLOP costs (:meth:`CostModel.from_config`) on these chunks: a
+    HybridModel's pattern, and a GPTModel stage built alone for a rehearsal counted with the
+    model's layers, not only its own, so that it cuts and places W as the pipeline does."""
+    layers = model_num_layers(chunks)
+    if layers is not None and layers != config.num_layers:
+        config = copy.copy(config)  # the config's fields alone, not a new validated one
+        config.num_layers = layers
+    return CostModel.from_config(config, vocab_size, dense_attention=dense_attention,
+                                 pattern=layer_pattern(chunks))
 
 
 def _dense(chunks, attention: AttentionKind | None) -> bool:
@@ -131,8 +142,7 @@ def resolve_lengths(num_splits: int, partition: str, split_lengths, seq_length: 
     which a stage without attention layers cannot see in its own chunks (default: theirs).
     The executor cuts with :func:`cut_lengths` and the attention its stages agreed on.)
     """
-    costs = (CostModel.from_config(config, vocab_size, dense_attention=_dense(chunks, attention),
-                                   pattern=layer_pattern(chunks))
+    costs = (model_cost(chunks, config, vocab_size, _dense(chunks, attention))
              if partition == "balanced" and split_lengths is None else None)
     multiple = rounding_multiple(config, seq_length, num_splits, segment_multiple)
     return cut_lengths(num_splits, partition, split_lengths, seq_length, costs, multiple)
@@ -299,7 +309,7 @@ def stage_facts(chunks, config, pg_collection, *, num_microbatches, seq_length,
         vocab_size = get_attr_wrapped_model(chunks[0], "vocab_size")
     except RuntimeError:
         vocab_size = None
-    costs = CostModel.from_config(config, vocab_size, pattern=layer_pattern(chunks))
+    costs = model_cost(chunks, config, vocab_size)
     if variable:  # each micro-batch rounds alone, by its own length and count
         multiple = _document_multiple(config, segment_multiple)
     else:  # with a budget, the count the budget gives (num_splits is its cap)
@@ -696,9 +706,8 @@ def document_cut(chunks, config, vocab_size, segment_multiple=None,
     pipeline's ``attention`` computes them; default: these chunks' own) and the layout's
     multiple (a requested one too; the CUDA default of 64 is not forced on cuts that could
     fall where documents end)."""
-    costs = CostModel.from_config(config, vocab_size, dense_attention=_dense(chunks, attention),
-                                  pattern=layer_pattern(chunks))
-    return costs, _document_multiple(config, segment_multiple)
+    return (model_cost(chunks, config, vocab_size, _dense(chunks, attention)),
+            _document_multiple(config, segment_multiple))
 
 
 def _document_multiple(config, segment_multiple: int | None) -> int:

@@ -114,6 +114,21 @@ def layer_pattern(model) -> str | None:
     return None
 
 
+#: Set by :func:`~megatron_seq1f1b.planner.stage_build.build_stage_chunks` on a GPTModel stage
+#: built alone: its config numbers only the stage's layers, a real stage's all of them.
+MODEL_LAYERS = "seq1f1b_model_num_layers"
+
+
+def model_num_layers(model) -> int | None:
+    """The whole model's decoder layers where a stage built alone says them (a rehearsal), else
+    None: the config's ``num_layers`` is the whole model's."""
+    for chunk in chunks_of(model):
+        count = getattr(unwrap(chunk), MODEL_LAYERS, None)
+        if count is not None:
+            return count
+    return None
+
+
 def dense_attention(model) -> bool:
     """True if a chunk uses Megatron's local attention, which computes masked scores too.
 
