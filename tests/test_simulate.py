@@ -128,6 +128,26 @@ def test_cli_times_zero_bubble_as_the_executor_places_and_runs_it(capsys):
     assert simulate(placed, cost, costs=costs).bubble_fraction > 0.2  # rendezvous: the default
 
 
+def test_cli_peak_weighs_uneven_segments_by_their_tokens(capsys):
+    """A balanced cut's early segments are longer: the peak in micro-batches of a stage is
+    tokens held / sequence length (the planner's measure), not units / k (2.75 here, where the
+    tokens give 2.93); with uniform costs (equal segments) both are the same."""
+    from megatron_seq1f1b.schedules import simulate as sim
+
+    def peak(*flags):
+        assert sim.main(["--pp", "8", "--microbatches", "16", "--splits", "4", *flags]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Seq1F1B"))
+        return float(line.split()[-1])
+
+    config = SimpleNamespace(hidden_size=4096, num_attention_heads=32, kv_channels=None,
+                             num_query_groups=None, ffn_hidden_size=4 * 4096,
+                             gated_linear_unit=False, num_layers=32)
+    lengths = split_sequence(32768, 4, "balanced", config=config, vocab_size=50257)
+    held = sim.peak_tokens(build_schedule(8, 16, 4), [lengths] * 16)[0] / 32768
+    assert peak("--cost", "attention", "--partition", "balanced") == pytest.approx(held, abs=5e-3)
+    assert held == pytest.approx(2.93, abs=5e-3) and peak() == 2.75
+
+
 def test_lengths_compare_megatron_and_seq1f1b_on_given_micro_batches(capsys):
     """--lengths: one micro-batch per length, Megatron's 1F1B (k=1), a fixed k and a token
     budget, each cut as the executor cuts them; uneven lengths favour Seq1F1B."""

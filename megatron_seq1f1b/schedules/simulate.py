@@ -421,7 +421,7 @@ def main(argv=None) -> int:
     for k in args.splits:
         for kind in args.schedules:
             split = kind != "1f1b"
-            cost, costs = None, None
+            cost, costs, lengths = None, None, None
             if args.cost == "attention":
                 config = _config_from_args(args)
                 lengths = split_sequence(
@@ -434,7 +434,10 @@ def main(argv=None) -> int:
             schedule = build_schedule(p, m, k, v, schedule=kind, costs=costs)
             result = simulate(schedule, cost, costs=costs, timing=args.timing)
             name = schedule_name(k, kind, v)
-            peak_mb = result.peak_inflight[0] / (k * v)
+            # a stage's micro-batch is seq_length tokens of every chunk; uneven segments
+            # (balanced) weigh by their tokens
+            peak_mb = (result.peak_inflight[0] / (k * v) if lengths is None else
+                       peak_tokens(schedule, [lengths] * m, v)[0] / args.seq_length)
             formula = "-"
             if args.cost == "uniform":
                 formula = f"{(zero_bubble_formula if split else bubble_formula)(p, m, k, v):.1%}"
@@ -462,7 +465,8 @@ def main(argv=None) -> int:
                                   time_label=time_label, x_max=x_max)
         print(f"  all timelines on one time axis: {out}")
     print("peak (micro-batches): rank-0 in-flight activations in micro-batches of a stage "
-          "(units / (splits * chunks))")
+          + ("(tokens held / sequence length, per chunk)" if args.cost == "attention"
+             else "(units / (splits * chunks))"))
     return 0
 
 
