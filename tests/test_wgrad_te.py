@@ -517,3 +517,32 @@ def test_every_segmented_schedule_refuses_the_first_microbatch_overwrite():
     assert first_microbatch_problems([chunk], num_splits=1) == []
     eager.disable_parameter_transpose_cache = True
     assert first_microbatch_problems([chunk], num_splits=2) == []
+
+
+# ------------------------------------------------------------------ Megatron's own linear layers
+
+@pytest.mark.parametrize("zero_out", [False, True])
+def test_fused_accumulation_leaves_a_placeholder_zeroed_only_where_asked(monkeypatch, zero_out):
+    """With gradient_accumulation_fusion a deferred W adds into main_grad and hands DDP's hook
+    a placeholder it drops: allocated, not zero-filled, unless the weight asks
+    (``zero_out_wgrad``), as Megatron's own backward (it was zero-filled every time: a memset
+    of every deferred weight's size per unit)."""
+    monkeypatch.setattr(wgrad, "_fused_accumulate",
+                        lambda input_2d, grad_2d, main: main.add_(grad_2d.t() @ input_2d))
+    delivered = []
+    monkeypatch.setattr(wgrad, "deliver", lambda weight, grad: delivered.append(grad))
+    zeros, real_zeros = [], torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: zeros.append(a) or real_zeros(*a, **k))
+    weight = torch.nn.Parameter(torch.ones(3, 2))
+    weight.grad_added_to_main_grad, weight.zero_out_wgrad = False, zero_out
+    main_grad = real_zeros(3, 2)
+    ctx = SimpleNamespace(sequence_parallel=False, tp_group=None,
+                          gradient_accumulation_fusion=True, main_grad=main_grad)
+    inputs, grad_output = torch.randn(4, 1, 2), torch.randn(4, 1, 3)
+    wgrad._linear_weight_grad(ctx, inputs, weight, grad_output)()
+    expected = grad_output.reshape(4, 3).t() @ inputs.reshape(4, 2)
+    assert torch.allclose(main_grad, expected) and weight.grad_added_to_main_grad
+    (placeholder,) = delivered
+    assert placeholder.shape == (3, 2) and len(zeros) == int(zero_out)
+    if zero_out:
+        assert placeholder.count_nonzero() == 0

@@ -139,7 +139,10 @@ def _linear_weight_grad(ctx, input_, weight, grad_output) -> Callable[[], None]:
                 _fused_accumulate(input_2d, grad_2d, main_grad)
                 grad = None
                 if hasattr(weight, "grad_added_to_main_grad"):
-                    grad = torch.zeros(main_grad.shape, dtype=input_.dtype, device=input_.device)
+                    # a placeholder for DDP's hook, which takes main_grad and drops it: zeroed
+                    # only where asked (zero_out_wgrad), as Megatron's own backward
+                    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+                    grad = make(main_grad.shape, dtype=input_.dtype, device=input_.device)
                     weight.grad_added_to_main_grad = True
             else:
                 grad = grad_2d.t().matmul(input_2d)
