@@ -124,9 +124,12 @@ def _apply_wrapper(router, name, original):
             seq_length = args[0] if args else kwargs["seq_length"]
             bsz = args[1] if len(args) > 1 else kwargs["bsz"]
             stash.update(seq_length=seq_length, bsz=bsz)
-        if kind == "global_aux_loss":
-            stash["global_before"] = router.global_tokens_per_expert.detach().clone()
-            stash["steps_before"] = int(router.ga_steps)
+        if kind == "global_aux_loss":  # the running sum before the iteration's first call,
+            # kept on the device (reading the step count back would wait for it every layer)
+            start = _ledgers(current.run).setdefault(_global_start(current.info, router), {})
+            if not start:
+                start["sum"] = router.global_tokens_per_expert.detach().float().clone()
+                start["steps"] = router.ga_steps.detach().clone()
         setattr(router, _STASH, stash)
         try:
             probs = original(probs, scores_for_aux_loss, routing_map, *args, **kwargs)
@@ -177,11 +180,14 @@ def _attach_wrapper(router, original):
     return attach
 
 
+def _global_start(info, router) -> tuple:
+    """The ledger key of a router's running sum and step count before the iteration."""
+    return ("global-start", info.chunk, id(router))
+
+
 def _global_share(run, router, info, ledger, stash, share, scores):
     """Value share and late weights of the global loss: counts averaged over micro-batches."""
-    start = _ledgers(run).setdefault(("global-start", info.chunk, id(router)), {})
-    if not start:  # the router's running sum before this iteration's first micro-batch
-        start["sum"], start["steps"] = stash["global_before"].float(), stash["steps_before"]
+    start = _ledgers(run)[_global_start(info, router)]  # taken before the first micro-batch
     mine = [key for key in _ledgers(run) if key[1:] == (info.chunk, id(router), "global_aux_loss")]
     earlier = [_ledgers(run)[key] for key in mine if key[0] < info.microbatch]
     if len(earlier) != info.microbatch:

@@ -22,7 +22,7 @@ import torch
 from megatron_seq1f1b.segments.documents import SegmentView
 
 
-def _on_device(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+def on_device(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
     """``values`` as a tensor on ``device``. To CUDA from pinned memory without blocking: a
     copy from pageable memory waits for the stream, a host sync at every segment's first
     layer; the pinned block stays reserved until the copy ran (the caching host allocator)."""
@@ -70,10 +70,10 @@ class Packed:
             rows = [(row - key_start) * micro_batch_size + sample
                     for sample, own in enumerate(pieces) for piece in own
                     for row in range(piece.k0, piece.q1)]
-            key_index = _on_device(rows, torch.long, device)
+            key_index = on_device(rows, torch.long, device)
         return cls(micro_batch_size, view.num_queries, tuple(cu_q), tuple(cu_k), max(q_lengths),
-                   max(k_lengths), _on_device(cu_q, torch.int32, device),
-                   _on_device(cu_k, torch.int32, device), key_index)
+                   max(k_lengths), on_device(cu_q, torch.int32, device),
+                   on_device(cu_k, torch.int32, device), key_index)
 
     def pack(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """``[L, b, h, d]`` queries and ``[keys, b, g, d]`` K/V -> ``[T, h, d]`` THD tensors."""

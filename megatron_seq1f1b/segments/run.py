@@ -21,7 +21,7 @@ from megatron_seq1f1b.segments.documents import (
     Chain, Documents, SegmentView, chains, rank_ranges, roles, views_of,
 )
 from megatron_seq1f1b.segments.kv_cache import KVStore
-from megatron_seq1f1b.segments.packed import Packed
+from megatron_seq1f1b.segments.packed import Packed, on_device
 from megatron_seq1f1b.segments.active import (  # noqa: F401 - the running unit, named here too
     BACKWARD, FORWARD, Active as _Active, active, current_segment, entered,
 )
@@ -214,7 +214,9 @@ class SegmentRun:
         (default the view's).
         """
         key_start = view.key_start if key_start is None else key_start
-        key = (info.microbatch if view.pieces is not None else None, info.start, info.end,
+        # documents differ between micro-batches; a context-parallel view without them does not
+        documents = self.documents_of(info.microbatch) is not None
+        key = (info.microbatch if documents else None, info.start, info.end,
                key_start, view.window, device, view.num_queries)
         mask = self._masks.get(key)
         if mask is None:
@@ -227,12 +229,11 @@ class SegmentRun:
                 mask = mask.view(1, 1, info.length, len(keys))
             else:
                 rows = []
-                for sample in view.pieces:
-                    queries = torch.tensor([t for piece in sample
-                                            for t in range(piece.q0, piece.q1)],
-                                           device=device).unsqueeze(1)
-                    lows = [piece.doc for piece in sample for _ in range(piece.queries)]
-                    lowest = torch.tensor(lows, device=device).unsqueeze(1)
+                for sample in view.pieces:  # made on the device: no copy from the host
+                    queries = torch.cat([torch.arange(piece.q0, piece.q1, device=device)
+                                         for piece in sample]).unsqueeze(1)
+                    lowest = torch.cat([torch.full((piece.queries,), piece.doc, device=device)
+                                        for piece in sample]).unsqueeze(1)
                     if view.window is not None:
                         lowest = torch.maximum(lowest, queries - view.window)
                     rows.append((keys > queries) | (keys < lowest))
@@ -255,14 +256,15 @@ class SegmentRun:
             self._packed[key] = found
         return found
 
-    def document_positions(self, info: SegmentInfo) -> tuple[torch.Tensor, int]:
-        """Each token's position within its document (one sample), and one more than the
-        largest: the rows of a packed segment's rotary table (cached per segment)."""
-        key = (info.microbatch, "positions", info.index)
+    def document_positions(self, info: SegmentInfo, device=None) -> tuple[torch.Tensor, int]:
+        """Each token's position within its document (one sample), on ``device`` (default the
+        host), and one more than the largest: the rows of a packed segment's rotary table
+        (cached per segment and device, copied there once without a host sync)."""
+        key = (info.microbatch, "positions", info.index, device)
         found = self._packed.get(key)
         if found is None:
             positions = self.documents_of(info.microbatch).positions(0, info.start, info.end)
-            found = (torch.tensor(positions, dtype=torch.long), max(positions) + 1)
+            found = (on_device(positions, torch.long, device or "cpu"), max(positions) + 1)
             self._packed[key] = found
         return found
 
@@ -293,7 +295,7 @@ class SegmentRun:
                 cumulative = [0]
                 for n in lengths:
                     cumulative.append(cumulative[-1] + n)
-                cut = torch.tensor(cumulative, dtype=value.dtype, device=value.device)
+                cut = on_device(cumulative, value.dtype, value.device)  # no host sync
                 cut = cut.view(1, -1) if value.dim() == 2 else cut
                 self._packed[cache_key] = cut
             out[key] = cut
