@@ -218,3 +218,16 @@ def test_attention_adds_key_gradients_into_the_carry_over_exactly(monkeypatch):
 def test_keys_used_beyond_the_sinking_attention_are_refused():
     with pytest.raises(RuntimeError, match="another gradient reached the keys"):
         _sinking_run((5, 7, 6, 4), extra=lambda view_k: view_k.sum())
+
+
+def test_a_micro_batchs_rolled_mtp_columns_go_with_its_last_backward():
+    """Multi-token prediction's rolled columns live from a micro-batch's first forward to its
+    last backward (segment 0), not to the end of the iteration (m micro-batches of them)."""
+    run = SegmentRun((8, 8))
+    for microbatch in (0, 1):
+        with run.forward(microbatch, 0):
+            run.mtp_rolls[(microbatch, 0, "labels")] = ["rolled"]
+    for index in (1, 0):
+        with run.backward(0, index):
+            assert (0, 0, "labels") in run.mtp_rolls
+    assert list(run.mtp_rolls) == [(1, 0, "labels")]

@@ -105,10 +105,9 @@ def _megatron_roll() -> Callable:
 def _rolled(name: str, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the segment's columns of ``name`` rolled ``depth`` times, the rolled whole
     micro-batch's sum) for the running segment; depth 0 is the tensor itself. Rolled once
-    per micro-batch (the run keeps them for its iteration)."""
+    per micro-batch (the run keeps them until its last backward)."""
     unit = segments.active()
-    cache = unit.run.__dict__.setdefault("_mtp_rolls", {})
-    rolls = cache.setdefault((unit.info.microbatch, unit.info.chunk, name), [])
+    rolls = unit.run.mtp_rolls.setdefault((unit.info.microbatch, unit.info.chunk, name), [])
     if not rolls:
         full = _full(unit, name)
         rolls.append((full, full.sum()))

@@ -115,6 +115,9 @@ class SegmentRun:
         self._masks: dict = {}
         self._views: dict = {}
         self._packed: dict = {}
+        # multi-token prediction's rolled columns, (micro-batch, chunk, name) -> rolls: kept
+        # from a micro-batch's first forward to its last backward (a recompute rolls again)
+        self.mtp_rolls: dict = {}
         # Context parallelism: this rank holds two chunks of every segment
         # (:mod:`megatron_seq1f1b.attention.context_parallel`); ``cp_meter`` counts the bytes exchanged.
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
@@ -302,8 +305,8 @@ class SegmentRun:
         return out
 
     def forget(self, microbatch: int) -> None:
-        """Drop a finished micro-batch's masks and index tensors."""
-        for cache in (self._masks, self._packed):
+        """Drop a finished micro-batch's masks, index tensors and rolled MTP columns."""
+        for cache in (self._masks, self._packed, self.mtp_rolls):
             for key in [k for k in cache if k[0] == microbatch]:
                 del cache[key]
         for key in [k for k in self._views if k[0] == microbatch]:
@@ -317,6 +320,7 @@ class SegmentRun:
         self._masks.clear()
         self._views.clear()
         self._packed.clear()
+        self.mtp_rolls.clear()
         if leftover:
             raise RuntimeError(
                 f"Seq1F1B: key/value caches or recurrent states of {leftover} layer(s) were still "
