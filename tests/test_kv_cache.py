@@ -231,3 +231,22 @@ def test_a_micro_batchs_rolled_mtp_columns_go_with_its_last_backward():
         with run.backward(0, index):
             assert (0, 0, "labels") in run.mtp_rolls
     assert list(run.mtp_rolls) == [(1, 0, "labels")]
+
+
+def test_prefetched_micro_batches_reach_the_device_one_at_a_time(monkeypatch):
+    """Variable lengths and documents read every micro-batch ahead (plan data); each goes to
+    the device when its first segment asks, not all m at the iteration's start."""
+    from megatron_seq1f1b.segments import run as run_module
+
+    moved = []
+    monkeypatch.setattr(run_module, "to_device", lambda batch, device: moved.append(batch) or batch)
+    data = run_module.SegmentData(iter([{"mb": 0}, {"mb": 1}, {"mb": 2}]))
+    assert data.prefetch(3) == [{"mb": 0}, {"mb": 1}, {"mb": 2}] and moved == []
+    run = SegmentRun((8, 8))
+    with run.forward(0, 0):
+        assert next(data) == {"mb": 0}
+    with run.forward(0, 1):
+        assert next(data) == {"mb": 0}
+    with run.forward(1, 0):
+        assert next(data) == {"mb": 1}
+    assert moved == [{"mb": 0}, {"mb": 1}]

@@ -346,6 +346,7 @@ class SegmentData:
     def __init__(self, iterator, device: torch.device | None = None):
         self._iterator = iterator
         self._batches: dict[int, Any] = {}
+        self._prefetched: dict[int, Any] = {}  # read ahead, on the host until first needed
         self._fetched = 0
         self._device = device
         self._read: list | None = None  # what prefetch read, host side
@@ -358,6 +359,8 @@ class SegmentData:
         if info is None:
             return next(self._iterator)
         mb = info.microbatch
+        if mb not in self._batches and mb in self._prefetched:
+            self._batches[mb] = to_device(self._prefetched.pop(mb), self._device)
         if mb not in self._batches:
             if mb != self._fetched:
                 raise RuntimeError(
@@ -370,10 +373,12 @@ class SegmentData:
 
     def release(self, microbatch: int) -> None:
         self._batches.pop(microbatch, None)
+        self._prefetched.pop(microbatch, None)
 
     def prefetch(self, count: int) -> list:
         """Read the next ``count`` micro-batches now (their lengths and documents are plan
-        data); the segments get them later, as from :meth:`__next__`. Returns them as read
+        data); the segments get them later, as from :meth:`__next__`, each moved to the
+        device when its first segment asks (not all ``count`` at once). Returns them as read
         (host); a second call in the same iteration returns the same list. An iterator that
         ends early raises :class:`ShortIterator` saying how many it gave."""
         if self._read is not None:
@@ -381,7 +386,7 @@ class SegmentData:
                 raise RuntimeError("Seq1F1B: micro-batches prefetched twice with different "
                                    "counts")
             return self._read
-        if self._fetched or self._batches:
+        if self._fetched or self._batches or self._prefetched:
             raise RuntimeError("Seq1F1B: micro-batches prefetched after the iteration began")
         read = []
         for microbatch in range(count):
@@ -390,7 +395,7 @@ class SegmentData:
             except StopIteration:
                 raise ShortIterator(microbatch) from None
             read.append(batch)
-            self._batches[microbatch] = to_device(batch, self._device)
+            self._prefetched[microbatch] = batch
         self._fetched = count
         self._read = read
         return read
