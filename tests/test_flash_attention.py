@@ -41,21 +41,34 @@ def test_megatron_lm_swap_full_sequence_equals_local(ranks):
 
 def test_segments_gqa_windows_and_no_dense_mask(ranks):
     """Seq1F1B k=3 on one rank, GQA, windows on layers 1 and 3: equal to the local reference.
-    Only windowed layers create a [sq, sk] tensor (their mask); the others hand SDPA
-    is_causal or a lower-right CausalBias."""
+    Only windowed layers create a [sq, sk] tensor (their mask), once per segment shape for
+    both layers and both micro-batches; the others hand SDPA is_causal or a lower-right
+    CausalBias."""
     (result,) = ranks.run(1, cases.recorded_layout, case="flash-recorded", model=GQA_WINDOWS,
                           data=DataSpec(num_microbatches=2),
                           seq1f1b=dict(num_splits=3, partition="balanced"))
     _check([result])
     calls = result["calls"]
     assert any(c["sk"] > c["sq"] for c in calls if not c["window"]), "no segment over a prefix"
+    made: dict = {}  # segment shape -> masks made for it
     for call in calls:
         if call["window"]:
-            assert call["sdpa"] == [("Tensor", False)] and call["dense"], call
+            assert call["sdpa"] == [("Tensor", False)], call
+            shape = (call["sq"], call["sk"])
+            made[shape] = made.get(shape, 0) + len(call["dense"])
         elif call["sq"] == call["sk"]:
             assert call["sdpa"] == [(None, True)] and not call["dense"], call
         else:
             assert call["sdpa"] == [("CausalBias", False)] and not call["dense"], call
+    # the tensors one window mask takes to make, counted as the calls were
+    from flash_cases import _Recorder
+    from megatron_seq1f1b.attention.varlen import window_mask
+
+    with _Recorder() as one:
+        window_mask(11, 16, 4, "cpu")
+    once = sum(shape == (11, 16) for shape in one.shapes)
+    windowed = [c for c in calls if c["window"]]
+    assert len(windowed) > len(made) and set(made.values()) == {once}, made  # shared
 
 
 @pytest.mark.parametrize("name,layout", [

@@ -25,8 +25,10 @@ without building any ``[sq, sk]`` tensor itself:
   actually given, aligned bottom-right as Transformer Engine does (query
   ``i`` sees keys ``sk - sq + i - w .. sk - sq + i``). Under Seq1F1B a
   windowed segment gets only the ``L + w`` keys in reach, so the mask is
-  ``L x (L + w)``. PyTorch's FlexAttention (block-sparse, no dense mask)
-  would serve windows without it; a later option.
+  ``L x (L + w)``, made once per segment shape and shared by every windowed
+  layer and micro-batch of the iteration (the segment run keeps it).
+  PyTorch's FlexAttention (block-sparse, no dense mask) would serve windows
+  without it; a later option.
 * Grouped-query attention: ``enable_gqa=True`` (torch >= 2.5), else the
   keys/values are repeated per query head.
 * Separate key and value widths (multi-latent attention: ``k_channels`` /
@@ -70,6 +72,7 @@ from megatron_seq1f1b.attention import varlen
 from megatron_seq1f1b.attention.context_parallel import attention_layer_specs, refuse_outside_segments
 from megatron_seq1f1b.attention.prefix import bottom_right_causal, causal_spans, cpu_kernels_fit
 from megatron_seq1f1b.attention.varlen import window_mask
+from megatron_seq1f1b.segments import run as segments
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
 _TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])
@@ -278,7 +281,11 @@ class FlashDotProductAttention(MegatronModule):
         if problems:
             raise ValueError("FlashDotProductAttention does not support " + "; ".join(problems))
         if self.window_size[0] >= 0:
-            return window_mask(sq, sk, self.window_size[0], device), False
+            window, current = self.window_size[0], segments.active()
+            make = lambda: window_mask(sq, sk, window, device)  # noqa: E731
+            # one per segment shape for every windowed layer and micro-batch of the iteration
+            return (make() if current is None
+                    else current.run.shared_mask(("window", sq, sk, window, device), make)), False
         if sq == sk:
             return None, True
         return BOTTOM_RIGHT, False

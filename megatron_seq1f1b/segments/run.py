@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -242,6 +242,16 @@ class SegmentRun:
                     rows.append((keys > queries) | (keys < lowest))
                 mask = torch.stack(rows).unsqueeze(1)
             self._masks[key] = mask
+        return mask
+
+    def shared_mask(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A mask that depends on ``key`` alone (a segment's shape, a window), made once and
+        shared by the iteration's layers and micro-batches (autograd keeps one, not one per
+        layer); dropped at :meth:`close`."""
+        full = (None, "shared") + key  # no micro-batch: forget() keeps it
+        mask = self._masks.get(full)
+        if mask is None:
+            mask = self._masks[full] = make()
         return mask
 
     def packed(self, info: SegmentInfo, view: SegmentView, device,
