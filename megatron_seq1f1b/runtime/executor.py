@@ -16,11 +16,14 @@ What depends only on the configuration (segment lengths, the checks, the steps
 and their messages) is computed once per configuration and reused
 (:mod:`megatron_seq1f1b.runtime.executor_setup`); an iteration then only runs its
 steps, after one tiny all-gather in which the pipeline stages check that they
-run the same schedule.
+run the same schedule (and none refuses it alone); micro-batches of their own
+lengths add one all-gather of the lengths, documents two broadcasts of them
+(:mod:`megatron_seq1f1b.segments.length_plan`, :mod:`megatron_seq1f1b.segments.document_plan`).
 
 Data parallelism follows Megatron: gradient sync is off (``no_sync_func``)
 except for the last gradient-producing action of a model chunk on this rank
-(the backward of segment 0 of the last micro-batch). Zero-bubble schedules
+(the last micro-batch's final backward: segment 0, or with
+``backward_by_documents`` its last run's first segment). Zero-bubble schedules
 (``W`` actions, :mod:`megatron_seq1f1b.runtime.wgrad`) produce a chunk's gradients in
 two places, so sync is on for both final ones, the last ``B`` (biases, norms,
 embeddings) and the last ``W`` (linear weights), and off for the ``W`` of

@@ -8,8 +8,15 @@
   :mod:`~.packed`: a segment's document pieces as one THD batch;
 * :mod:`~.kv_cache`: the carry-over store (earlier segments' keys and values, and the
   gradients later segments return to them);
-* :mod:`~.loss` (a micro-batch's loss normalized over its segments), :mod:`~.moe` (router
-  losses per segment), :mod:`~.cp_group` (a segment's context-parallel collectives).
+* :mod:`~.state_carry`: a recurrent layer's state handed to the next segment (and its
+  gradient back); :mod:`~.active`: which unit is running;
+* :mod:`~.length_plan`: every micro-batch's length, agreed before an iteration
+  (variable lengths); :mod:`~.document_runs`: a micro-batch's runs of documents scheduled
+  apart (``backward_by_documents``);
+* :mod:`~.loss` (a micro-batch's loss normalized over its segments), :mod:`~.reports` (one
+  report per micro-batch, as Megatron returns them), :mod:`~.moe` (router losses per
+  segment), :mod:`~.mtp` (multi-token prediction reading later segments' tokens),
+  :mod:`~.cp_group` (a segment's context-parallel collectives).
 
 May import: :mod:`megatron_seq1f1b.base`, :mod:`megatron_seq1f1b.schedules`, torch.
 The names of :mod:`~.run` that the public API lists are importable from here too.

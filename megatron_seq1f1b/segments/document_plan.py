@@ -13,7 +13,8 @@ Instead they are plan data, sent once per iteration, before any segment:
    finds their documents with a :data:`DocumentSource`.
 2. It broadcasts them (a list of document starts, a few integers per
    document) to its tensor-parallel group, and every first-stage rank to its
-   pipeline group: two small collectives per iteration, whatever ``m`` and ``k``.
+   pipeline group: two small broadcasts per iteration (each of Python objects, a size
+   and a payload), whatever ``m`` and ``k``.
 
 Nothing else is exchanged: segment lengths follow from the documents by a
 deterministic function (:func:`megatron_seq1f1b.schedules.partition.split_documents`)

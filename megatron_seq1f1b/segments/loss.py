@@ -5,7 +5,9 @@ segment. Full-sequence training divides a micro-batch's loss by its token
 count and by the number of micro-batches, but a segment knows only its own
 tokens. On the last stage every segment of a micro-batch is forwarded before
 the micro-batch's first backward (segment k-1), so :meth:`SegmentLosses.scaled`
-divides at backward time, by the micro-batch's total. Reports stay
+divides at backward time, by the micro-batch's total (runs of documents going
+backward apart, ``backward_by_documents``, need ``calculate_per_token_loss``,
+which divides nothing). Reports stay
 ``[sum, tokens]`` per segment; Megatron's training loop sums them, so logged
 losses are exact too. With ``calculate_per_token_loss`` nothing is divided
 and the total token count goes to ``finalize_model_grads``, as in Megatron.

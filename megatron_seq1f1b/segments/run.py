@@ -344,8 +344,9 @@ class SegmentData:
     """Iterator wrapper: every segment of a micro-batch gets that micro-batch.
 
     The caller's iterator advances once per micro-batch, on the first
-    ``next()`` inside that micro-batch's segments; the executor drops the
-    batch after the micro-batch's last segment. With a ``device`` (CUDA), a
+    ``next()`` inside that micro-batch's segments (or, read ahead as plan data by
+    :meth:`prefetch`, on its first segment's); the executor drops the batch after
+    the micro-batch's last segment. With a ``device`` (CUDA), a
     micro-batch that is a dict of host tensors is moved there once, from
     pinned memory without blocking the host, so its segments are views of one
     device copy: a ``get_batch`` that copies to the device (``.cuda()``,
