@@ -591,7 +591,7 @@ def test_a_tie_override_is_said_first_and_by_how_much(capsys, tmp_path):
     fastest = min(times, key=times.get)
     assert data["plan"]["num_splits"] < fastest
     slower = f"{data['plan']['time'] / times[fastest] - 1:.1%} slower than the fastest"
-    head = "\n".join(lines[:4])
+    head = "\n".join(lines[:5])  # the layout, costs, timing, chosen flags and why
     assert f"chosen: --seq1f1b-splits {data['plan']['num_splits']} " in head
     assert slower in head and f"k={fastest} balanced 1f1b" in head
     assert "kept because that is within the 2% tie tolerance" in head

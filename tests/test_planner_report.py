@@ -119,6 +119,21 @@ def test_a_measured_plan_is_given_as_flags_that_megatron_lm_runs(capsys, tmp_pat
     assert megatron_lm.args_problems(args) == []
 
 
+def test_the_timing_and_a_binding_segment_cap_are_said(capsys):
+    """The docs' pp 8 example: its fastest plan has --max-splits' 16 segments while 128-token
+    segments would allow 256; the answer moves with the cap, so the output says so."""
+    argv = ["--seq-length", "32768", "--pp", "8", "--microbatches", "16", "--hidden-size",
+            "4096", "--num-layers", "32", "--num-attention-heads", "32",
+            "--memory-budget-microbatches", "3"]
+    lines, _ = _run(argv, capsys)
+    assert _line(lines, "timed as the nccl transport") and "--timing" in lines[2]
+    note = _line(lines, "(the fastest plan timed, k=16")
+    assert "--max-splits 16 allows" in note and "would allow 256" in note
+    lines, _ = _run(argv + ["--max-splits", "32", "--timing", "gloo"], capsys)
+    assert _line(lines, "timed as the gloo transport")
+    assert not any("raise --max-splits" in line for line in lines)  # k=32 is not its fastest
+
+
 def test_a_calibration_of_virtual_stages_cannot_time_the_plain_layout(capsys, tmp_path):
     path = tmp_path / "cal.json"
     _run(SMALL + ["--vpp", "2", "--save-calibration", str(path)], capsys)

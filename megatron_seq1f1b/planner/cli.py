@@ -739,9 +739,13 @@ def main(argv=None) -> int:
     costs = _costs_text(args, calibration, config, stages)
     note = tie_note(choice.candidates, plan, args.tie_tolerance, complete=not choice.untimed)
     print("\n".join([_layout_text(args), *costs]))
+    print(f"timed as the {_timing(args)} transport runs the steps (--timing)")
     print(f"chosen: {chosen_flags(plan)}")
     if note:
         print(f"  ({note}; --tie-tolerance 0 takes the fastest)")
+    capped = cap_note(choice.candidates, args)
+    if capped:
+        print(f"  ({capped})")
     plain = None  # the costs of the layout without interleaving (FLOPs only: see report)
     if args.vpp > 1 and not args.calibration:
         plain = _flop_calibration(args, config, args.pp)
@@ -774,6 +778,20 @@ def main(argv=None) -> int:
             "context_parallel_size": args.context_parallel_size,
             "segment_multiple": _segment_multiple(args)}, indent=1) + "\n")
     return 0
+
+
+def cap_note(timed: list[Plan], args: argparse.Namespace) -> str:
+    """Where the fastest plan timed has the most segments --max-splits allows and segments of
+    --min-segment-length would allow more: the cap may be what stopped it ("" otherwise)."""
+    if args.splits or not timed:
+        return ""
+    fastest = min(timed, key=lambda plan: plan.time)
+    room = args.seq_length // args.min_segment_length
+    if fastest.num_splits < args.max_splits or room <= args.max_splits:
+        return ""
+    return (f"the fastest plan timed, {fastest.describe()}, has the most segments --max-splits "
+            f"{args.max_splits} allows, and --min-segment-length {args.min_segment_length} "
+            f"would allow {room}: more may be faster; raise --max-splits to try them")
 
 
 def chosen_flags(plan: Plan) -> str:
