@@ -465,7 +465,9 @@ class _Search:
                     # zero-bubble bound would go before a tight, faster one)
                     cheap = [d for d in below if not d.zero_bubble]
                     d = min(cheap or below, key=lambda d: (d.first_bound, d.order))
-                    if fits(d) and self.sharpen(d):
+                    # its floor's memory and its sharpened bound before its exact memory
+                    # (zero bubble: that builds its schedule, about a timing's cost)
+                    if not self.over(d) and self.sharpen(d):
                         resort(d)
                         continue  # its bound rose: is it still below?
                     untimed.remove(d)
@@ -484,7 +486,11 @@ class _Search:
             for c in sorted(candidates, key=_bound_order):
                 if c.bound > best * (1 + 1e-8):
                     break
-                if c.plan is None and not c.refused and not fits(c):
+                # over the budget: by the exact memory where it is cheap or known, else (zero
+                # bubble, whose exact memory builds its schedule) by its floor's; this names
+                # an example, the choice is made
+                over = self.over(c) if c.zero_bubble and c.memory is None else not fits(c)
+                if c.plan is None and not c.refused and over:
                     if self.sharpen(c) and c.bound > best * (1 + 1e-8):
                         continue
                     plan = self.time(c)
