@@ -62,22 +62,29 @@ def build_parser() -> ArgumentParser:
                             "layers like its last; with --hybrid-layer-pattern its '/' parts)")
     model.add_argument("--num-experts", type=positive_int, default=None,
                        help="MoE experts (every GPTModel layer, or the pattern's E layers)")
-    model.add_argument("--moe-router-topk", type=positive_int, default=2)
+    model.add_argument("--moe-router-topk", type=positive_int, default=2,
+                       help="experts each token goes to (default 2)")
     model.add_argument("--moe-ffn-hidden-size", type=positive_int, default=None,
                        help="default --ffn-hidden-size")
     model.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
-                       default="alltoall")
+                       default="alltoall", help="default alltoall")
     model.add_argument("--disable-bias-linear", action="store_true",
                        help="no biases in linear layers (as MoE models train)")
-    model.add_argument("--hidden-size", type=positive_int, required=True)
-    model.add_argument("--num-attention-heads", type=positive_int, required=True)
+    model.add_argument("--hidden-size", type=positive_int, required=True, help="model width")
+    model.add_argument("--num-attention-heads", type=positive_int, required=True,
+                       help="query heads")
     model.add_argument("--ffn-hidden-size", type=positive_int, default=None,
                        help="default 4 * hidden")
-    model.add_argument("--num-query-groups", type=positive_int, default=None)
-    model.add_argument("--seq-length", type=positive_int, required=True)
-    model.add_argument("--vocab-size", type=positive_int, required=True)
-    model.add_argument("--swiglu", action="store_true")
-    model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    model.add_argument("--num-query-groups", type=positive_int, default=None,
+                       help="key/value heads (grouped-query attention; default: one per "
+                            "query head)")
+    model.add_argument("--seq-length", type=positive_int, required=True,
+                       help="tokens per sample of a micro-batch")
+    model.add_argument("--vocab-size", type=positive_int, required=True,
+                       help="the embedding's and output layer's rows")
+    model.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (SwiGLU)")
+    model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                       help="default LayerNorm")
     model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
                        default="rope")
     ties = model.add_mutually_exclusive_group()
@@ -88,34 +95,50 @@ def build_parser() -> ArgumentParser:
                       help="share embedding and output weights (the default; kept for older "
                       "commands)")
     add_recurrent_arguments(model)
-    model.add_argument("--bf16", action="store_true")
-    model.add_argument("--attention-backend", choices=["local", "flash"], default="local")
+    model.add_argument("--bf16", action="store_true",
+                       help="bf16 weights and activations (default fp32)")
+    model.add_argument("--attention-backend", choices=["local", "flash"], default="local",
+                       help="Megatron's local attention (default) or megatron_seq1f1b's flash "
+                            "attention on SDPA, as the trainer's flag")
     par = p.add_argument_group("pipeline")
-    par.add_argument("--pipeline-model-parallel-size", type=positive_int, required=True)
-    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None)
-    par.add_argument("--rehearse-stage", type=non_negative_int, required=True)
+    par.add_argument("--pipeline-model-parallel-size", type=positive_int, required=True,
+                     help="stages of the pipeline the rehearsed stage belongs to")
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None,
+                     help="interleaving: layers per model chunk (default: one chunk per rank)")
+    par.add_argument("--rehearse-stage", type=non_negative_int, required=True,
+                     help="which stage to run, 0 to --pipeline-model-parallel-size - 1")
     par.add_argument("--context-parallel-size", type=positive_int, default=1,
                      help="rehearse rank 0 of a context-parallel group of this size (its peers' "
                           "keys and values made up; needs --seq1f1b-splits' segments to divide "
                           "into 2 x this many chunks)")
-    par.add_argument("--micro-batch-size", type=positive_int, default=1)
-    par.add_argument("--num-microbatches", type=positive_int, required=True)
-    par.add_argument("--seq1f1b-splits", type=positive_int, default=1)
+    par.add_argument("--micro-batch-size", type=positive_int, default=1,
+                     help="samples per micro-batch (default 1)")
+    par.add_argument("--num-microbatches", type=positive_int, required=True,
+                     help="micro-batches per iteration")
+    par.add_argument("--seq1f1b-splits", type=positive_int, default=1,
+                     help="segments per micro-batch (default 1: Megatron's 1F1B)")
     par.add_argument("--seq1f1b-partition", choices=["uniform", "balanced", "documents"],
-                     default="uniform", help="documents: needs --document-length")
+                     default="uniform",
+                     help="default uniform (Megatron-LM's and the trainer's flag default to "
+                          "balanced: give it to rehearse their cut); documents: needs "
+                          "--document-length")
     par.add_argument("--document-length", type=positive_int, default=None, metavar="N",
                      help="pack documents of about N tokens (log-normal lengths) into every "
                           "micro-batch, ended by the last vocabulary id; attention keeps them "
                           "apart and the prediction follows them")
-    par.add_argument("--seq1f1b-schedule", choices=["1f1b", "zb-h1", "zb-h2"], default="1f1b")
-    par.add_argument("--seq1f1b-segment-multiple", type=positive_int, default=None)
+    par.add_argument("--seq1f1b-schedule", choices=["1f1b", "zb-h1", "zb-h2"], default="1f1b",
+                     help="default 1f1b; zb-h1 / zb-h2: zero bubble (W as separate steps)")
+    par.add_argument("--seq1f1b-segment-multiple", type=positive_int, default=None,
+                     help="round segment lengths to multiples of N tokens (default: 64 on CUDA "
+                          "where the sequence allows, else 1)")
     train = p.add_argument_group("training state")
     train.add_argument("--optimizer", choices=["adam", "none"], default="adam",
                        help="adam: Megatron's (its states count in the peak); none: weights "
                             "and gradients only")
     train.add_argument("--use-distributed-optimizer", action="store_true",
                        help="(one rank: shards over a data-parallel size of 1)")
-    p.add_argument("--iters", type=positive_int, default=2, help="measured iterations")
+    p.add_argument("--iters", type=positive_int, default=2,
+                   help="measured iterations (default 2)")
     p.add_argument("--warmup", type=non_negative_int, default=1,
                    help="iterations before measuring (the optimizer's states appear in the "
                         "first step)")
@@ -124,12 +147,14 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--save-calibration", metavar="FILE", type=output_file(make_folders=True),
                    help="also time this stage's segments (the start-up measurement's cases) "
                         "and write them as a one-stage planner calibration")
-    p.add_argument("--calibration-reps", type=positive_int, default=3)
+    p.add_argument("--calibration-reps", type=positive_int, default=3,
+                   help="with --save-calibration: timings of each segment case (default 3)")
     p.add_argument("--min-segment-length", type=positive_int, default=128,
                    help="shortest segment the calibration times (the planner's)")
     p.add_argument("--json", metavar="FILE", type=output_file(make_folders=True),
                    help="write the result here (missing folders are made)")
-    p.add_argument("--seed", type=non_negative_int, default=1234)
+    p.add_argument("--seed", type=non_negative_int, default=1234,
+                   help="the random weights' and data's seed (default 1234)")
     return p
 
 def check_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
