@@ -389,11 +389,18 @@ def lengths_table(args) -> str:
     header = (f"{'schedule':<32}{'speed vs 1F1B':>14}{'bubble':>8}{'units':>7}"
               f"{'stage-0 peak tokens':>21}{'vs 1F1B':>9}")
     lines = [f"micro-batch lengths {args.lengths} (partition {args.partition}, FLOP costs of "
-             f"{args.num_layers} layers, hidden {args.hidden_size}; predictions)", header,
-             "-" * len(header)]
+             f"{args.num_layers} layers, hidden {args.hidden_size}, no host time per unit; "
+             "predictions)", header, "-" * len(header)]
     for name, time, bubble, peak, units in results:
         lines.append(f"{name:<32}{base[1] / time:>13.2f}x{bubble:>8.1%}{units:>7}{peak:>21.0f}"
                      f"{peak / base[3]:>8.2f}x")
+    short = sorted({n for n in args.lengths for k in args.splits if n < k})
+    if short:  # a segment has at least one token
+        lines.append(f"note: micro-batches of {', '.join(map(str, short))} tokens get fewer "
+                     "segments than k (one token each at most)")
+    lines.append("note: FLOPs only; on a GPU each unit also costs its host dispatch, which "
+                 "makes many short segments slower than shown (the planner and "
+                 "--seq1f1b-splits auto count it)")
     return "\n".join(lines)
 
 
