@@ -273,8 +273,9 @@ def build_parser() -> ArgumentParser:
                              "stacked in this file ('.png' added where FILE has no suffix; "
                              "default: none)")
     parser.add_argument("--trace", type=output_file(make_folders=True), metavar="FILE",
-                        help="write a Chrome trace (Perfetto) here, same suffix rule (default: "
-                             "none)")
+                        help="write a Chrome trace (Perfetto) here; with several timelines "
+                             "one trace each, FILE with the suffix _k<splits>[_<schedule>], and "
+                             "no combined one (default: none)")
     return parser
 
 
