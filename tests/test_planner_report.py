@@ -91,11 +91,29 @@ def test_small_models_show_mib_not_zeros(capsys):
     assert _line(lines, "stage 0:").endswith(" MB)")
 
 
-def test_an_output_file_that_cannot_be_written_is_one_line_not_a_traceback(capsys):
+def test_an_output_file_that_cannot_be_written_is_one_line_not_a_traceback(capsys, tmp_path,
+                                                                          monkeypatch):
+    """Refused as the flags are read where the folder is not writable; where writing fails
+    anyway (a full disk, /proc as root), one line after the plan, status 1."""
+    import os
+    from pathlib import Path
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(SystemExit) as exited:
-        planner.main(SMALL + ["--json", "/proc/plan.json"])
-    assert exited.value.code in (1, 2)  # refused as read (no permission), or when written
-    assert "/proc/plan.json" in capsys.readouterr().err
+        planner.main(SMALL + ["--json", str(tmp_path / "plan.json")])
+    assert exited.value.code == 2 and "no permission" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    def full(self, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    for flag in ("--json", "--save-calibration"):
+        with pytest.raises(SystemExit) as exited:
+            planner.main(SMALL + [flag, str(tmp_path / "out.json")])
+        err = capsys.readouterr().err
+        assert exited.value.code == 1 and "Traceback" not in err, err
+        assert err.strip().endswith("out.json: No space left on device"), err
 
 
 def test_a_measured_plan_is_given_as_flags_that_megatron_lm_runs(capsys, tmp_path):

@@ -283,9 +283,11 @@ class FlashDotProductAttention(MegatronModule):
         if self.window_size[0] >= 0:
             window, current = self.window_size[0], segments.active()
             make = lambda: window_mask(sq, sk, window, device)  # noqa: E731
-            # one per segment shape for every windowed layer and micro-batch of the iteration
+            # one per segment shape for every windowed layer (and micro-batch, where shapes
+            # repeat: SegmentRun.shared_mask)
             return (make() if current is None
-                    else current.run.shared_mask(("window", sq, sk, window, device), make)), False
+                    else current.run.shared_mask(current.info, ("window", sq, sk, window,
+                                                                device), make)), False
         if sq == sk:
             return None, True
         return BOTTOM_RIGHT, False

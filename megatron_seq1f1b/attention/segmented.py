@@ -342,12 +342,12 @@ def rotary_forward(rotary, original):
                 raise ValueError(
                     "Seq1F1B: rotary embeddings of a packed (THD) batch in a segment, but the "
                     "schedule was not given its documents; pass documents='cu_seqlens'")
-            _, longest = run.document_positions(info)
+            _, longest = run.document_rows(info)
             table = original(longest, 0, packed_seq, cp_group)
             if not isinstance(table, torch.Tensor):
                 raise ValueError("Seq1F1B: packed (THD) documents with this rotary embedding "
                                  f"({type(rotary).__name__}, e.g. YaRN) are not supported")
-            return table.index_select(0, run.document_positions(info, table.device)[0])
+            return table.index_select(0, run.document_positions(info, table.device))
         if max_seq_len != info.length:
             raise RuntimeError(
                 f"Seq1F1B: rotary embedding asked for {max_seq_len} positions in segment "

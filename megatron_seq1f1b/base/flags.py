@@ -18,8 +18,8 @@ joined to its flag before argparse reads it (:data:`DASH_VALUES`).
 from __future__ import annotations
 
 import argparse
-import os
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -121,8 +121,9 @@ fraction = number(0.0, below=1.0)  # [0, 1)
 
 def output_file(make_folders: bool = False) -> Callable[[str], str]:
     """A ``type=`` for a file the command writes (after its work): refused as it is read if
-    it names a folder, or if its folder does not exist (``make_folders``: the command creates
-    missing folders, so only a file standing where a folder must be is refused)."""
+    it names a folder, if its folder does not exist (``make_folders``: the command creates
+    missing folders, so only a file standing where a folder must be is refused), or if this
+    process may not write it there."""
 
     def parse(text: str) -> str:
         path = Path(text)

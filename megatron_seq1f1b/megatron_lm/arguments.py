@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--seq1f1b-splits", type=splits_value, default=None, metavar="N|auto",
-        help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}); with "
+        help=f"Segments per micro-batch with --seq1f1b (default {DEFAULT_SPLITS}, or as many "
+             "as --seq1f1b-split-lengths gives); with "
              "--seq1f1b-segment-tokens the most a micro-batch may get (default: no cap); "
              "'auto': time segments of the first micro-batch on the real model and let "
              "megatron_seq1f1b.planner pick the splits, partition and schedule.",

@@ -45,10 +45,12 @@ from megatron_seq1f1b.planner.costs import Calibration, Fit, load_calibration, s
 from megatron_seq1f1b.planner.footprint import ModelShape, Training
 from megatron_seq1f1b.planner.memory_model import GIB, MemoryModel
 from megatron_seq1f1b.planner.recurrent import KERNELS, gdn_sizes, mamba_sizes
-from megatron_seq1f1b.planner.report import baseline_lines, megatron_baselines, memory_lines
+from megatron_seq1f1b.planner.report import (
+    baseline_lines, cap_note, chosen_flags, megatron_baselines, memory_lines,
+)
 from megatron_seq1f1b.planner.search import MAX_SPLITS, RUNTIME_TIMING, choose_plan
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM
-from megatron_seq1f1b.schedules.partition import METHODS, NAMED_PARTITIONS, CostModel
+from megatron_seq1f1b.schedules.partition import METHODS, CostModel
 from megatron_seq1f1b.schedules.replay import TIMINGS
 from megatron_seq1f1b.schedules.schedule import SCHEDULES
 
@@ -743,7 +745,8 @@ def main(argv=None) -> int:
     print(f"chosen: {chosen_flags(plan)}")
     if note:
         print(f"  ({note}; --tie-tolerance 0 takes the fastest)")
-    capped = cap_note(choice.candidates, args)
+    capped = cap_note(choice.candidates, args.max_splits, args.splits, args.seq_length,
+                      args.min_segment_length, _segment_multiple(args))
     if capped:
         print(f"  ({capped})")
     plain = None  # the costs of the layout without interleaving (FLOPs only: see report)
@@ -778,30 +781,6 @@ def main(argv=None) -> int:
             "context_parallel_size": args.context_parallel_size,
             "segment_multiple": _segment_multiple(args)}, indent=1) + "\n")
     return 0
-
-
-def cap_note(timed: list[Plan], args: argparse.Namespace) -> str:
-    """Where the fastest plan timed has the most segments --max-splits allows and segments of
-    --min-segment-length would allow more: the cap may be what stopped it ("" otherwise)."""
-    if args.splits or not timed:
-        return ""
-    fastest = min(timed, key=lambda plan: plan.time)
-    room = args.seq_length // args.min_segment_length
-    if fastest.num_splits < args.max_splits or room <= args.max_splits:
-        return ""
-    return (f"the fastest plan timed, {fastest.describe()}, has the most segments --max-splits "
-            f"{args.max_splits} allows, and --min-segment-length {args.min_segment_length} "
-            f"would allow {room}: more may be faster; raise --max-splits to try them")
-
-
-def chosen_flags(plan: Plan) -> str:
-    """The plan as the ``--seq1f1b-*`` flags run it: a partition that only a calibration
-    computes (``measured``) goes as its lengths."""
-    if plan.partition in NAMED_PARTITIONS or plan.num_splits == 1:
-        cut = f"--seq1f1b-partition {plan.partition}"
-    else:
-        cut = "--seq1f1b-split-lengths " + ",".join(map(str, plan.lengths))
-    return f"--seq1f1b-splits {plan.num_splits} {cut} --seq1f1b-schedule {plan.schedule}"
 
 
 def _write(parser: argparse.ArgumentParser, path: str, text: str) -> None:

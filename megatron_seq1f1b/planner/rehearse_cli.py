@@ -86,7 +86,7 @@ def build_parser() -> ArgumentParser:
     model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
                        help="default LayerNorm")
     model.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"],
-                       default="rope")
+                       default="rope", help="default rope")
     ties = model.add_mutually_exclusive_group()
     ties.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                       help="separate embedding and output weights (default: shared, as in "
@@ -130,18 +130,19 @@ def build_parser() -> ArgumentParser:
                      help="default 1f1b; zb-h1 / zb-h2: zero bubble (W as separate steps)")
     par.add_argument("--seq1f1b-segment-multiple", type=positive_int, default=None,
                      help="round segment lengths to multiples of N tokens (default: 64 on CUDA "
-                          "where the sequence allows, else 1)")
+                          "where the sequence allows, else 1; with --context-parallel-size C: "
+                          "2 x C)")
     train = p.add_argument_group("training state")
     train.add_argument("--optimizer", choices=["adam", "none"], default="adam",
-                       help="adam: Megatron's (its states count in the peak); none: weights "
-                            "and gradients only")
+                       help="adam (default): Megatron's (its states count in the peak); "
+                            "none: weights and gradients only")
     train.add_argument("--use-distributed-optimizer", action="store_true",
                        help="(one rank: shards over a data-parallel size of 1)")
     p.add_argument("--iters", type=positive_int, default=2,
                    help="measured iterations (default 2)")
     p.add_argument("--warmup", type=non_negative_int, default=1,
-                   help="iterations before measuring (the optimizer's states appear in the "
-                        "first step)")
+                   help="iterations before measuring (default 1: the optimizer's states "
+                        "appear in the first step)")
     p.add_argument("--count-saved", choices=["auto", "yes", "no"], default="auto",
                    help="count the bytes autograd saves (default: on CPU only)")
     p.add_argument("--save-calibration", metavar="FILE", type=output_file(make_folders=True),
@@ -150,7 +151,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--calibration-reps", type=positive_int, default=3,
                    help="with --save-calibration: timings of each segment case (default 3)")
     p.add_argument("--min-segment-length", type=positive_int, default=128,
-                   help="shortest segment the calibration times (the planner's)")
+                   help="shortest segment the calibration times (default 128, the planner's)")
     p.add_argument("--json", metavar="FILE", type=output_file(make_folders=True),
                    help="write the result here (missing folders are made)")
     p.add_argument("--seed", type=non_negative_int, default=1234,

@@ -1,5 +1,6 @@
-"""What the planner's command line says beside its choice: Megatron-Core's own schedules on
-the same costs (speed and memory ratios), and whether memory was checked against the GPU.
+"""What the planner's command line says beside its choice: the flags that run it, whether the
+segment cap may have stopped it, Megatron-Core's own schedules on the same costs (speed and
+memory ratios), and whether memory was checked against the GPU.
 
 A plan is only worth its flags next to what it replaces: Megatron-Core 1F1B (``k = 1``
 without interleaving) and, where interleaving is planned, its interleaved 1F1B (``k = 1``
@@ -15,10 +16,11 @@ from megatron_seq1f1b.planner.choice import Plan, _q
 from megatron_seq1f1b.planner.costs import Calibration
 from megatron_seq1f1b.planner.memory_model import GIB, bytes_text
 from megatron_seq1f1b.planner.search import choose_plan
+from megatron_seq1f1b.schedules.partition import NAMED_PARTITIONS
 from megatron_seq1f1b.schedules.simulate import megatron_interleaving_problem
 
 __all__ = ["GPU_SIZES_GIB", "MEGATRON_1F1B", "MEGATRON_INTERLEAVED", "megatron_baselines",
-           "baseline_lines", "memory_lines"]
+           "baseline_lines", "memory_lines", "chosen_flags", "cap_note"]
 
 #: GPU memory sizes (GiB) the chosen plan's busiest stage is set against when no
 #: --gpu-memory-gib is given: A100 40 GB, A100/H100 80 GB, H200 141 GB.
@@ -106,3 +108,33 @@ def memory_lines(plan: Plan, gpu_memory_gib: float | None) -> list[str]:
     return [f"memory not checked (no --gpu-memory-gib): the chosen plan's busiest stage needs "
             f"{bytes_text(plan.peak_stage_bytes)} (predicted); against common GPUs: "
             f"{', '.join(fits)}"]
+
+
+def chosen_flags(plan: Plan) -> str:
+    """The plan as the ``--seq1f1b-*`` flags run it: a partition that only a calibration
+    computes (``measured``) goes as its lengths; one segment needs no partition."""
+    if plan.num_splits == 1:
+        cut = ""
+    elif plan.partition in NAMED_PARTITIONS:
+        cut = f" --seq1f1b-partition {plan.partition}"
+    else:
+        cut = " --seq1f1b-split-lengths " + ",".join(map(str, plan.lengths))
+    return f"--seq1f1b-splits {plan.num_splits}{cut} --seq1f1b-schedule {plan.schedule}"
+
+
+def cap_note(timed: list[Plan], max_splits: int, splits, seq_length: int,
+             min_segment_length: int, multiple: int) -> str:
+    """Where the fastest plan timed within the budget has the most segments ``max_splits``
+    allows and the shortest segment (``min_segment_length``, the layout's ``multiple``) would
+    allow more, the cap may be what stopped it ("" otherwise, or where ``splits`` were
+    given)."""
+    allowed = [plan for plan in timed if plan.within_budget is not False]
+    if splits or not allowed:
+        return ""
+    fastest = min(allowed, key=lambda plan: plan.time)
+    room = min(seq_length // max(min_segment_length, 1), seq_length // multiple)
+    if fastest.num_splits < max_splits or room <= max_splits:
+        return ""
+    return (f"the fastest plan timed, {fastest.describe()}, has the most segments --max-splits "
+            f"{max_splits} allows, and --min-segment-length {min_segment_length} would allow "
+            f"{room}: more may be faster; raise --max-splits to try them")

@@ -8,9 +8,10 @@ the first call of a configuration and keeps it in a small cache (16 entries)
 keyed by the chunks (weak references: a dead model's entry can never match
 again); the cached :class:`Setup` holds no model, config or process group.
 Before the setup, on every call, the pipeline stages all-gather a fingerprint of
-what it is computed from and the kind of each stage's attention
-(:func:`agree_across_stages`): every stage then cuts from the same inputs, also one
-without attention layers. The executor (:mod:`megatron_seq1f1b.runtime.executor`) then
+what it is computed from, the kind of each stage's attention and whether the stage
+refuses the call for reasons of its own (:func:`agree_across_stages`,
+:func:`stage_problems`): every stage then cuts from the same inputs, also one
+without attention layers, and none goes on where another stops. The executor (:mod:`megatron_seq1f1b.runtime.executor`) then
 only runs the steps.
 """
 
@@ -607,8 +608,8 @@ def setup_for(chunks, config, iterators, pg_collection, peers: Peers, **argument
 def _effective_splits(num_splits: int, seq_length, segment_tokens, facts: Facts,
                       variable: bool) -> int:
     """Segments per micro-batch: ``num_splits``, or with a token budget the count it gives a
-    micro-batch of ``seq_length`` tokens (variable lengths: the cap)."""
-    if variable or segment_tokens is None:
+    micro-batch of ``seq_length`` tokens (variable lengths, or no length: the cap)."""
+    if variable or segment_tokens is None or not isinstance(seq_length, int):
         return num_splits
     return segment_count(seq_length, num_splits, segment_tokens, facts.multiple)
 

@@ -269,13 +269,14 @@ def build_parser() -> ArgumentParser:
                         help="with --lengths: Seq1F1B rows with these token budgets per segment")
     parser.add_argument("--png", type=output_file(make_folders=True), metavar="FILE",
                         help="draw the timeline(s) here, all on one time axis: with several, "
-                             "one picture each (suffix _k<splits>[_<schedule>]) and all of them "
+                             "one picture each (suffix _k<splits> with several --splits, "
+                             "_<schedule> with several --schedules) and all of them "
                              "stacked in this file ('.png' added where FILE has no suffix; "
                              "default: none)")
     parser.add_argument("--trace", type=output_file(make_folders=True), metavar="FILE",
                         help="write a Chrome trace (Perfetto) here; with several timelines "
-                             "one trace each, FILE with the suffix _k<splits>[_<schedule>], and "
-                             "no combined one (default: none)")
+                             "one trace each, with --png's suffixes, and no combined one "
+                             "(default: none)")
     return parser
 
 
@@ -398,7 +399,7 @@ def lengths_table(args) -> str:
     short = sorted({n for n in args.lengths for k in args.splits if n < k})
     if short:  # a segment has at least one token
         lines.append(f"note: micro-batches of {', '.join(map(str, short))} tokens get fewer "
-                     "segments than k (one token each at most)")
+                     "segments than k (a segment has at least one token)")
     lines.append("note: FLOPs only; on a GPU each unit also costs its host dispatch, which "
                  "makes many short segments slower than shown (the planner and "
                  "--seq1f1b-splits auto count it)")

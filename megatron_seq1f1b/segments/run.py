@@ -217,10 +217,8 @@ class SegmentRun:
         (default the view's).
         """
         key_start = view.key_start if key_start is None else key_start
-        # documents differ between micro-batches; a context-parallel view without them does not
-        documents = self.documents_of(info.microbatch) is not None
-        key = (info.microbatch if documents else None, info.start, info.end,
-               key_start, view.window, device, view.num_queries)
+        key = (self._owner(info), info.start, info.end, key_start, view.window, device,
+               view.num_queries)
         mask = self._masks.get(key)
         if mask is None:
             keys = torch.arange(key_start, info.end, device=device)
@@ -244,11 +242,20 @@ class SegmentRun:
             self._masks[key] = mask
         return mask
 
-    def shared_mask(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _owner(self, info: SegmentInfo) -> int | None:
+        """Whose a segment's masks are: its micro-batch's where they differ between
+        micro-batches (documents; lengths of their own, whose shapes rarely repeat), dropped
+        with it (:meth:`forget`); else None, shared by all of them until :meth:`close`."""
+        own = (self.microbatch_lengths is not None
+               or self.documents_of(info.microbatch) is not None)
+        return info.microbatch if own else None
+
+    def shared_mask(self, info: SegmentInfo, key: tuple,
+                    make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A mask that depends on ``key`` alone (a segment's shape, a window), made once and
-        shared by the iteration's layers and micro-batches (autograd keeps one, not one per
-        layer); dropped at :meth:`close`."""
-        full = (None, "shared") + key  # no micro-batch: forget() keeps it
+        shared by the layers (autograd keeps one, not one per layer) and, where segments
+        repeat their shapes, by the micro-batches (:meth:`_owner`)."""
+        full = (self._owner(info), "shared") + key
         mask = self._masks.get(full)
         if mask is None:
             mask = self._masks[full] = make()
@@ -269,16 +276,24 @@ class SegmentRun:
             self._packed[key] = found
         return found
 
-    def document_positions(self, info: SegmentInfo, device=None) -> tuple[torch.Tensor, int]:
-        """Each token's position within its document (one sample), on ``device`` (default the
-        host), and one more than the largest: the rows of a packed segment's rotary table
-        (cached per segment and device, copied there once without a host sync)."""
-        key = (info.microbatch, "positions", info.index, device)
+    def document_rows(self, info: SegmentInfo) -> tuple[list[int], int]:
+        """Each token's position within its document (one sample), and one more than the
+        largest: the rows of a packed segment's rotary table (cached per segment)."""
+        key = (info.microbatch, "positions", info.index)
         found = self._packed.get(key)
         if found is None:
             positions = self.documents_of(info.microbatch).positions(0, info.start, info.end)
-            found = (on_device(positions, torch.long, device or "cpu"), max(positions) + 1)
-            self._packed[key] = found
+            found = self._packed[key] = (positions, max(positions) + 1)
+        return found
+
+    def document_positions(self, info: SegmentInfo, device) -> torch.Tensor:
+        """:meth:`document_rows`' positions on ``device``, copied there once per segment and
+        device without a host sync."""
+        key = (info.microbatch, "positions", info.index, device)
+        found = self._packed.get(key)
+        if found is None:
+            found = self._packed[key] = on_device(self.document_rows(info)[0], torch.long,
+                                                  device)
         return found
 
     def packed_fields(self, info: SegmentInfo, batch: dict) -> dict:

@@ -91,8 +91,8 @@ def _older_documents(unit, state: torch.Tensor, window_axis: int | None) -> torc
         return state
     cut = unit.info.start
     kept = state
-    for sample, starts in enumerate(documents.starts):
-        latest = max(s for s in starts if s <= cut)
+    for sample in range(len(documents.starts)):
+        latest = documents.document_start(sample, cut)  # a bisection, not a scan
         if window_axis is None:
             drop = slice(None) if latest == cut else slice(0, 0)
         else:
