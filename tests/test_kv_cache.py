@@ -250,3 +250,26 @@ def test_prefetched_micro_batches_reach_the_device_one_at_a_time(monkeypatch):
     with run.forward(1, 0):
         assert next(data) == {"mb": 1}
     assert moved == [{"mb": 0}, {"mb": 1}]
+
+
+def test_shared_masks_go_with_their_micro_batch_where_lengths_vary():
+    """A mask that depends on a segment's shape alone is shared by the layers, and by the
+    micro-batches where their segments repeat shapes; with lengths of their own it goes with
+    its micro-batch's last backward (kept, m x k of them would wait for the iteration's end)."""
+    def mask():
+        return torch.ones(2, 2, dtype=torch.bool)
+
+    fixed = SegmentRun((8, 8))
+    with fixed.forward(0, 0) as info:
+        shared = fixed.shared_mask(info, ("window", 8, 8), mask)
+    with fixed.forward(1, 0) as info:
+        assert fixed.shared_mask(info, ("window", 8, 8), mask) is shared
+    varying = SegmentRun(None, microbatch_lengths=[(8, 8), (6, 10)])
+    with varying.forward(0, 0) as info:
+        first = varying.shared_mask(info, ("window", 8, 8), mask)
+        assert varying.shared_mask(info, ("window", 8, 8), mask) is first  # the layers share
+    for index in (1, 0):
+        with varying.backward(0, index):
+            pass
+    with varying.forward(0, 0) as info:  # gone with micro-batch 0: made again
+        assert varying.shared_mask(info, ("window", 8, 8), mask) is not first

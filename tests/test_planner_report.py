@@ -152,6 +152,14 @@ def test_the_timing_and_a_binding_segment_cap_are_said(capsys):
     assert not any("raise --max-splits" in line for line in lines)  # k=32 is not its fastest
 
 
+def test_a_one_segment_plan_names_no_partition():
+    from megatron_seq1f1b.planner.choice import Plan
+    from megatron_seq1f1b.planner.report import chosen_flags
+
+    one = Plan(1, "measured", (8192,), "zb-h1", 1.0, 0.0, 1.0)
+    assert chosen_flags(one) == "--seq1f1b-splits 1 --seq1f1b-schedule zb-h1"
+
+
 def test_a_calibration_of_virtual_stages_cannot_time_the_plain_layout(capsys, tmp_path):
     path = tmp_path / "cal.json"
     _run(SMALL + ["--vpp", "2", "--save-calibration", str(path)], capsys)
