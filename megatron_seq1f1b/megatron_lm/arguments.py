@@ -183,6 +183,12 @@ def segment_splits(args: Any, longest: Optional[int] = None) -> int | str:
 NO_CAP = 1 << 20
 
 
+def _needs_seq1f1b(flag: str) -> list[str]:
+    """A flag that cuts segments, given without ``--seq1f1b``."""
+    return [f"{flag} needs --seq1f1b (without it Megatron-Core's own schedule runs whole "
+            "micro-batches); add --seq1f1b, or leave the flag out"]
+
+
 def segment_tokens_flag_problems(args: Any) -> list[str]:
     """``--seq1f1b-segment-tokens``: only with ``--seq1f1b``, a positive integer, and with a
     cap that cuts (not ``--seq1f1b-splits 1``) and is not the planner's (``auto``)."""
@@ -190,8 +196,7 @@ def segment_tokens_flag_problems(args: Any) -> list[str]:
     if budget is None:
         return []
     if not _flag(args, "seq1f1b", False):
-        return ["--seq1f1b-segment-tokens needs --seq1f1b (without it Megatron-Core's own "
-                "schedule runs whole micro-batches); add --seq1f1b, or leave the flag out"]
+        return _needs_seq1f1b("--seq1f1b-segment-tokens")
     problems = segment_tokens_problems(budget)
     splits = _flag(args, "seq1f1b_splits")
     if splits == AUTO:
@@ -213,8 +218,7 @@ def split_lengths_flag_problems(args: Any, seq_length: Optional[int] = None) -> 
     if lengths is None:
         return []
     if not _flag(args, "seq1f1b", False):
-        return ["--seq1f1b-split-lengths needs --seq1f1b (without it Megatron-Core's own "
-                "schedule runs whole micro-batches); add --seq1f1b, or leave the flag out"]
+        return _needs_seq1f1b("--seq1f1b-split-lengths")
     problems = []
     splits = _flag(args, "seq1f1b_splits")
     if splits == AUTO:
