@@ -47,7 +47,7 @@ from megatron_seq1f1b.bench.summary import auto_vs_sweep, reference_key, summari
 from megatron_seq1f1b.bench.timelines import record_timelines
 from megatron_seq1f1b.megatron_lm.arguments import AUTO, splits_value
 from megatron_seq1f1b.planner.peak_memory import MMAP_THRESHOLD_HINT, PeakMemory
-from megatron_seq1f1b.planner.cli import add_recurrent_arguments
+from megatron_seq1f1b.planner.model_flags import add_recurrent_arguments
 from megatron_seq1f1b.trainer import arguments, data, setup
 
 

@@ -78,7 +78,7 @@ def trainer_argv(args: argparse.Namespace, interleaved: bool) -> list[str]:
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is not None:
         argv.append(f"--hybrid-layer-pattern={pattern}")  # it may begin with a '-'
-        from megatron_seq1f1b.planner.cli import recurrent_fields
+        from megatron_seq1f1b.planner.model_flags import recurrent_fields
 
         for name, value in recurrent_fields(args).items():
             argv += [f"--{name.replace('_', '-')}", str(value)]

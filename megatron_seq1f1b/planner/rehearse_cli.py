@@ -27,7 +27,7 @@ from megatron_seq1f1b.base.checks import attention_shape_problems, local_expert_
 from megatron_seq1f1b.base.flags import (
     ArgumentParser, non_negative_int, output_file, positive_int,
 )
-from megatron_seq1f1b.planner.cli import (
+from megatron_seq1f1b.planner.model_flags import (
     add_recurrent_arguments, read_hybrid_pattern, recurrent_fields,
 )
 from megatron_seq1f1b.planner.stage_build import build_stage_chunks
@@ -186,7 +186,7 @@ def check_args(parser: ArgumentParser, args: argparse.Namespace) -> argparse.Nam
 
 
 def _check_pattern(parser: ArgumentParser, args: argparse.Namespace) -> None:
-    """The pattern (:func:`~megatron_seq1f1b.planner.cli.read_hybrid_pattern`), its '|'
+    """The pattern (:func:`~megatron_seq1f1b.planner.model_flags.read_hybrid_pattern`), its '|'
     stages over the pipeline ranks, and what the rehearsal builds."""
     pp = args.pipeline_model_parallel_size
     pattern, main = read_hybrid_pattern(parser, args, pp, "the rehearsal builds")

@@ -30,7 +30,7 @@ from megatron_seq1f1b.megatron_lm.arguments import (
     moe_flag_problems, segment_splits, segment_tokens_flag_problems, split_lengths_flag_problems,
     window_problems,
 )
-from megatron_seq1f1b.planner.cli import add_recurrent_arguments, recurrent_fields
+from megatron_seq1f1b.planner.model_flags import add_recurrent_arguments, recurrent_fields
 from megatron_seq1f1b.planner.footprint import ModelShape
 from megatron_seq1f1b.planner.recurrent import gdn_sizes, mamba_sizes
 from megatron_seq1f1b.schedules.interleaved import ZB_H2_PROBLEM

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_seq1f1b.planner.cli import recurrent_fields
+from megatron_seq1f1b.planner.model_flags import recurrent_fields
 
 
 def init_distributed(args) -> torch.device:
