@@ -273,3 +273,18 @@ def test_shared_masks_go_with_their_micro_batch_where_lengths_vary():
             pass
     with varying.forward(0, 0) as info:  # gone with micro-batch 0: made again
         assert varying.shared_mask(info, ("window", 8, 8), mask) is not first
+
+
+def test_a_micro_batchs_chunks_keep_what_they_share_until_chunk_0_goes_back():
+    """Interleaved: a micro-batch's model chunks share its masks and index tensors; chunk 0's
+    last backward comes last on every rank, so only it drops them (chunk 1's dropped them
+    for chunk 0, which then made them again)."""
+    run = SegmentRun((8, 8))
+    for chunk in (0, 1):
+        with run.forward(0, 0, chunk):
+            run.mtp_rolls[(0, chunk, "labels")] = ["rolled"]
+    for chunk in (1, 0):
+        for index in (1, 0):
+            with run.backward(0, index, chunk):
+                pass
+        assert bool(run.mtp_rolls) == (chunk == 1), (chunk, run.mtp_rolls)

@@ -204,7 +204,8 @@ class SegmentRun:
             # Normally already released layer by layer inside the backward pass.
             self.kv.release(microbatch, chunk)
             self.states.release(microbatch, chunk)
-            self.forget(microbatch)
+            if chunk == 0:  # a micro-batch's chunks share its masks; chunk 0 goes back last
+                self.forget(microbatch)
 
     def local_mask(self, info: SegmentInfo, view: SegmentView, device,
                    key_start: int | None = None) -> torch.Tensor:
