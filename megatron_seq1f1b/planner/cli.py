@@ -34,6 +34,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 from megatron_seq1f1b.base.checks import attention_shape_problems, segment_multiple
 from megatron_seq1f1b.base.flags import (
@@ -680,13 +681,10 @@ def main(argv=None) -> int:
     print(f"split_lengths {list(plan.lengths)} (the chosen plan's segments, tokens)")
     print("\n".join(memory_lines(plan, args.gpu_memory_gib)))
     if args.save_calibration:
-        try:
-            save_calibration(calibration, args.save_calibration)
-        except OSError as exc:
-            parser.exit(1, f"{parser.prog}: error: cannot write {args.save_calibration}: "
-                           f"{exc.strerror or exc}\n")
+        _write(parser, args.save_calibration,
+               lambda: save_calibration(calibration, args.save_calibration))
     if args.json:
-        _write(parser, args.json, json.dumps({
+        text = json.dumps({
             "plan": _plan_dict(plan), "reason": choice.reason,
             "candidates": [_plan_dict(c) for c in choice.candidates],
             "tie_note": note, "costs": costs, "source": calibration.source,
@@ -698,14 +696,16 @@ def main(argv=None) -> int:
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "sequence_parallel": _sequence_parallel(args),
             "context_parallel_size": args.context_parallel_size,
-            "segment_multiple": _segment_multiple(args)}, indent=1) + "\n")
+            "segment_multiple": _segment_multiple(args)}, indent=1) + "\n"
+        _write(parser, args.json, lambda: Path(args.json).write_text(text))
     return 0
 
 
-def _write(parser: argparse.ArgumentParser, path: str, text: str) -> None:
-    """Write an output file, or stop with one line saying why not (the plan is printed)."""
+def _write(parser: argparse.ArgumentParser, path: str, write: Callable[[], object]) -> None:
+    """Write an output file (``write``), or stop with one line saying why not (the plan is
+    printed)."""
     try:
-        Path(path).write_text(text)
+        write()
     except OSError as exc:
         parser.exit(1, f"{parser.prog}: error: cannot write {path}: {exc.strerror or exc}\n")
 

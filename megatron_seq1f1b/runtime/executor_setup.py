@@ -11,8 +11,8 @@ Before the setup, on every call, the pipeline stages all-gather a fingerprint of
 what it is computed from, the kind of each stage's attention and whether the stage
 refuses the call for reasons of its own (:func:`agree_across_stages`,
 :func:`stage_problems`): every stage then cuts from the same inputs, also one
-without attention layers, and none goes on where another stops. The executor (:mod:`megatron_seq1f1b.runtime.executor`) then
-only runs the steps.
+without attention layers, and none goes on where another stops. The executor
+(:mod:`megatron_seq1f1b.runtime.executor`) then only runs the steps.
 """
 
 from __future__ import annotations
@@ -233,8 +233,8 @@ def agree_across_stages(pp_group, facts: Facts) -> bool:
     One tiny all-gather per call, read at once: a rank whose configuration
     changed alone must stop everyone with this error, not leave its peers
     waiting in a transfer of the wrong shape; a stage that refuses the call
-    for its own reasons (:func:`stage_problems`) stops everyone alike. Reading it waits for the device,
-    once per iteration, where training loops wait anyway (the previous
+    for its own reasons (:func:`stage_problems`) stops everyone alike. Reading
+    it waits for the device, once per iteration, where training loops wait anyway (the previous
     optimizer step's norms and losses); pipeline size 1 skips it. A stage
     without attention layers takes the kind of those that have them; where the
     cut reads the kind and the stages' kinds differ, every stage refuses.
